@@ -1,0 +1,64 @@
+# kvservice — the README's set-up commands live here (DESIGN §8).
+# `make install` makes .venv/ (unless a virtualenv is already active), installs torch==2.13.0 when torch is
+# missing (a CPU build on local disk here; an unpinned torch pulls a multi-GB CUDA build), triton==3.9.0
+# beside a CPU torch, then the project with its [worker,dev] extras. Every other target uses that env.
+
+SHELL := /bin/bash
+ifdef VIRTUAL_ENV
+VENV := $(VIRTUAL_ENV)
+else
+VENV := $(CURDIR)/.venv
+endif
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_VERSION := 2.13.0
+TRITON_VERSION := 3.9.0
+GRPC_TOOLS_VERSION := 1.85.1
+PYTEST_FLAGS ?=
+
+.PHONY: install proto test test-slow run bench lint gpu-check soak clean
+
+install:
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	@if $(PY) -c "import torch" 2>/dev/null; then \
+	  echo "torch already present: $$($(PY) -c 'import torch; print(torch.__version__)')"; \
+	else \
+	  echo "installing torch==$(TORCH_VERSION)"; $(PIP) install -q torch==$(TORCH_VERSION); \
+	fi
+	@if $(PY) -c "import torch, sys; sys.exit(0 if torch.version.cuda is None else 1)"; then \
+	  echo "CPU torch: installing triton==$(TRITON_VERSION) beside it"; $(PIP) install -q triton==$(TRITON_VERSION); \
+	fi
+	$(PIP) install -q -e '.[worker,dev]'
+	@$(PY) -c "import kvservice, worker, torch, triton, ray, grpc; print('kvservice installed; torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__)"
+
+proto:
+	$(PIP) install -q grpcio-tools==$(GRPC_TOOLS_VERSION)
+	$(PY) -m grpc_tools.protoc -Ikvservice/_proto=proto/kvservice/v1 --python_out=. --pyi_out=. \
+	  --grpc_python_out=. proto/kvservice/v1/allocator.proto
+	$(PY) -m grpc_tools.protoc -Ikvservice/_proto=proto/kvservice/v1 \
+	  --descriptor_set_out=kvservice/_proto/allocator.desc proto/kvservice/v1/allocator.proto
+
+test:
+	$(PY) -m pytest -q -x $(PYTEST_FLAGS)
+
+test-slow:
+	$(PY) -m pytest -q -m slow $(PYTEST_FLAGS)
+
+run:
+	$(PY) -m kvservice.cli demo
+
+bench:
+	$(PY) bench/run_all.py
+
+lint:
+	$(PY) -m ruff check kvservice worker tests bench
+
+gpu-check:
+	PYTHONPATH=. python3 worker/gpu_check.py
+
+soak:
+	$(PY) -m pytest -q -m soak -p no:cacheprovider $(PYTEST_FLAGS)
+
+clean:
+	rm -rf .pytest_cache build *.egg-info
