@@ -1,0 +1,174 @@
+"""A request as the KV-cache core sees it: its tokens (or only their hashes) and its block hashes."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvservice.hashing import (
+    DEFAULT_HASH_SEED,
+    HASH_BYTES,
+    MAX_TOKEN_ID,
+    BlockHash,
+    MultiModalItem,
+    TokenIdError,
+    hash_packed_blocks,
+    pack_token_ids,
+    root_hash,
+)
+
+
+class Request:
+    """Hashes its own tokens at `block_size` (the manager's hash block size) as they arrive.
+
+    `namespace` (e.g. a tenant id) is appended to every block hash the core sees, so requests in
+    different namespaces never share a prefix; the chain itself stays namespace-free so that clients
+    compute the same hashes.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int] | np.ndarray,
+        block_size: int,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        hash_seed: str = DEFAULT_HASH_SEED,
+        *,
+        mm_items: Sequence[MultiModalItem] = (),
+        namespace: bytes = b"",
+    ) -> None:
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        packed = pack_token_ids(prompt_token_ids, "prompt_token_ids")
+        self.request_id = request_id
+        self.block_size = block_size
+        self.cache_salt = cache_salt
+        self.lora_name = lora_name
+        self.hash_seed = hash_seed
+        self.mm_items = tuple(mm_items)
+        self.namespace = namespace
+        self.num_prompt_tokens = len(packed) // 4
+        self._token_ids: list[int] | None = list(np.frombuffer(packed, dtype="<u4").tolist())
+        self._num_tokens = self.num_prompt_tokens
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self._chain_tip: bytes = root_hash(hash_seed)
+        self.block_hashes: list[BlockHash] = []
+        self._extend_hashes(packed, 0)
+
+    @classmethod
+    def from_block_hashes(
+        cls,
+        request_id: str,
+        block_hashes: Sequence[bytes],
+        num_tokens: int,
+        block_size: int,
+        *,
+        lora_name: str | None = None,
+        namespace: bytes = b"",
+    ) -> Request:
+        """A request whose client hashed its tokens: one hash per full block of `num_tokens`."""
+        req = cls.__new__(cls)
+        req.request_id = request_id
+        req.block_size = block_size
+        req.cache_salt = None
+        req.lora_name = lora_name
+        req.hash_seed = DEFAULT_HASH_SEED
+        req.mm_items = ()
+        req.namespace = namespace
+        req.num_prompt_tokens = num_tokens
+        req._token_ids = None
+        req._num_tokens = 0
+        req.num_computed_tokens = 0
+        req.num_preemptions = 0
+        req._chain_tip = b""
+        req.block_hashes = []
+        req.append_block_hashes(block_hashes, num_tokens)
+        return req
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    @property
+    def has_token_ids(self) -> bool:
+        return self._token_ids is not None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        if self._token_ids is None:
+            raise ValueError(f"request {self.request_id!r} was added by block hashes; its token ids are unknown")
+        return self._token_ids
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        return [] if self._token_ids is None else self._token_ids[start:end]
+
+    def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
+        """Appends generated tokens and hashes any block they complete."""
+        if self._token_ids is None:
+            raise ValueError(f"request {self.request_id!r} was added by block hashes: append hashes, not tokens")
+        if isinstance(token_ids, int) and not isinstance(token_ids, bool):
+            if not 0 <= token_ids <= MAX_TOKEN_ID:
+                raise TokenIdError(f"output token id {token_ids} is not a token id in [0, 2**32)")
+            self._token_ids.append(token_ids)
+            self._num_tokens += 1
+        else:
+            pack_token_ids(token_ids, "output_token_ids")  # validate before changing anything
+            self._token_ids.extend(int(t) for t in token_ids)
+            self._num_tokens = len(self._token_ids)
+        num_full = self._num_tokens // self.block_size
+        first = len(self.block_hashes)
+        if num_full > first:
+            bs = self.block_size
+            tokens = self._token_ids[first * bs:num_full * bs]
+            self._extend_hashes(struct.pack(f"<{len(tokens)}I", *tokens), first)
+
+    def append_block_hashes(self, block_hashes: Sequence[bytes], num_new_tokens: int) -> None:
+        """For requests added by hashes: `num_new_tokens` more tokens whose newly full blocks have
+        these hashes (exactly one per block completed)."""
+        if self._token_ids is not None:
+            raise ValueError(f"request {self.request_id!r} was added with token ids: append tokens, not hashes")
+        if not isinstance(num_new_tokens, int) or num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be a non-negative int, got {num_new_tokens!r}")
+        num_tokens = self._num_tokens + num_new_tokens
+        expected = num_tokens // self.block_size - len(self.block_hashes)
+        if len(block_hashes) != expected:
+            raise ValueError(f"request {self.request_id!r}: {num_tokens} tokens need {expected} new block hashes "
+                             f"at block size {self.block_size}, got {len(block_hashes)}")
+        for i, h in enumerate(block_hashes):
+            if not isinstance(h, bytes) or len(h) != HASH_BYTES:
+                raise ValueError(f"block_hashes[{i}] must be {HASH_BYTES} bytes, got {h!r:.40}")
+        self._num_tokens = num_tokens
+        ns = self.namespace
+        self.block_hashes.extend(BlockHash(h + ns) for h in block_hashes)
+
+    def fork(self, child_request_id: str) -> Request:
+        """A copy under a new id: same tokens, hashes and computed count."""
+        child = Request.__new__(Request)
+        for name in ("block_size", "cache_salt", "lora_name", "hash_seed", "mm_items", "namespace",
+                     "num_prompt_tokens", "_num_tokens", "num_computed_tokens", "_chain_tip"):
+            setattr(child, name, getattr(self, name))
+        child.request_id = child_request_id
+        child.num_preemptions = 0
+        child._token_ids = None if self._token_ids is None else list(self._token_ids)
+        child.block_hashes = list(self.block_hashes)
+        return child
+
+    def _extend_hashes(self, packed: bytes, first_block: int) -> None:
+        new = hash_packed_blocks(packed, self.block_size, self._chain_tip, first_block,
+                                 self.cache_salt, self.lora_name, self.mm_items)
+        if not new:
+            return
+        self._chain_tip = new[-1]
+        if self.namespace:
+            ns = self.namespace
+            self.block_hashes.extend(BlockHash(h + ns) for h in new)
+        else:
+            self.block_hashes.extend(new)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, num_tokens={self._num_tokens}, "
+                f"num_computed_tokens={self.num_computed_tokens}, blocks_hashed={len(self.block_hashes)})")

@@ -1,0 +1,177 @@
+"""Chained block hashes — byte-exact to DESIGN §4, so a client in any language computes the same.
+
+    H(x)   = xxh3_128(x, seed=0).digest()            (16 bytes, canonical big-endian order)
+    h_root = H(seed_string.encode("utf-8"))
+    h_i    = H(h_{i-1} || le_u32(t_0) ... le_u32(t_{B-1}) || extra_i),   h_{-1} = h_root
+
+A whole prompt is validated and packed to little-endian uint32 once (numpy), then hashed with one
+xxh3 call per block over a memoryview slice: no Python loop per token.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NewType
+
+import numpy as np
+import xxhash
+
+BlockHash = NewType("BlockHash", bytes)
+
+DEFAULT_HASH_SEED = "kvservice-v1"
+DEFAULT_HASH_BLOCK_SIZE = 16
+HASH_BYTES = 16
+MAX_TOKEN_ID = 2**32 - 1
+
+TAG_CACHE_SALT = 0x01
+TAG_LORA = 0x02
+TAG_MM_ITEM = 0x03
+
+_h128 = xxhash.xxh3_128_digest
+
+
+def root_hash(seed: str = DEFAULT_HASH_SEED) -> BlockHash:
+    """The chain's parent for block 0: H(seed_string)."""
+    if not isinstance(seed, str):
+        raise TypeError(f"hash seed must be a str, got {type(seed).__name__}")
+    return BlockHash(_h128(seed.encode("utf-8")))
+
+
+def spec_fingerprint(seed: str = DEFAULT_HASH_SEED, hash_block_size: int = DEFAULT_HASH_BLOCK_SIZE) -> str:
+    """Identifies a hash spec; pools and clients send it and the allocator refuses a mismatch."""
+    text = f"kvservice-hash/1;xxh3_128;seed={seed};block={hash_block_size}"
+    return xxhash.xxh3_64_hexdigest(text.encode("utf-8"))
+
+
+class TokenIdError(ValueError):
+    """A token id outside [0, 2**32)."""
+
+
+def pack_token_ids(token_ids: Sequence[int] | np.ndarray, field: str = "token_ids") -> bytes:
+    """Validates token ids and packs them as little-endian uint32 bytes.
+
+    Raises:
+        TokenIdError: naming `field`, the offending index and value, when an id is outside [0, 2**32).
+    """
+    if isinstance(token_ids, np.ndarray) and token_ids.dtype == np.uint32:
+        return token_ids.astype("<u4", copy=False).tobytes()
+    if isinstance(token_ids, (bytes, bytearray, memoryview, str)):
+        raise TokenIdError(f"{field} must be a sequence of ints, got {type(token_ids).__name__}")
+    try:
+        arr = np.asarray(token_ids)
+    except (ValueError, TypeError):
+        arr = np.asarray(token_ids, dtype=object)
+    if arr.ndim != 1:
+        if arr.size == 0:
+            return b""
+        raise TokenIdError(f"{field} must be one-dimensional, got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        if arr.size == 0:
+            return b""
+        # Slow path only to name the culprit: a bool, a float, or an int beyond int64.
+        for i, t in enumerate(arr.tolist()):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= MAX_TOKEN_ID:
+                raise TokenIdError(f"{field}[{i}] = {t!r} is not a token id in [0, 2**32)")
+        arr = arr.astype(np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() > MAX_TOKEN_ID):
+        bad = int(np.flatnonzero((arr < 0) | (arr > MAX_TOKEN_ID))[0])
+        raise TokenIdError(f"{field}[{bad}] = {int(arr[bad])} is not a token id in [0, 2**32)")
+    return arr.astype("<u4").tobytes()
+
+
+def _field(tag: int, value: bytes) -> bytes:
+    return bytes((tag,)) + struct.pack("<I", len(value)) + value
+
+
+@dataclass(slots=True, frozen=True)
+class MultiModalItem:
+    """A multimodal input occupying prompt positions [offset, offset + length)."""
+
+    identifier: str
+    offset: int
+    length: int
+
+
+def block_extra_keys(
+    block_start: int,
+    block_end: int,
+    cache_salt: str | None = None,
+    lora_name: str | None = None,
+    mm_items: Sequence[MultiModalItem] = (),
+) -> bytes:
+    """The `extra_i` bytes of DESIGN §4 for the block covering positions [block_start, block_end)."""
+    out = b""
+    if cache_salt is not None and block_start == 0:
+        out += _field(TAG_CACHE_SALT, cache_salt.encode("utf-8"))
+    if lora_name is not None:
+        out += _field(TAG_LORA, lora_name.encode("utf-8"))
+    for item in mm_items:  # given in position order
+        if item.offset < block_end and item.offset + item.length > block_start:
+            value = item.identifier.encode("utf-8") + struct.pack("<i", item.offset - block_start)
+            out += _field(TAG_MM_ITEM, value)
+    return out
+
+
+def hash_block(parent: bytes, packed_tokens: bytes | memoryview, extra: bytes = b"") -> BlockHash:
+    """h_i = H(parent || packed tokens || extra)."""
+    return BlockHash(_h128(parent + packed_tokens + extra))
+
+
+def hash_block_tokens(parent: bytes | None, token_ids: Sequence[int], extra: bytes = b"",
+                      seed: str = DEFAULT_HASH_SEED) -> BlockHash:
+    """Hashes one block of token ids chained after `parent` (None: the root of `seed`)."""
+    if parent is None:
+        parent = root_hash(seed)
+    return hash_block(parent, pack_token_ids(token_ids), extra)
+
+
+def hash_packed_blocks(
+    packed: bytes,
+    block_size: int,
+    parent: bytes,
+    first_block: int = 0,
+    cache_salt: str | None = None,
+    lora_name: str | None = None,
+    mm_items: Sequence[MultiModalItem] = (),
+) -> list[BlockHash]:
+    """Hashes every full block of already-packed uint32-LE tokens.
+
+    Args:
+        packed: tokens of blocks first_block, first_block + 1, ... as little-endian uint32 bytes.
+        parent: hash of block first_block - 1 (the root for block 0).
+        first_block: index of the first block in `packed` (positions for extra keys).
+    Returns:
+        One hash per full block; a trailing partial block is not hashed.
+    """
+    stride = 4 * block_size
+    num_blocks = len(packed) // stride
+    view = memoryview(packed)
+    out: list[BlockHash] = []
+    if cache_salt is None and lora_name is None and not mm_items:
+        for i in range(num_blocks):
+            parent = _h128(parent + view[i * stride:(i + 1) * stride])
+            out.append(parent)
+        return out
+    for i in range(num_blocks):
+        start = (first_block + i) * block_size
+        extra = block_extra_keys(start, start + block_size, cache_salt, lora_name, mm_items)
+        parent = _h128(parent + view[i * stride:(i + 1) * stride] + extra)
+        out.append(parent)
+    return out
+
+
+def hash_prompt(
+    token_ids: Sequence[int] | np.ndarray,
+    block_size: int = DEFAULT_HASH_BLOCK_SIZE,
+    seed: str = DEFAULT_HASH_SEED,
+    cache_salt: str | None = None,
+    lora_name: str | None = None,
+    mm_items: Sequence[MultiModalItem] = (),
+) -> list[BlockHash]:
+    """Hashes of every full block of a prompt, as a client would send them."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    return hash_packed_blocks(pack_token_ids(token_ids), block_size, root_hash(seed), 0,
+                              cache_salt, lora_name, mm_items)
