@@ -101,6 +101,10 @@ class KVCacheCoordinator:
         return tuple(m.allocate_new_blocks(request_id, num_tokens) for m in self.managers)
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        if len(self.managers) > 1:
+            # Hybrid hits are scheduler-block aligned: a block past the last aligned boundary could
+            # never be hit, so it is not cached (yet).
+            num_tokens = num_tokens // self.scheduler_block_size * self.scheduler_block_size
         for m in self.managers:
             m.cache_blocks(request, num_tokens)
 
