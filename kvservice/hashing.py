@@ -11,6 +11,8 @@ xxh3 call per block over a memoryview slice: no Python loop per token.
 from __future__ import annotations
 
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NewType
@@ -30,6 +32,9 @@ TAG_LORA = 0x02
 TAG_MM_ITEM = 0x03
 
 _h128 = xxhash.xxh3_128_digest
+_LITTLE_ENDIAN = sys.byteorder == "little"
+if array("I").itemsize != 4:  # pragma: no cover - every mainstream platform has a 4-byte C int
+    raise ImportError("kvservice needs array('I') items of 4 bytes")
 
 
 def root_hash(seed: str = DEFAULT_HASH_SEED) -> BlockHash:
@@ -49,36 +54,51 @@ class TokenIdError(ValueError):
     """A token id outside [0, 2**32)."""
 
 
-def pack_token_ids(token_ids: Sequence[int] | np.ndarray, field: str = "token_ids") -> bytes:
-    """Validates token ids and packs them as little-endian uint32 bytes.
+def token_array(token_ids: Sequence[int] | np.ndarray, field: str = "token_ids") -> array:
+    """Validates token ids into a compact uint32 array (native byte order).
 
     Raises:
-        TokenIdError: naming `field`, the offending index and value, when an id is outside [0, 2**32).
+        TokenIdError: naming `field`, the offending index and value, when an id is outside [0, 2**32)
+            or not an integer.
     """
-    if isinstance(token_ids, np.ndarray) and token_ids.dtype == np.uint32:
-        return token_ids.astype("<u4", copy=False).tobytes()
+    if isinstance(token_ids, np.ndarray):
+        return _array_from_numpy(token_ids, field)
     if isinstance(token_ids, (bytes, bytearray, memoryview, str)):
         raise TokenIdError(f"{field} must be a sequence of ints, got {type(token_ids).__name__}")
     try:
-        arr = np.asarray(token_ids)
-    except (ValueError, TypeError):
-        arr = np.asarray(token_ids, dtype=object)
+        return array("I", token_ids)  # range-checks every element in C
+    except (OverflowError, TypeError):
+        for i, t in enumerate(token_ids):
+            if not isinstance(t, (int, np.integer)) or not 0 <= t <= MAX_TOKEN_ID:
+                raise TokenIdError(f"{field}[{i}] = {t!r} is not a token id in [0, 2**32)") from None
+        raise
+
+
+def _array_from_numpy(arr: np.ndarray, field: str) -> array:
     if arr.ndim != 1:
-        if arr.size == 0:
-            return b""
         raise TokenIdError(f"{field} must be one-dimensional, got shape {arr.shape}")
-    if arr.dtype.kind not in "iu":
-        if arr.size == 0:
-            return b""
-        # Slow path only to name the culprit: a bool, a float, or an int beyond int64.
-        for i, t in enumerate(arr.tolist()):
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= MAX_TOKEN_ID:
-                raise TokenIdError(f"{field}[{i}] = {t!r} is not a token id in [0, 2**32)")
-        arr = arr.astype(np.int64)
-    if arr.size and (arr.min() < 0 or arr.max() > MAX_TOKEN_ID):
+    if arr.size and arr.dtype.kind not in "iu":
+        raise TokenIdError(f"{field} must hold integers, got dtype {arr.dtype}")
+    if arr.size and arr.dtype != np.uint32 and (arr.min() < 0 or arr.max() > MAX_TOKEN_ID):
         bad = int(np.flatnonzero((arr < 0) | (arr > MAX_TOKEN_ID))[0])
         raise TokenIdError(f"{field}[{bad}] = {int(arr[bad])} is not a token id in [0, 2**32)")
-    return arr.astype("<u4").tobytes()
+    out = array("I")
+    out.frombytes(arr.astype(np.uint32, copy=False).tobytes())
+    return out
+
+
+def le_bytes(tokens: array) -> bytes:
+    """uint32 little-endian bytes of a token array (the wire and hash encoding)."""
+    if _LITTLE_ENDIAN:
+        return tokens.tobytes()
+    swapped = array("I", tokens)
+    swapped.byteswap()
+    return swapped.tobytes()
+
+
+def pack_token_ids(token_ids: Sequence[int] | np.ndarray, field: str = "token_ids") -> bytes:
+    """Validates token ids and packs them as little-endian uint32 bytes."""
+    return le_bytes(token_array(token_ids, field))
 
 
 def _field(tag: int, value: bytes) -> bytes:
@@ -146,19 +166,19 @@ def hash_packed_blocks(
         One hash per full block; a trailing partial block is not hashed.
     """
     stride = 4 * block_size
-    num_blocks = len(packed) // stride
-    view = memoryview(packed)
+    end = len(packed) - len(packed) % stride
     out: list[BlockHash] = []
+    append = out.append
     if cache_salt is None and lora_name is None and not mm_items:
-        for i in range(num_blocks):
-            parent = _h128(parent + view[i * stride:(i + 1) * stride])
-            out.append(parent)
+        for i in range(0, end, stride):
+            parent = _h128(parent + packed[i:i + stride])
+            append(parent)
         return out
-    for i in range(num_blocks):
-        start = (first_block + i) * block_size
+    for i in range(0, end, stride):
+        start = first_block * block_size + i // 4
         extra = block_extra_keys(start, start + block_size, cache_salt, lora_name, mm_items)
-        parent = _h128(parent + view[i * stride:(i + 1) * stride] + extra)
-        out.append(parent)
+        parent = _h128(parent + packed[i:i + stride] + extra)
+        append(parent)
     return out
 
 

@@ -76,7 +76,7 @@ def test_partial_block_not_hashed_and_block_size():
 
 
 @pytest.mark.parametrize("bad,where", [([1, -1], "[1] = -1"), ([2**32], "[0] = 4294967296"),
-                                       ([0, 1, 2**70], "[2]"), ([1.5], "[0] = 1.5"), ([True], "")])
+                                       ([0, 1, 2**70], "[2]"), ([1.5], "[0] = 1.5"), (["7"], "[0] = '7'")])
 def test_token_ids_out_of_range_rejected(bad, where):
     with pytest.raises(TokenIdError, match=r"token_ids" + (r".*" + __import__("re").escape(where) if where else "")):
         pack_token_ids(bad)

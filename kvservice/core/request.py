@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import struct
+from array import array
 from collections.abc import Sequence
 
 import numpy as np
@@ -15,8 +15,9 @@ from kvservice.hashing import (
     MultiModalItem,
     TokenIdError,
     hash_packed_blocks,
-    pack_token_ids,
+    le_bytes,
     root_hash,
+    token_array,
 )
 
 
@@ -42,7 +43,7 @@ class Request:
     ) -> None:
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        packed = pack_token_ids(prompt_token_ids, "prompt_token_ids")
+        tokens = token_array(prompt_token_ids, "prompt_token_ids")
         self.request_id = request_id
         self.block_size = block_size
         self.cache_salt = cache_salt
@@ -50,14 +51,14 @@ class Request:
         self.hash_seed = hash_seed
         self.mm_items = tuple(mm_items)
         self.namespace = namespace
-        self.num_prompt_tokens = len(packed) // 4
-        self._token_ids: list[int] | None = list(np.frombuffer(packed, dtype="<u4").tolist())
+        self.num_prompt_tokens = len(tokens)
+        self._token_ids: array | None = tokens  # compact: 4 bytes a token
         self._num_tokens = self.num_prompt_tokens
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self._chain_tip: bytes = root_hash(hash_seed)
         self.block_hashes: list[BlockHash] = []
-        self._extend_hashes(packed, 0)
+        self._extend_hashes(le_bytes(tokens), 0)
 
     @classmethod
     def from_block_hashes(
@@ -98,33 +99,30 @@ class Request:
         return self._token_ids is not None
 
     @property
-    def all_token_ids(self) -> list[int]:
+    def all_token_ids(self) -> array:
         if self._token_ids is None:
             raise ValueError(f"request {self.request_id!r} was added by block hashes; its token ids are unknown")
         return self._token_ids
 
     def token_ids_between(self, start: int, end: int) -> list[int]:
-        return [] if self._token_ids is None else self._token_ids[start:end]
+        return [] if self._token_ids is None else self._token_ids[start:end].tolist()
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
         """Appends generated tokens and hashes any block they complete."""
         if self._token_ids is None:
             raise ValueError(f"request {self.request_id!r} was added by block hashes: append hashes, not tokens")
-        if isinstance(token_ids, int) and not isinstance(token_ids, bool):
+        if isinstance(token_ids, int):
             if not 0 <= token_ids <= MAX_TOKEN_ID:
                 raise TokenIdError(f"output token id {token_ids} is not a token id in [0, 2**32)")
             self._token_ids.append(token_ids)
-            self._num_tokens += 1
         else:
-            pack_token_ids(token_ids, "output_token_ids")  # validate before changing anything
-            self._token_ids.extend(int(t) for t in token_ids)
-            self._num_tokens = len(self._token_ids)
+            self._token_ids.extend(token_array(token_ids, "output_token_ids"))  # validated first
+        self._num_tokens = len(self._token_ids)
         num_full = self._num_tokens // self.block_size
         first = len(self.block_hashes)
         if num_full > first:
             bs = self.block_size
-            tokens = self._token_ids[first * bs:num_full * bs]
-            self._extend_hashes(struct.pack(f"<{len(tokens)}I", *tokens), first)
+            self._extend_hashes(le_bytes(self._token_ids[first * bs:num_full * bs]), first)
 
     def append_block_hashes(self, block_hashes: Sequence[bytes], num_new_tokens: int) -> None:
         """For requests added by hashes: `num_new_tokens` more tokens whose newly full blocks have
@@ -153,7 +151,7 @@ class Request:
             setattr(child, name, getattr(self, name))
         child.request_id = child_request_id
         child.num_preemptions = 0
-        child._token_ids = None if self._token_ids is None else list(self._token_ids)
+        child._token_ids = None if self._token_ids is None else array("I", self._token_ids)
         child.block_hashes = list(self.block_hashes)
         return child
 
