@@ -10,3 +10,16 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=300, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+import pytest  # noqa: E402
+
+from tests.service_helpers import start_server  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One plain allocator process per test module (auth off, default settings)."""
+    proc = start_server(log_dir=tmp_path_factory.mktemp("server"))
+    yield proc
+    proc.stop()

@@ -121,14 +121,14 @@ class KVCacheManager:
         totals.requests += 1
         return KVCacheBlocks(blocks), num_hit_tokens
 
-    def can_fit(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
-                new_computed_blocks: KVCacheBlocks | None = None, num_lookahead_tokens: int = 0) -> bool:
-        """Whether `allocate_slots` would succeed now (read-only; skipped blocks not yet freed)."""
+    def num_blocks_needed(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                          new_computed_blocks: KVCacheBlocks | None = None, num_lookahead_tokens: int = 0) -> int:
+        """Free blocks `allocate_slots` would consume now (read-only; counts hits rescued from the
+        free queue and copy-on-write blocks; skipped blocks not yet freed)."""
         hits = new_computed_blocks.blocks if new_computed_blocks is not None else self._empty
         total = min(request.num_computed_tokens + num_new_computed_tokens, self.max_model_len)
         need = min(total + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-        n = self.coordinator.get_num_blocks_to_allocate(request.request_id, need, hits, total)
-        return n <= self.block_pool.get_num_free_blocks()
+        return self.coordinator.get_num_blocks_to_allocate(request.request_id, need, hits, total)
 
     def allocate_slots(
         self,

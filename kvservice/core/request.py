@@ -143,6 +143,19 @@ class Request:
         ns = self.namespace
         self.block_hashes.extend(BlockHash(h + ns) for h in block_hashes)
 
+    def truncate(self, num_tokens: int) -> None:
+        """Drops tokens (and the hashes of blocks they completed) past `num_tokens`: the undo of an
+        append whose allocation did not happen."""
+        if not 0 <= num_tokens <= self._num_tokens:
+            raise ValueError(f"cannot truncate request {self.request_id!r} of {self._num_tokens} tokens "
+                             f"to {num_tokens}")
+        if self._token_ids is not None:
+            del self._token_ids[num_tokens:]
+        self._num_tokens = num_tokens
+        del self.block_hashes[num_tokens // self.block_size:]
+        if self._token_ids is not None:
+            self._chain_tip = self.block_hashes[-1][:HASH_BYTES] if self.block_hashes else root_hash(self.hash_seed)
+
     def fork(self, child_request_id: str) -> Request:
         """A copy under a new id: same tokens, hashes and computed count."""
         child = Request.__new__(Request)

@@ -1,0 +1,539 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class OpStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OK: _ClassVar[OpStatus]
+    NOT_FOUND: _ClassVar[OpStatus]
+    ALREADY_EXISTS: _ClassVar[OpStatus]
+    NO_SPACE: _ClassVar[OpStatus]
+    FAILED_PRECONDITION: _ClassVar[OpStatus]
+    RESOURCE_EXHAUSTED: _ClassVar[OpStatus]
+    EPOCH_CHANGED: _ClassVar[OpStatus]
+OK: OpStatus
+NOT_FOUND: OpStatus
+ALREADY_EXISTS: OpStatus
+NO_SPACE: OpStatus
+FAILED_PRECONDITION: OpStatus
+RESOURCE_EXHAUSTED: OpStatus
+EPOCH_CHANGED: OpStatus
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("client_name", "resume_session_id", "last_acked_sequence")
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    RESUME_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_ACKED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    client_name: str
+    resume_session_id: str
+    last_acked_sequence: int
+    def __init__(self, client_name: _Optional[str] = ..., resume_session_id: _Optional[str] = ..., last_acked_sequence: _Optional[int] = ...) -> None: ...
+
+class OpenSessionResponse(_message.Message):
+    __slots__ = ("session_id", "ttl_ms", "next_sequence", "tenant", "pools_failed")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    ttl_ms: int
+    next_sequence: int
+    tenant: str
+    pools_failed: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_id: _Optional[str] = ..., ttl_ms: _Optional[int] = ..., next_sequence: _Optional[int] = ..., tenant: _Optional[str] = ..., pools_failed: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("ttl_ms",)
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    ttl_ms: int
+    def __init__(self, ttl_ms: _Optional[int] = ...) -> None: ...
+
+class FullAttention(_message.Message):
+    __slots__ = ("block_size",)
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    def __init__(self, block_size: _Optional[int] = ...) -> None: ...
+
+class SlidingWindow(_message.Message):
+    __slots__ = ("block_size", "sliding_window")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    sliding_window: int
+    def __init__(self, block_size: _Optional[int] = ..., sliding_window: _Optional[int] = ...) -> None: ...
+
+class ChunkedLocalAttention(_message.Message):
+    __slots__ = ("block_size", "attention_chunk_size")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    attention_chunk_size: int
+    def __init__(self, block_size: _Optional[int] = ..., attention_chunk_size: _Optional[int] = ...) -> None: ...
+
+class Mamba(_message.Message):
+    __slots__ = ("block_size",)
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    def __init__(self, block_size: _Optional[int] = ...) -> None: ...
+
+class KVCacheGroup(_message.Message):
+    __slots__ = ("full_attention", "sliding_window", "chunked_local", "mamba")
+    FULL_ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    CHUNKED_LOCAL_FIELD_NUMBER: _ClassVar[int]
+    MAMBA_FIELD_NUMBER: _ClassVar[int]
+    full_attention: FullAttention
+    sliding_window: SlidingWindow
+    chunked_local: ChunkedLocalAttention
+    mamba: Mamba
+    def __init__(self, full_attention: _Optional[_Union[FullAttention, _Mapping]] = ..., sliding_window: _Optional[_Union[SlidingWindow, _Mapping]] = ..., chunked_local: _Optional[_Union[ChunkedLocalAttention, _Mapping]] = ..., mamba: _Optional[_Union[Mamba, _Mapping]] = ...) -> None: ...
+
+class KVCacheConfig(_message.Message):
+    __slots__ = ("num_blocks", "groups", "max_model_len", "dcp_world_size", "disable_prefix_caching", "vocab_size", "kv_layout")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    DCP_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DISABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    groups: _containers.RepeatedCompositeFieldContainer[KVCacheGroup]
+    max_model_len: int
+    dcp_world_size: int
+    disable_prefix_caching: bool
+    vocab_size: int
+    kv_layout: str
+    def __init__(self, num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., max_model_len: _Optional[int] = ..., dcp_world_size: _Optional[int] = ..., disable_prefix_caching: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., kv_layout: _Optional[str] = ...) -> None: ...
+
+class RegisterPoolRequest(_message.Message):
+    __slots__ = ("session_id", "sequence", "pool_id", "config", "hash_fingerprint", "epoch")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    HASH_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    sequence: int
+    pool_id: str
+    config: KVCacheConfig
+    hash_fingerprint: str
+    epoch: int
+    def __init__(self, session_id: _Optional[str] = ..., sequence: _Optional[int] = ..., pool_id: _Optional[str] = ..., config: _Optional[_Union[KVCacheConfig, _Mapping]] = ..., hash_fingerprint: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class RegisterPoolResponse(_message.Message):
+    __slots__ = ("pool_id", "epoch", "new_epoch", "hash_block_size", "hash_seed", "num_requests_failed", "scheduler_block_size")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NEW_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    HASH_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HASH_SEED_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    epoch: int
+    new_epoch: bool
+    hash_block_size: int
+    hash_seed: str
+    num_requests_failed: int
+    scheduler_block_size: int
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., new_epoch: _Optional[bool] = ..., hash_block_size: _Optional[int] = ..., hash_seed: _Optional[str] = ..., num_requests_failed: _Optional[int] = ..., scheduler_block_size: _Optional[int] = ...) -> None: ...
+
+class MultiModalItem(_message.Message):
+    __slots__ = ("identifier", "offset", "length")
+    IDENTIFIER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    identifier: str
+    offset: int
+    length: int
+    def __init__(self, identifier: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class AddRequestOp(_message.Message):
+    __slots__ = ("request_id", "token_ids", "block_hashes", "num_tokens", "cache_salt", "lora_name", "mm_items")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    MM_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: bytes
+    block_hashes: bytes
+    num_tokens: int
+    cache_salt: str
+    lora_name: str
+    mm_items: _containers.RepeatedCompositeFieldContainer[MultiModalItem]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., block_hashes: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., mm_items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ...) -> None: ...
+
+class AllocateOp(_message.Message):
+    __slots__ = ("request_id", "num_computed_tokens", "num_new_tokens", "append_token_ids", "append_block_hashes", "num_append_tokens", "num_lookahead_tokens", "delay_cache_blocks", "allow_transfer")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    APPEND_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    NUM_APPEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DELAY_CACHE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    num_computed_tokens: int
+    num_new_tokens: int
+    append_token_ids: bytes
+    append_block_hashes: bytes
+    num_append_tokens: int
+    num_lookahead_tokens: int
+    delay_cache_blocks: bool
+    allow_transfer: bool
+    def __init__(self, request_id: _Optional[str] = ..., num_computed_tokens: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., append_token_ids: _Optional[bytes] = ..., append_block_hashes: _Optional[bytes] = ..., num_append_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ..., delay_cache_blocks: _Optional[bool] = ..., allow_transfer: _Optional[bool] = ...) -> None: ...
+
+class ForkOp(_message.Message):
+    __slots__ = ("parent_request_id", "child_request_id")
+    PARENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CHILD_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    parent_request_id: str
+    child_request_id: str
+    def __init__(self, parent_request_id: _Optional[str] = ..., child_request_id: _Optional[str] = ...) -> None: ...
+
+class FreeOp(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class Op(_message.Message):
+    __slots__ = ("add", "allocate", "fork", "free")
+    ADD_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATE_FIELD_NUMBER: _ClassVar[int]
+    FORK_FIELD_NUMBER: _ClassVar[int]
+    FREE_FIELD_NUMBER: _ClassVar[int]
+    add: AddRequestOp
+    allocate: AllocateOp
+    fork: ForkOp
+    free: FreeOp
+    def __init__(self, add: _Optional[_Union[AddRequestOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., fork: _Optional[_Union[ForkOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("session_id", "sequence", "pool_id", "ops")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    sequence: int
+    pool_id: str
+    ops: _containers.RepeatedCompositeFieldContainer[Op]
+    def __init__(self, session_id: _Optional[str] = ..., sequence: _Optional[int] = ..., pool_id: _Optional[str] = ..., ops: _Optional[_Iterable[_Union[Op, _Mapping]]] = ...) -> None: ...
+
+class AllocateRequest(_message.Message):
+    __slots__ = ("session_id", "sequence", "pool_id", "add", "allocate")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    ADD_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    sequence: int
+    pool_id: str
+    add: AddRequestOp
+    allocate: AllocateOp
+    def __init__(self, session_id: _Optional[str] = ..., sequence: _Optional[int] = ..., pool_id: _Optional[str] = ..., add: _Optional[_Union[AddRequestOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ...) -> None: ...
+
+class FreeRequest(_message.Message):
+    __slots__ = ("session_id", "sequence", "pool_id", "request_ids")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    sequence: int
+    pool_id: str
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_id: _Optional[str] = ..., sequence: _Optional[int] = ..., pool_id: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ForkRequest(_message.Message):
+    __slots__ = ("session_id", "sequence", "pool_id", "parent_request_id", "child_request_ids")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CHILD_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    sequence: int
+    pool_id: str
+    parent_request_id: str
+    child_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_id: _Optional[str] = ..., sequence: _Optional[int] = ..., pool_id: _Optional[str] = ..., parent_request_id: _Optional[str] = ..., child_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GroupBlocks(_message.Message):
+    __slots__ = ("block_ids",)
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BlockCopy(_message.Message):
+    __slots__ = ("src", "dst")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    src: int
+    dst: int
+    def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
+
+class TransferOrder(_message.Message):
+    __slots__ = ("transfer_id", "src_pool_id", "src_block_ids", "dst_block_ids", "num_tokens")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    SRC_POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    SRC_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    src_pool_id: str
+    src_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    def __init__(self, transfer_id: _Optional[str] = ..., src_pool_id: _Optional[str] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class OpResult(_message.Message):
+    __slots__ = ("status", "message", "request_id", "new_blocks", "num_computed_tokens", "num_scheduled_tokens", "num_tokens", "transfer")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    status: OpStatus
+    message: str
+    request_id: str
+    new_blocks: _containers.RepeatedCompositeFieldContainer[GroupBlocks]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    num_tokens: int
+    transfer: TransferOrder
+    def __init__(self, status: _Optional[_Union[OpStatus, str]] = ..., message: _Optional[str] = ..., request_id: _Optional[str] = ..., new_blocks: _Optional[_Iterable[_Union[GroupBlocks, _Mapping]]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_tokens: _Optional[int] = ..., transfer: _Optional[_Union[TransferOrder, _Mapping]] = ...) -> None: ...
+
+class StepResponse(_message.Message):
+    __slots__ = ("sequence", "results", "copies")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    results: _containers.RepeatedCompositeFieldContainer[OpResult]
+    copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
+    def __init__(self, sequence: _Optional[int] = ..., results: _Optional[_Iterable[_Union[OpResult, _Mapping]]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+
+class CommitTransferRequest(_message.Message):
+    __slots__ = ("session_id", "sequence", "pool_id", "transfer_id", "abort")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    sequence: int
+    pool_id: str
+    transfer_id: str
+    abort: bool
+    def __init__(self, session_id: _Optional[str] = ..., sequence: _Optional[int] = ..., pool_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., abort: _Optional[bool] = ...) -> None: ...
+
+class GetRequestRequest(_message.Message):
+    __slots__ = ("pool_id", "request_id")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    request_id: str
+    def __init__(self, pool_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class RequestInfo(_message.Message):
+    __slots__ = ("request_id", "pool_id", "num_tokens", "num_computed_tokens", "blocks", "num_block_hashes", "running", "session_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    pool_id: str
+    num_tokens: int
+    num_computed_tokens: int
+    blocks: _containers.RepeatedCompositeFieldContainer[GroupBlocks]
+    num_block_hashes: int
+    running: bool
+    session_id: str
+    def __init__(self, request_id: _Optional[str] = ..., pool_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[GroupBlocks, _Mapping]]] = ..., num_block_hashes: _Optional[int] = ..., running: _Optional[bool] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("token_ids", "block_hashes", "cache_salt", "lora_name", "pool_ids", "num_tokens")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    POOL_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: bytes
+    block_hashes: bytes
+    cache_salt: str
+    lora_name: str
+    pool_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_tokens: int
+    def __init__(self, token_ids: _Optional[bytes] = ..., block_hashes: _Optional[bytes] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., pool_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class PoolHit(_message.Message):
+    __slots__ = ("pool_id", "num_cached_tokens", "num_free_blocks")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    num_cached_tokens: int
+    num_free_blocks: int
+    def __init__(self, pool_id: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("hits", "best_pool_id")
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    BEST_POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    hits: _containers.RepeatedCompositeFieldContainer[PoolHit]
+    best_pool_id: str
+    def __init__(self, hits: _Optional[_Iterable[_Union[PoolHit, _Mapping]]] = ..., best_pool_id: _Optional[str] = ...) -> None: ...
+
+class WatchEventsRequest(_message.Message):
+    __slots__ = ("pool_ids", "start_sequence")
+    POOL_IDS_FIELD_NUMBER: _ClassVar[int]
+    START_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    pool_ids: _containers.RepeatedScalarFieldContainer[str]
+    start_sequence: int
+    def __init__(self, pool_ids: _Optional[_Iterable[str]] = ..., start_sequence: _Optional[int] = ...) -> None: ...
+
+class BlockStoredEvent(_message.Message):
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "group_idx", "lora_name", "block_ids")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_IDX_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    parent_block_hash: bytes
+    token_ids: bytes
+    block_size: int
+    group_idx: int
+    lora_name: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., block_size: _Optional[int] = ..., group_idx: _Optional[int] = ..., lora_name: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BlockRemovedEvent(_message.Message):
+    __slots__ = ("block_hashes", "group_idx")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    GROUP_IDX_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    group_idx: int
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., group_idx: _Optional[int] = ...) -> None: ...
+
+class AllBlocksClearedEvent(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KVEvent(_message.Message):
+    __slots__ = ("sequence", "pool_id", "stored", "removed", "cleared")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    pool_id: str
+    stored: BlockStoredEvent
+    removed: BlockRemovedEvent
+    cleared: AllBlocksClearedEvent
+    def __init__(self, sequence: _Optional[int] = ..., pool_id: _Optional[str] = ..., stored: _Optional[_Union[BlockStoredEvent, _Mapping]] = ..., removed: _Optional[_Union[BlockRemovedEvent, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksClearedEvent, _Mapping]] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ("check_invariants",)
+    CHECK_INVARIANTS_FIELD_NUMBER: _ClassVar[int]
+    check_invariants: bool
+    def __init__(self, check_invariants: _Optional[bool] = ...) -> None: ...
+
+class PoolStats(_message.Message):
+    __slots__ = ("pool_id", "epoch", "num_blocks", "num_free_blocks", "usage", "num_requests", "prefix_hit_rate", "prefix_queries", "prefix_hits", "evictions", "num_cached_blocks", "invariant_violation", "num_pending_transfers")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HITS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    INVARIANT_VIOLATION_FIELD_NUMBER: _ClassVar[int]
+    NUM_PENDING_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    epoch: int
+    num_blocks: int
+    num_free_blocks: int
+    usage: float
+    num_requests: int
+    prefix_hit_rate: float
+    prefix_queries: int
+    prefix_hits: int
+    evictions: int
+    num_cached_blocks: int
+    invariant_violation: str
+    num_pending_transfers: int
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., evictions: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., invariant_violation: _Optional[str] = ..., num_pending_transfers: _Optional[int] = ...) -> None: ...
+
+class GetStatsResponse(_message.Message):
+    __slots__ = ("pools", "num_sessions", "persistence", "event_sequence", "lease_expiries", "hash_fingerprint", "hash_block_size")
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    PERSISTENCE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRIES_FIELD_NUMBER: _ClassVar[int]
+    HASH_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    HASH_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolStats]
+    num_sessions: int
+    persistence: str
+    event_sequence: int
+    lease_expiries: int
+    hash_fingerprint: str
+    hash_block_size: int
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., num_sessions: _Optional[int] = ..., persistence: _Optional[str] = ..., event_sequence: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., hash_fingerprint: _Optional[str] = ..., hash_block_size: _Optional[int] = ...) -> None: ...
+
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ("session_id", "sequence", "pool_ids")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    POOL_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    sequence: int
+    pool_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_id: _Optional[str] = ..., sequence: _Optional[int] = ..., pool_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ("reset_pool_ids", "refused_pool_ids")
+    RESET_POOL_IDS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_POOL_IDS_FIELD_NUMBER: _ClassVar[int]
+    reset_pool_ids: _containers.RepeatedScalarFieldContainer[str]
+    refused_pool_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, reset_pool_ids: _Optional[_Iterable[str]] = ..., refused_pool_ids: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -1,0 +1,371 @@
+"""The allocator: a deterministic state machine over pools, sessions and the event log.
+
+Given the same sequence of calls it reaches the same state (block for block), which is what the
+write-ahead log replays. No I/O and no clock of its own: times are arguments.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvservice.core import AllBlocksCleared, Request
+from kvservice.core.invariants import InvariantError, check_invariants
+from kvservice.errors import FailedPrecondition, NotFound
+from kvservice.eventlog import EventLog
+from kvservice.hashing import DEFAULT_HASH_BLOCK_SIZE, DEFAULT_HASH_SEED, hash_prompt, spec_fingerprint
+from kvservice.ops import (
+    AddRequestOp,
+    AllocateOp,
+    ForkOp,
+    FreeOp,
+    Op,
+    OpResult,
+    OpStatus,
+    StepResult,
+)
+from kvservice.pools import Pool, PoolSpec, TenantUsage, client_request_id, namespace, request_key
+from kvservice.sessions import Session, SessionTable
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RegisterResult:
+    pool_id: str
+    epoch: int
+    new_epoch: bool
+    hash_block_size: int
+    hash_seed: str
+    num_requests_failed: int
+    scheduler_block_size: int
+
+
+@dataclass(slots=True)
+class PoolHit:
+    pool_id: str
+    num_cached_tokens: int
+    num_free_blocks: int
+
+
+class Allocator:
+    def __init__(self, hash_block_size: int = DEFAULT_HASH_BLOCK_SIZE, hash_seed: str = DEFAULT_HASH_SEED,
+                 session_ttl_s: float = 30.0, event_retention: int = 100_000,
+                 quotas: dict[str, int] | None = None) -> None:
+        self.hash_block_size = hash_block_size
+        self.hash_seed = hash_seed
+        self.fingerprint = spec_fingerprint(hash_seed, hash_block_size)
+        self.pools: dict[str, Pool] = {}
+        self.sessions = SessionTable(session_ttl_s)
+        self.events = EventLog(event_retention)
+        self.usage = TenantUsage(quotas or {})
+        self.lease_expiries = 0
+
+    # ---- sessions ------------------------------------------------------------------------------
+    def open_session(self, session_id: str, tenant: str, client_name: str, now: float) -> Session:
+        return self.sessions.open(session_id, tenant, client_name, now)
+
+    def heartbeat(self, session_id: str, tenant: str, now: float) -> Session:
+        return self.sessions.get(session_id, tenant, now)
+
+    def expire_sessions(self, now: float) -> list[str]:
+        """Frees the requests of every session whose lease lapsed; returns their ids."""
+        expired = self.sessions.expired(now)
+        for session in expired:
+            self.close_session(session.session_id)
+        return [s.session_id for s in expired]
+
+    def close_session(self, session_id: str) -> int:
+        session = self.sessions.sessions.pop(session_id)
+        num_freed = 0
+        for pool_id, keys in session.requests.items():
+            pool = self.pools.get(pool_id)
+            if pool is None:
+                continue
+            for key in sorted(keys):
+                if key in pool.requests:
+                    self._free(pool, session.tenant, key)
+                    num_freed += 1
+            self._drain(pool)
+        self.lease_expiries += 1
+        logger.info("session %s closed: %d requests freed", session_id, num_freed)
+        return num_freed
+
+    # ---- pools ---------------------------------------------------------------------------------
+    def register_pool(self, session: Session, sequence: int, spec: PoolSpec, fingerprint: str) -> RegisterResult:
+        stored = self.sessions.check_sequence(session, sequence)
+        if stored is not None:
+            return stored  # type: ignore[return-value]
+        if fingerprint != self.fingerprint:
+            raise FailedPrecondition(
+                f"hash_fingerprint {fingerprint!r} does not match the allocator's {self.fingerprint!r} "
+                f"(seed {self.hash_seed!r}, hash block size {self.hash_block_size}); hash with the same spec")
+        current = self.pools.get(spec.pool_id)
+        if current is not None and spec.epoch < current.epoch:
+            raise FailedPrecondition(f"pool {spec.pool_id!r}: epoch {spec.epoch} is older than the registered "
+                                     f"epoch {current.epoch}")
+        if current is not None and spec.epoch == current.epoch:
+            if not current.spec.same_shape(spec):
+                raise FailedPrecondition(f"pool {spec.pool_id!r} is registered at epoch {spec.epoch} with another "
+                                         f"config; register with a higher epoch to replace it")
+            result = self._register_result(current, False, 0)
+        else:
+            pool = Pool(spec, self.hash_block_size, self.hash_seed)  # validates the config
+            failed = self._retire(current, pool) if current is not None else 0
+            self.pools[spec.pool_id] = pool
+            result = self._register_result(pool, True, failed)
+        self._commit(session, sequence, result)
+        return result
+
+    def _register_result(self, pool: Pool, new_epoch: bool, failed: int) -> RegisterResult:
+        return RegisterResult(pool.pool_id, pool.epoch, new_epoch, pool.hash_block_size, self.hash_seed, failed,
+                              pool.manager.scheduler_block_size)
+
+    def _retire(self, old: Pool, new: Pool) -> int:
+        """A new epoch: the workers' memory is gone, so every in-flight request fails."""
+        new_epoch = new.epoch
+        new.tombstones = old.tombstones
+        reason = (f"pool {old.pool_id!r} started epoch {new_epoch} (was {old.epoch}): its KV memory is gone; "
+                  f"re-add the request")
+        for key in list(old.requests):
+            session = self.sessions.sessions.get(old.owner.get(key, ""))
+            if session is not None:
+                session.disown(old.pool_id, key)
+            old.bury(key, reason)
+        self.usage.drop_pool(old.pool_id)
+        self.events.extend(old.pool_id, [*old.manager.take_events(), AllBlocksCleared()])
+        logger.warning("pool %s: epoch %d -> %d, %d requests failed", old.pool_id, old.epoch, new_epoch,
+                       len(old.requests))
+        return len(old.requests)
+
+    def bump_epoch(self, pool_id: str) -> None:
+        """Forces a new epoch (stale recovery, DESIGN §6): same config, fresh memory."""
+        old = self.pools[pool_id]
+        spec = PoolSpec(**{f: getattr(old.spec, f) for f in PoolSpec.__slots__})
+        spec.epoch = old.epoch + 1
+        pool = Pool(spec, self.hash_block_size, self.hash_seed)
+        self._retire(old, pool)
+        self.pools[pool_id] = pool
+
+    def pool(self, pool_id: str) -> Pool:
+        pool = self.pools.get(pool_id)
+        if pool is None:
+            raise NotFound(f"pool {pool_id!r} is not registered; call RegisterPool first")
+        return pool
+
+    # ---- steps ---------------------------------------------------------------------------------
+    def step(self, session: Session, sequence: int, pool: Pool, ops: Sequence[Op]) -> StepResult:
+        """Applies ops in order (validated beforehand); per-op outcomes are statuses."""
+        stored = self.sessions.check_sequence(session, sequence)
+        if stored is not None:
+            return stored  # type: ignore[return-value]
+        results = []
+        for op in ops:
+            if isinstance(op, AllocateOp):
+                results.append(self._allocate(pool, session, op))
+            elif isinstance(op, AddRequestOp):
+                results.append(self._add(pool, session, op))
+            elif isinstance(op, FreeOp):
+                results.append(self._free_op(pool, session, op))
+            else:
+                results.append(self._fork(pool, session, op))
+        result = StepResult(sequence, results, pool.manager.take_block_copies())
+        self._drain(pool)
+        self._commit(session, sequence, result)
+        return result
+
+    def _commit(self, session: Session, sequence: int, reply: object) -> None:
+        session.last_sequence = sequence
+        session.last_reply = reply
+
+    def _drain(self, pool: Pool) -> None:
+        events = pool.manager.take_events()
+        if events:
+            self.events.extend(pool.pool_id, events)
+
+    def _missing(self, pool: Pool, key: str, request_id: str) -> OpResult:
+        reason = pool.tombstones.get(key)
+        if reason is not None:
+            return OpResult(request_id, OpStatus.EPOCH_CHANGED, reason)
+        return OpResult(request_id, OpStatus.NOT_FOUND, f"request {request_id!r} not found in pool {pool.pool_id!r}")
+
+    def _add(self, pool: Pool, session: Session, op: AddRequestOp) -> OpResult:
+        tenant = session.tenant
+        key = request_key(tenant, op.request_id)
+        if key in pool.requests:
+            return OpResult(op.request_id, OpStatus.ALREADY_EXISTS,
+                            f"request {op.request_id!r} already exists in pool {pool.pool_id!r}")
+        ns = namespace(tenant)
+        if op.block_hashes is not None:
+            req = Request.from_block_hashes(key, op.block_hashes, op.num_tokens, pool.hash_block_size,
+                                            lora_name=op.lora_name, namespace=ns)
+        else:
+            req = Request(key, op.token_ids, pool.hash_block_size, op.cache_salt, op.lora_name, self.hash_seed,
+                          mm_items=op.mm_items, namespace=ns)
+        pool.requests[key] = req
+        pool.owner[key] = session.session_id
+        pool.tombstones.pop(key, None)
+        session.own(pool.pool_id, key)
+        return OpResult(op.request_id, num_tokens=req.num_tokens)
+
+    def _allocate(self, pool: Pool, session: Session, op: AllocateOp) -> OpResult:
+        key = request_key(session.tenant, op.request_id)
+        req = pool.requests.get(key)
+        if req is None:
+            return self._missing(pool, key, op.request_id)
+        manager = pool.manager
+        num_tokens_before = req.num_tokens
+        computed_before = req.num_computed_tokens
+        if op.append_token_ids is not None or op.num_append_tokens:
+            if op.num_append_tokens and not req.has_token_ids:
+                try:
+                    req.append_block_hashes(op.append_block_hashes or [], op.num_append_tokens)
+                except ValueError as exc:
+                    return OpResult(op.request_id, OpStatus.FAILED_PRECONDITION, str(exc))
+            elif op.append_token_ids is not None and req.has_token_ids:
+                req.append_output_token_ids(op.append_token_ids)
+            else:
+                kind = "token ids" if req.has_token_ids else "block hashes"
+                return OpResult(op.request_id, OpStatus.FAILED_PRECONDITION,
+                                f"request {op.request_id!r} was added with {kind}: append {kind}")
+        if req.num_tokens > pool.spec.max_model_len:
+            req.truncate(num_tokens_before)
+            return OpResult(op.request_id, OpStatus.FAILED_PRECONDITION,
+                            f"request {op.request_id!r} would hold {req.num_tokens} tokens > max_model_len "
+                            f"{pool.spec.max_model_len}")
+        running = manager.coordinator.is_running(key)
+        hits, num_hit = None, 0
+        if running:
+            if op.num_computed_tokens > req.num_tokens:
+                req.truncate(num_tokens_before)
+                return OpResult(op.request_id, OpStatus.FAILED_PRECONDITION,
+                                f"num_computed_tokens {op.num_computed_tokens} > the request's {req.num_tokens} "
+                                f"tokens")
+            req.num_computed_tokens = op.num_computed_tokens
+        elif op.num_new_tokens:
+            req.num_computed_tokens = 0
+            hits, num_hit = manager.get_computed_blocks(req)
+        start = req.num_computed_tokens + num_hit
+        if op.num_new_tokens == 0:
+            return OpResult(op.request_id, num_computed_tokens=start, num_tokens=req.num_tokens)
+        num_new = min(op.num_new_tokens, req.num_tokens - start)
+        if num_new <= 0:
+            self._undo(req, num_tokens_before, computed_before)
+            return OpResult(op.request_id, OpStatus.FAILED_PRECONDITION,
+                            f"request {op.request_id!r} has no uncomputed tokens (num_tokens {req.num_tokens}, "
+                            f"num_computed_tokens {start}); append tokens first")
+        tenant = session.tenant
+        if self.usage.tracks(tenant):
+            needed = manager.num_blocks_needed(req, num_new, num_hit, hits, op.num_lookahead_tokens)
+            quota = self.usage.quotas[tenant]
+            used = self.usage.used(tenant)
+            if used + needed > quota:
+                self._undo(req, num_tokens_before, computed_before)
+                return OpResult(op.request_id, OpStatus.RESOURCE_EXHAUSTED,
+                                f"tenant {tenant!r} block quota: {used} held + {needed} needed > quota {quota}")
+        new = manager.allocate_slots(req, num_new, num_hit, hits, op.num_lookahead_tokens, op.delay_cache_blocks)
+        if new is None:
+            self._undo(req, num_tokens_before, computed_before)
+            return OpResult(op.request_id, OpStatus.NO_SPACE,
+                            f"pool {pool.pool_id!r} has {manager.block_pool.get_num_free_blocks()} free blocks, "
+                            f"not enough for {num_new} more tokens of {op.request_id!r}")
+        if not running:
+            req.num_computed_tokens = num_hit
+        if self.usage.tracks(tenant):
+            self.usage.update(tenant, pool, key)
+        return OpResult(op.request_id, new_block_ids=new.get_block_ids(), num_computed_tokens=start,
+                        num_scheduled_tokens=num_new, num_tokens=req.num_tokens)
+
+    @staticmethod
+    def _undo(req: Request, num_tokens: int, num_computed: int) -> None:
+        if req.num_tokens != num_tokens:
+            req.truncate(num_tokens)
+        req.num_computed_tokens = num_computed
+
+    def _fork(self, pool: Pool, session: Session, op: ForkOp) -> OpResult:
+        tenant = session.tenant
+        parent_key = request_key(tenant, op.parent_request_id)
+        parent = pool.requests.get(parent_key)
+        if parent is None:
+            return self._missing(pool, parent_key, op.parent_request_id)
+        child_key = request_key(tenant, op.child_request_id)
+        if child_key in pool.requests:
+            return OpResult(op.child_request_id, OpStatus.ALREADY_EXISTS,
+                            f"request {op.child_request_id!r} already exists in pool {pool.pool_id!r}")
+        if not pool.manager.coordinator.is_running(parent_key):
+            return OpResult(op.child_request_id, OpStatus.FAILED_PRECONDITION,
+                            f"parent {op.parent_request_id!r} holds no blocks yet: allocate it before forking")
+        child = pool.manager.fork(parent, child_key)
+        pool.requests[child_key] = child
+        pool.owner[child_key] = session.session_id
+        pool.tombstones.pop(child_key, None)
+        session.own(pool.pool_id, child_key)
+        self.usage.update(tenant, pool, child_key)
+        return OpResult(op.child_request_id, new_block_ids=pool.manager.get_block_ids(child_key),
+                        num_computed_tokens=child.num_computed_tokens, num_tokens=child.num_tokens)
+
+    def _free_op(self, pool: Pool, session: Session, op: FreeOp) -> OpResult:
+        key = request_key(session.tenant, op.request_id)
+        if key not in pool.requests:
+            result = self._missing(pool, key, op.request_id)
+            pool.tombstones.pop(key, None)
+            return result
+        self._free(pool, session.tenant, key)
+        return OpResult(op.request_id)
+
+    def _free(self, pool: Pool, tenant: str, key: str) -> None:
+        req = pool.requests.pop(key)
+        pool.manager.free(req)
+        owner = self.sessions.sessions.get(pool.owner.pop(key, ""))
+        if owner is not None:
+            owner.disown(pool.pool_id, key)
+        self.usage.update(tenant, pool, key, removed=True)
+
+    # ---- reads ---------------------------------------------------------------------------------
+    def get_request(self, tenant: str, pool_id: str, request_id: str) -> tuple[Pool, Request]:
+        pool = self.pool(pool_id)
+        key = request_key(tenant, request_id)
+        req = pool.requests.get(key)
+        if req is None:
+            reason = pool.tombstones.get(key)
+            raise NotFound(reason or f"request {request_id!r} not found in pool {pool_id!r}")
+        return pool, req
+
+    def lookup(self, tenant: str, token_ids=None, block_hashes: Sequence[bytes] | None = None, num_tokens: int = 0,
+               cache_salt: str | None = None, lora_name: str | None = None,
+               pool_ids: Sequence[str] = ()) -> tuple[list[PoolHit], str]:
+        """Per pool, the prefix tokens admission would reuse; and the pool a KV-aware router picks."""
+        ns = namespace(tenant)
+        if block_hashes is None:
+            raw = hash_prompt(token_ids, self.hash_block_size, self.hash_seed, cache_salt, lora_name)
+            num_tokens = len(token_ids)
+        else:
+            raw = list(block_hashes)
+            num_tokens = num_tokens or len(raw) * self.hash_block_size
+        hashes = [h + ns for h in raw] if ns else raw
+        pools = [self.pool(p) for p in pool_ids] if pool_ids else list(self.pools.values())
+        hits = [PoolHit(p.pool_id, p.cached_prefix_tokens(hashes, num_tokens),
+                        p.manager.block_pool.get_num_free_blocks()) for p in pools]
+        best = max(hits, key=lambda h: (h.num_cached_tokens, h.num_free_blocks), default=None)
+        return hits, best.pool_id if best else ""
+
+    def reset_prefix_cache(self, pool_ids: Sequence[str] = ()) -> tuple[list[str], list[str]]:
+        pools = [self.pool(p) for p in pool_ids] if pool_ids else list(self.pools.values())
+        done, refused = [], []
+        for pool in pools:
+            (done if pool.manager.reset_prefix_cache() else refused).append(pool.pool_id)
+            self._drain(pool)
+        return done, refused
+
+    def invariant_violation(self, pool: Pool) -> str:
+        try:
+            check_invariants(pool.manager)
+        except InvariantError as exc:
+            return str(exc)
+        live = {req.request_id for req in pool.requests.values()}
+        for manager in pool.manager.coordinator.managers:
+            stray = set(manager.req_to_blocks) - live
+            if stray:
+                return f"blocks held for unknown requests {sorted(map(client_request_id, stray))[:5]}"
+        return ""

@@ -1,0 +1,105 @@
+"""`kvservice serve | status | demo | bench | deploy`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+from kvservice.hashing import DEFAULT_HASH_BLOCK_SIZE, DEFAULT_HASH_SEED
+
+
+def _quota(text: str) -> tuple[str, int]:
+    tenant, _, blocks = text.partition("=")
+    if not tenant or not blocks.isdigit():
+        raise argparse.ArgumentTypeError(f"--quota wants TENANT=BLOCKS, got {text!r}")
+    return tenant, int(blocks)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvservice", description="Distributed KV-cache service for LLM serving")
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the allocator service")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 for every interface)")
+    serve.add_argument("--port", type=int, default=50051, help="gRPC port (0: pick a free one)")
+    serve.add_argument("--data-dir", default="./kvservice-data", help="embedded Redis data (persistence)")
+    serve.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
+    serve.add_argument("--token-file", help="bearer tokens, lines 'token tenant [admin]' (default: auth off)")
+    serve.add_argument("--tls-cert")
+    serve.add_argument("--tls-key")
+    serve.add_argument("--tls-ca", help="client CA: turns on mutual TLS")
+    serve.add_argument("--hash-block-size", type=int, default=DEFAULT_HASH_BLOCK_SIZE)
+    serve.add_argument("--hash-seed", default=DEFAULT_HASH_SEED)
+    serve.add_argument("--session-ttl", type=float, default=30.0, help="lease TTL in seconds")
+    serve.add_argument("--event-retention", type=int, default=100_000, help="events kept for WatchEvents resume")
+    serve.add_argument("--quota", type=_quota, action="append", default=[], metavar="TENANT=BLOCKS",
+                       help="per-tenant block quota (repeatable)")
+    serve.add_argument("--max-message-mb", type=int, default=64)
+
+    status = sub.add_parser("status", help="print pools, usage and hit rate")
+    status.add_argument("--target", default="127.0.0.1:50051")
+    status.add_argument("--token")
+    status.add_argument("--tls-ca")
+    status.add_argument("--check-invariants", action="store_true")
+
+    sub.add_parser("demo", help="end-to-end demo (allocator + Ray workers + a tiny model)")
+    sub.add_parser("bench", help="run every benchmark (same as `make bench`)")
+    return parser
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvservice.server.app import ServerConfig, serve
+    config = ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port, token_file=args.token_file,
+                          tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+                          hash_block_size=args.hash_block_size, hash_seed=args.hash_seed,
+                          session_ttl_s=args.session_ttl, event_retention=args.event_retention,
+                          quotas=dict(args.quota), max_message_bytes=args.max_message_mb << 20,
+                          data_dir=args.data_dir)
+    asyncio.run(serve(config))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from kvservice.client import KVServiceClient
+    from kvservice.errors import KVServiceError
+    try:
+        with KVServiceClient(args.target, args.token, tls_ca=args.tls_ca, retries=1, timeout_s=5) as client:
+            stats = client.get_stats(check_invariants=args.check_invariants)
+    except KVServiceError as exc:
+        print(f"kvservice at {args.target}: {exc}", file=sys.stderr)
+        return 1
+    print(f"kvservice at {args.target}: {len(stats.pools)} pools, {stats.num_sessions} sessions, "
+          f"persistence {stats.persistence}, hash spec {stats.hash_fingerprint} (block {stats.hash_block_size})")
+    rows = [("pool", "epoch", "blocks", "free", "usage", "requests", "cached", "hit rate", "evictions", "invariants")]
+    for p in stats.pools.values():
+        inv = "" if not args.check_invariants else ("ok" if not p.invariant_violation else p.invariant_violation)
+        rows.append((p.pool_id, str(p.epoch), str(p.num_blocks - 1), str(p.num_free_blocks), f"{p.usage:.1%}",
+                     str(p.num_requests), str(p.num_cached_blocks), f"{p.prefix_hit_rate:.1%}", str(p.evictions), inv))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    return subprocess.call([sys.executable, str(Path(__file__).resolve().parent.parent / "bench" / "run_all.py")])
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from kvservice.demo import main as demo_main
+    return demo_main()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return {"serve": cmd_serve, "status": cmd_status, "demo": cmd_demo, "bench": cmd_bench}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Domain records for the allocator API: the ops of a Step and their results.
+
+Clients build these; `kvservice.wire` turns them into protobuf and back; the allocator applies them.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from kvservice.hashing import MultiModalItem
+
+
+class OpStatus(IntEnum):
+    """Per-op outcome (mirrors the proto enum)."""
+
+    OK = 0
+    NOT_FOUND = 1
+    ALREADY_EXISTS = 2
+    NO_SPACE = 3
+    FAILED_PRECONDITION = 4
+    RESOURCE_EXHAUSTED = 5
+    EPOCH_CHANGED = 6
+
+
+@dataclass(slots=True)
+class AddRequestOp:
+    """A waiting request, with token ids (the server hashes them) or client-computed block hashes."""
+
+    request_id: str
+    token_ids: array | list[int] | None = None
+    block_hashes: list[bytes] | None = None
+    num_tokens: int = 0  # with block_hashes
+    cache_salt: str | None = None
+    lora_name: str | None = None
+    mm_items: tuple[MultiModalItem, ...] = ()
+
+
+@dataclass(slots=True)
+class AllocateOp:
+    """Schedule up to `num_new_tokens` of a request after its `num_computed_tokens`."""
+
+    request_id: str
+    num_computed_tokens: int = 0
+    num_new_tokens: int = 0
+    append_token_ids: array | list[int] | None = None
+    append_block_hashes: list[bytes] | None = None
+    num_append_tokens: int = 0
+    num_lookahead_tokens: int = 0
+    delay_cache_blocks: bool = False
+    allow_transfer: bool = False
+
+
+@dataclass(slots=True)
+class ForkOp:
+    parent_request_id: str
+    child_request_id: str
+
+
+@dataclass(slots=True)
+class FreeOp:
+    request_id: str
+
+
+Op = AddRequestOp | AllocateOp | ForkOp | FreeOp
+
+
+@dataclass(slots=True)
+class TransferOrder:
+    """Copy `src_block_ids` of pool `src_pool_id` into `dst_block_ids` of this request's pool, then
+    `CommitTransfer` (the destination blocks become cached, the source pins drop) or abort it."""
+
+    transfer_id: str
+    src_pool_id: str
+    src_block_ids: list[int]
+    dst_block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class OpResult:
+    request_id: str
+    status: OpStatus = OpStatus.OK
+    message: str = ""
+    new_block_ids: tuple[list[int], ...] = ()
+    num_computed_tokens: int = 0
+    num_scheduled_tokens: int = 0
+    num_tokens: int = 0
+    transfer: TransferOrder | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OpStatus.OK
+
+
+@dataclass(slots=True)
+class StepResult:
+    sequence: int
+    results: list[OpResult] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+
+    def __getitem__(self, i: int) -> OpResult:
+        return self.results[i]

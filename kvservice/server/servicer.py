@@ -1,0 +1,327 @@
+"""The Allocator servicer: protobuf ⇄ domain translation only; all logic lives in `kvservice.allocator`.
+
+Every mutation is applied synchronously on the event loop (so calls never interleave inside the
+state machine), then handed to the journal (the WAL, when persistence is on) before the reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+import uuid
+from collections.abc import Callable
+
+import grpc
+
+from kvservice._proto import allocator_pb2 as pb
+from kvservice._proto import allocator_pb2_grpc as pb_grpc
+from kvservice.allocator import Allocator, RegisterResult
+from kvservice.core import AllBlocksCleared, BlockRemoved, BlockStored
+from kvservice.errors import InvalidArgument, KVServiceError, Unimplemented
+from kvservice.eventlog import LoggedEvent
+from kvservice.ops import ForkOp, FreeOp, StepResult
+from kvservice.pools import raw_hash
+from kvservice.server.auth import Authenticator
+from kvservice.server.metrics import Metrics
+from kvservice.wire import (
+    check_id,
+    check_name,
+    decode_add,
+    decode_allocate,
+    decode_hashes,
+    decode_ops,
+    decode_pool_spec,
+    decode_tokens,
+    encode_step_result,
+    encode_tokens,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class NullJournal:
+    """Persistence off: mutations are acknowledged from memory."""
+
+    state = "off"
+
+    async def record(self, kind: str, payload: dict) -> None:
+        return None
+
+    def check_writable(self) -> None:
+        return None
+
+
+def rpc(method: Callable) -> Callable:
+    """Maps domain errors to gRPC statuses, times the call, and never lets a bug crash the server."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    async def wrapper(self: AllocatorServicer, request, context: grpc.aio.ServicerContext):
+        start = time.perf_counter()
+        try:
+            return await method(self, request, context)
+        except KVServiceError as exc:
+            self.metrics.rejected.labels(name, exc.code.name).inc()
+            await context.abort(exc.code, exc.message)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception:
+            logger.exception("%s failed", name)
+            self.metrics.rejected.labels(name, "INTERNAL").inc()
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}; see the server log")
+        finally:
+            self.metrics.observe(name, time.perf_counter() - start)
+
+    return wrapper
+
+
+class AllocatorServicer(pb_grpc.AllocatorServicer):
+    def __init__(self, allocator: Allocator, auth: Authenticator, metrics: Metrics, journal=None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.allocator = allocator
+        self.auth = auth
+        self.metrics = metrics
+        self.journal = journal or NullJournal()
+        self.clock = clock
+        self._event_signal = asyncio.Event()
+        allocator.events.listeners.append(self._event_signal.set)
+
+    def _session(self, context, session_id: str):
+        principal = self.auth.of(context)
+        check_id("session_id", session_id)
+        return self.allocator.sessions.get(session_id, principal.tenant, self.clock())
+
+    @staticmethod
+    def _check_sequence(sequence: int) -> None:
+        if sequence == 0:
+            raise InvalidArgument("sequence", 0, "sequences start at 1 (OpenSession returns next_sequence)")
+
+    # ---- sessions ------------------------------------------------------------------------------
+    @rpc
+    async def OpenSession(self, request: pb.OpenSessionRequest, context) -> pb.OpenSessionResponse:
+        principal = self.auth.of(context)
+        name = check_name("client_name", request.client_name) or ""
+        sessions = self.allocator.sessions
+        failed: list[str] = []
+        if request.resume_session_id:
+            session = sessions.get(check_id("resume_session_id", request.resume_session_id), principal.tenant,
+                                   self.clock())
+            if request.last_acked_sequence > session.last_sequence:
+                failed = sorted(session.requests)
+                self.journal.check_writable()
+                for pool_id in failed:
+                    self.allocator.bump_epoch(pool_id)
+                await self.journal.record("stale_resume", {"session_id": session.session_id, "pools": failed})
+        else:
+            self.journal.check_writable()
+            session = self.allocator.open_session(uuid.uuid4().hex, principal.tenant, name, self.clock())
+            await self.journal.record("open_session", {"session_id": session.session_id, "tenant": principal.tenant,
+                                                       "client_name": name})
+        return pb.OpenSessionResponse(session_id=session.session_id, ttl_ms=int(sessions.ttl_s * 1000),
+                                      next_sequence=session.last_sequence + 1, tenant=session.tenant,
+                                      pools_failed=failed)
+
+    @rpc
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
+        self._session(context, request.session_id)
+        return pb.HeartbeatResponse(ttl_ms=int(self.allocator.sessions.ttl_s * 1000))
+
+    # ---- pools ---------------------------------------------------------------------------------
+    @rpc
+    async def RegisterPool(self, request: pb.RegisterPoolRequest, context) -> pb.RegisterPoolResponse:
+        session = self._session(context, request.session_id)
+        self._check_sequence(request.sequence)
+        stored = self.allocator.sessions.check_sequence(session, request.sequence)
+        if stored is None:
+            spec = decode_pool_spec(request, self.allocator.hash_block_size)
+            self.journal.check_writable()
+            stored = self.allocator.register_pool(session, request.sequence, spec, request.hash_fingerprint)
+            await self.journal.record("register_pool", {"request": request, "session_id": session.session_id})
+        if not isinstance(stored, RegisterResult):
+            raise InvalidArgument("sequence", request.sequence, "this sequence was applied by another RPC kind")
+        r = stored
+        return pb.RegisterPoolResponse(pool_id=r.pool_id, epoch=r.epoch, new_epoch=r.new_epoch,
+                                       hash_block_size=r.hash_block_size, hash_seed=r.hash_seed,
+                                       num_requests_failed=r.num_requests_failed,
+                                       scheduler_block_size=r.scheduler_block_size)
+
+    # ---- steps ---------------------------------------------------------------------------------
+    async def _apply(self, context, session_id: str, sequence: int, pool_id: str, decode, request,
+                     kind: str) -> pb.StepResponse:
+        session = self._session(context, session_id)
+        self._check_sequence(sequence)
+        stored = self.allocator.sessions.check_sequence(session, sequence)
+        if stored is None:
+            pool = self.allocator.pool(check_id("pool_id", pool_id))
+            ops = decode(pool)
+            self.journal.check_writable()
+            stored = self.allocator.step(session, sequence, pool, ops)
+            await self.journal.record(kind, {"request": request, "session_id": session.session_id})
+            counter = self.metrics.op_outcomes
+            for r in stored.results:
+                counter.labels(r.status.name).inc()
+        if not isinstance(stored, StepResult):
+            raise InvalidArgument("sequence", sequence, "this sequence was applied by another RPC kind")
+        return encode_step_result(stored, pb.StepResponse())
+
+    @rpc
+    async def Step(self, request: pb.StepRequest, context) -> pb.StepResponse:
+        hbs = self.allocator.hash_block_size
+        return await self._apply(context, request.session_id, request.sequence, request.pool_id,
+                                 lambda pool: decode_ops(request.ops, pool.spec, hbs), request, "step")
+
+    @rpc
+    async def Allocate(self, request: pb.AllocateRequest, context) -> pb.StepResponse:
+        def decode(pool):
+            ops = []
+            if request.HasField("add"):
+                ops.append(decode_add(request.add, pool.spec.max_model_len, pool.spec.vocab_size,
+                                      self.allocator.hash_block_size, "add"))
+            if not request.HasField("allocate"):
+                raise InvalidArgument("allocate", None, "required")
+            ops.append(decode_allocate(request.allocate, pool.spec.max_model_len, pool.spec.vocab_size, "allocate"))
+            return ops
+        return await self._apply(context, request.session_id, request.sequence, request.pool_id, decode, request,
+                                 "allocate")
+
+    @rpc
+    async def Free(self, request: pb.FreeRequest, context) -> pb.StepResponse:
+        def decode(pool):
+            if not request.request_ids:
+                raise InvalidArgument("request_ids", [], "name at least one request")
+            return [FreeOp(check_id(f"request_ids[{i}]", r)) for i, r in enumerate(request.request_ids)]
+        return await self._apply(context, request.session_id, request.sequence, request.pool_id, decode, request,
+                                 "free")
+
+    @rpc
+    async def Fork(self, request: pb.ForkRequest, context) -> pb.StepResponse:
+        def decode(pool):
+            parent = check_id("parent_request_id", request.parent_request_id)
+            if not request.child_request_ids:
+                raise InvalidArgument("child_request_ids", [], "name at least one child")
+            return [ForkOp(parent, check_id(f"child_request_ids[{i}]", c))
+                    for i, c in enumerate(request.child_request_ids)]
+        return await self._apply(context, request.session_id, request.sequence, request.pool_id, decode, request,
+                                 "fork")
+
+    @rpc
+    async def CommitTransfer(self, request: pb.CommitTransferRequest, context) -> pb.StepResponse:
+        self._session(context, request.session_id)
+        raise Unimplemented("cross-pool transfers are not implemented yet")
+
+    # ---- reads ---------------------------------------------------------------------------------
+    @rpc
+    async def GetRequest(self, request: pb.GetRequestRequest, context) -> pb.RequestInfo:
+        principal = self.auth.of(context)
+        pool, req = self.allocator.get_request(principal.tenant, check_id("pool_id", request.pool_id),
+                                               check_id("request_id", request.request_id))
+        info = pb.RequestInfo(request_id=request.request_id, pool_id=pool.pool_id, num_tokens=req.num_tokens,
+                              num_computed_tokens=req.num_computed_tokens, num_block_hashes=len(req.block_hashes),
+                              running=pool.manager.coordinator.is_running(req.request_id),
+                              session_id=pool.owner.get(req.request_id, ""))
+        for ids in pool.manager.get_block_ids(req.request_id):
+            info.blocks.add(block_ids=ids)
+        return info
+
+    @rpc
+    async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
+        principal = self.auth.of(context)
+        pool_ids = [check_id(f"pool_ids[{i}]", p) for i, p in enumerate(request.pool_ids)]
+        if request.block_hashes:
+            if request.token_ids:
+                raise InvalidArgument("token_ids", f"<{len(request.token_ids)} bytes>",
+                                      "send token_ids or block_hashes, not both")
+            hits, best = self.allocator.lookup(principal.tenant, block_hashes=decode_hashes("block_hashes",
+                                                                                               request.block_hashes),
+                                               num_tokens=request.num_tokens, pool_ids=pool_ids)
+        else:
+            tokens = decode_tokens("token_ids", request.token_ids)
+            hits, best = self.allocator.lookup(principal.tenant, token_ids=tokens,
+                                               cache_salt=check_name("cache_salt", request.cache_salt),
+                                               lora_name=check_name("lora_name", request.lora_name), pool_ids=pool_ids)
+        return pb.LookupResponse(hits=[pb.PoolHit(pool_id=h.pool_id, num_cached_tokens=h.num_cached_tokens,
+                                                  num_free_blocks=h.num_free_blocks) for h in hits],
+                                 best_pool_id=best)
+
+    @rpc
+    async def GetStats(self, request: pb.GetStatsRequest, context) -> pb.GetStatsResponse:
+        self.auth.of(context)
+        a = self.allocator
+        out = pb.GetStatsResponse(num_sessions=len(a.sessions.sessions), persistence=self.journal.state,
+                                  event_sequence=a.events.next_sequence - 1, lease_expiries=a.lease_expiries,
+                                  hash_fingerprint=a.fingerprint, hash_block_size=a.hash_block_size)
+        for pool in a.pools.values():
+            m = pool.manager
+            bp = m.block_pool
+            out.pools.add(pool_id=pool.pool_id, epoch=pool.epoch, num_blocks=bp.num_blocks,
+                          num_free_blocks=bp.get_num_free_blocks(), usage=bp.get_usage(),
+                          num_requests=len(pool.requests), prefix_hit_rate=m.prefix_cache_totals.hit_rate,
+                          prefix_queries=m.prefix_cache_totals.queries, prefix_hits=m.prefix_cache_totals.hits,
+                          evictions=bp.num_evictions, num_cached_blocks=len(bp.cached_block_hash_to_block),
+                          invariant_violation=a.invariant_violation(pool) if request.check_invariants else "")
+        return out
+
+    @rpc
+    async def ResetPrefixCache(self, request: pb.ResetPrefixCacheRequest, context) -> pb.ResetPrefixCacheResponse:
+        self.auth.require_admin(context)
+        pool_ids = [check_id(f"pool_ids[{i}]", p) for i, p in enumerate(request.pool_ids)]
+        self.journal.check_writable()
+        done, refused = self.allocator.reset_prefix_cache(pool_ids)
+        await self.journal.record("reset", {"pool_ids": pool_ids})
+        return pb.ResetPrefixCacheResponse(reset_pool_ids=done, refused_pool_ids=refused)
+
+    # ---- events --------------------------------------------------------------------------------
+    async def WatchEvents(self, request: pb.WatchEventsRequest, context):
+        try:
+            principal = self.auth.of(context)
+            pool_ids = {check_id(f"pool_ids[{i}]", p) for i, p in enumerate(request.pool_ids)}
+            log = self.allocator.events
+            cursor = request.start_sequence if request.HasField("start_sequence") else log.next_sequence
+            log.since(cursor)  # OUT_OF_RANGE now rather than after the first wait
+        except KVServiceError as exc:
+            self.metrics.rejected.labels("WatchEvents", exc.code.name).inc()
+            await context.abort(exc.code, exc.message)
+            return
+        tenant = principal.tenant
+        while True:
+            self._event_signal.clear()
+            try:
+                batch = list(log.since(cursor))
+            except KVServiceError as exc:  # the watcher fell behind the retained window
+                await context.abort(exc.code, exc.message)
+                return
+            for item in batch:
+                cursor = item.sequence + 1
+                if pool_ids and item.pool_id not in pool_ids:
+                    continue
+                owner = item.tenant
+                if owner is not None and owner != tenant:
+                    continue
+                yield encode_event(item)
+            if not batch:
+                await self._event_signal.wait()
+
+
+def encode_event(item: LoggedEvent) -> pb.KVEvent:
+    """A logged core event in the caller's own (tenant-free) hashes."""
+    msg = pb.KVEvent(sequence=item.sequence, pool_id=item.pool_id)
+    ev = item.event
+    if isinstance(ev, BlockStored):
+        msg.stored.block_hashes.extend(raw_hash(h) for h in ev.block_hashes)
+        if ev.parent_block_hash is not None:
+            msg.stored.parent_block_hash = raw_hash(ev.parent_block_hash)
+        if ev.token_ids:
+            msg.stored.token_ids = encode_tokens(ev.token_ids)
+        msg.stored.block_size = ev.block_size
+        msg.stored.group_idx = ev.group_idx
+        msg.stored.lora_name = ev.lora_name or ""
+        msg.stored.block_ids.extend(ev.block_ids)
+    elif isinstance(ev, BlockRemoved):
+        msg.removed.block_hashes.extend(raw_hash(h) for h in ev.block_hashes)
+        msg.removed.group_idx = ev.group_idx
+    elif isinstance(ev, AllBlocksCleared):
+        msg.cleared.SetInParent()
+    return msg
+

@@ -1,0 +1,320 @@
+"""Protobuf ⇄ domain translation, shared by the server and the client (one way to do it).
+
+Decoding validates every field a request carries and raises `InvalidArgument` naming the field (as
+a path like `ops[3].allocate.request_id`) and its value, before anything is applied.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Sequence
+
+from kvservice._proto import allocator_pb2 as pb
+from kvservice.core import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from kvservice.errors import InvalidArgument
+from kvservice.hashing import HASH_BYTES, MultiModalItem
+from kvservice.ops import AddRequestOp, AllocateOp, ForkOp, FreeOp, Op, OpResult, OpStatus, StepResult, TransferOrder
+from kvservice.pools import PoolSpec
+
+MAX_ID_BYTES = 256
+MAX_NAME_BYTES = 256
+MAX_OPS_PER_STEP = 16_384
+MAX_BLOCKS = 1 << 31
+MAX_MODEL_LEN = 1 << 24
+_LITTLE = sys.byteorder == "little"
+
+
+# ---- primitives ----------------------------------------------------------------------------------
+def check_id(field: str, value: str) -> str:
+    if not value:
+        raise InvalidArgument(field, value, "must not be empty")
+    if len(value) > MAX_ID_BYTES or len(value.encode()) > MAX_ID_BYTES:
+        raise InvalidArgument(field, value, f"longer than {MAX_ID_BYTES} bytes")
+    if not value.isprintable():
+        raise InvalidArgument(field, value, "must not contain control characters")
+    return value
+
+
+def check_name(field: str, value: str) -> str | None:
+    if not value:
+        return None
+    if len(value.encode()) > MAX_NAME_BYTES:
+        raise InvalidArgument(field, value, f"longer than {MAX_NAME_BYTES} bytes")
+    return value
+
+
+def decode_tokens(field: str, data: bytes, vocab_size: int = 0) -> array:
+    if len(data) % 4:
+        raise InvalidArgument(field, f"<{len(data)} bytes>", "token ids are little-endian uint32: the length must "
+                                                             "be a multiple of 4")
+    tokens = array("I")
+    tokens.frombytes(data)
+    if not _LITTLE:
+        tokens.byteswap()
+    if vocab_size and tokens and max(tokens) >= vocab_size:
+        bad = next(i for i, t in enumerate(tokens) if t >= vocab_size)
+        raise InvalidArgument(f"{field}[{bad}]", tokens[bad], f"token id out of range for vocab_size {vocab_size}")
+    return tokens
+
+
+def encode_tokens(tokens: Sequence[int] | array) -> bytes:
+    arr = tokens if isinstance(tokens, array) and tokens.typecode == "I" else array("I", tokens)
+    if not _LITTLE:
+        arr = array("I", arr)
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def decode_hashes(field: str, data: bytes) -> list[bytes]:
+    if len(data) % HASH_BYTES:
+        raise InvalidArgument(field, f"<{len(data)} bytes>", f"block hashes are {HASH_BYTES} bytes each: the length "
+                                                             f"must be a multiple of {HASH_BYTES}")
+    return [data[i:i + HASH_BYTES] for i in range(0, len(data), HASH_BYTES)]
+
+
+def check_count(field: str, value: int, limit: int) -> int:
+    if value > limit:
+        raise InvalidArgument(field, value, f"exceeds the limit {limit}")
+    return value
+
+
+# ---- pools ---------------------------------------------------------------------------------------
+def decode_config(msg: pb.KVCacheConfig, field: str = "config") -> tuple[KVCacheConfig, int, int]:
+    """Returns (KVCacheConfig, max_model_len, dcp_world_size)."""
+    if msg.num_blocks < 2:
+        raise InvalidArgument(f"{field}.num_blocks", msg.num_blocks, "must be >= 2 (the null block + 1)")
+    check_count(f"{field}.num_blocks", msg.num_blocks, MAX_BLOCKS)
+    if not msg.groups:
+        raise InvalidArgument(f"{field}.groups", [], "needs at least one KV-cache group")
+    if msg.max_model_len == 0:
+        raise InvalidArgument(f"{field}.max_model_len", 0, "must be positive")
+    check_count(f"{field}.max_model_len", msg.max_model_len, MAX_MODEL_LEN)
+    dcp = msg.dcp_world_size or 1
+    check_count(f"{field}.dcp_world_size", dcp, 64)
+    specs = []
+    for i, group in enumerate(msg.groups):
+        kind = group.WhichOneof("kind")
+        g = f"{field}.groups[{i}]"
+        if kind is None:
+            raise InvalidArgument(g, "{}", "set one of full_attention, sliding_window, chunked_local, mamba")
+        sub = getattr(group, kind)
+        if sub.block_size == 0 or sub.block_size > 1 << 16:
+            raise InvalidArgument(f"{g}.{kind}.block_size", sub.block_size, "must be in [1, 65536]")
+        if kind == "full_attention":
+            specs.append(FullAttentionSpec(sub.block_size))
+        elif kind == "sliding_window":
+            if sub.sliding_window == 0:
+                raise InvalidArgument(f"{g}.sliding_window.sliding_window", 0, "must be positive")
+            specs.append(SlidingWindowSpec(sub.block_size, sub.sliding_window))
+        elif kind == "chunked_local":
+            if sub.attention_chunk_size == 0:
+                raise InvalidArgument(f"{g}.chunked_local.attention_chunk_size", 0, "must be positive")
+            specs.append(ChunkedLocalAttentionSpec(sub.block_size, sub.attention_chunk_size))
+        else:
+            specs.append(MambaSpec(sub.block_size))
+        if dcp > 1 and kind != "full_attention":
+            raise InvalidArgument(f"{field}.dcp_world_size", dcp, f"decode context parallelism needs full attention "
+                                                                  f"only; groups[{i}] is {kind}")
+    return KVCacheConfig(int(msg.num_blocks), specs), msg.max_model_len, dcp
+
+
+def decode_pool_spec(msg: pb.RegisterPoolRequest, hash_block_size: int) -> PoolSpec:
+    pool_id = check_id("pool_id", msg.pool_id)
+    config, max_model_len, dcp = decode_config(msg.config)
+    for i, spec in enumerate(config.groups):
+        size = spec.block_size * (dcp if isinstance(spec, FullAttentionSpec) else 1)
+        if size % hash_block_size:
+            raise InvalidArgument(f"config.groups[{i}].block_size", spec.block_size,
+                                  f"the block ({size} tokens) must be a multiple of the service's hash block "
+                                  f"size {hash_block_size}")
+    return PoolSpec(pool_id, config, max_model_len, dcp, not msg.config.disable_prefix_caching,
+                    msg.config.vocab_size, check_name("config.kv_layout", msg.config.kv_layout) or "", msg.epoch)
+
+
+def encode_config(config: KVCacheConfig, max_model_len: int, dcp_world_size: int = 1, enable_caching: bool = True,
+                  vocab_size: int = 0, kv_layout: str = "") -> pb.KVCacheConfig:
+    msg = pb.KVCacheConfig(num_blocks=config.num_blocks, max_model_len=max_model_len, dcp_world_size=dcp_world_size,
+                           disable_prefix_caching=not enable_caching, vocab_size=vocab_size, kv_layout=kv_layout)
+    for spec in config.groups:
+        g = msg.groups.add()
+        if isinstance(spec, FullAttentionSpec):
+            g.full_attention.block_size = spec.block_size
+        elif isinstance(spec, SlidingWindowSpec):
+            g.sliding_window.block_size = spec.block_size
+            g.sliding_window.sliding_window = spec.sliding_window
+        elif isinstance(spec, ChunkedLocalAttentionSpec):
+            g.chunked_local.block_size = spec.block_size
+            g.chunked_local.attention_chunk_size = spec.attention_chunk_size
+        else:
+            g.mamba.block_size = spec.block_size
+    return msg
+
+
+# ---- ops -----------------------------------------------------------------------------------------
+def decode_ops(ops: Sequence[pb.Op], spec: PoolSpec, hash_block_size: int, field: str = "ops") -> list[Op]:
+    check_count(field, len(ops), MAX_OPS_PER_STEP)
+    out: list[Op] = []
+    append = out.append
+    max_len = spec.max_model_len
+    vocab = spec.vocab_size
+    for i, op in enumerate(ops):
+        kind = op.WhichOneof("op")
+        if kind == "allocate":
+            append(decode_allocate(op.allocate, max_len, vocab, f"{field}[{i}].allocate"))
+        elif kind == "add":
+            append(decode_add(op.add, max_len, vocab, hash_block_size, f"{field}[{i}].add"))
+        elif kind == "free":
+            append(FreeOp(check_id(f"{field}[{i}].free.request_id", op.free.request_id)))
+        elif kind == "fork":
+            f = op.fork
+            append(ForkOp(check_id(f"{field}[{i}].fork.parent_request_id", f.parent_request_id),
+                          check_id(f"{field}[{i}].fork.child_request_id", f.child_request_id)))
+        else:
+            raise InvalidArgument(f"{field}[{i}]", "{}", "set one of add, allocate, fork, free")
+    return out
+
+
+def decode_add(a: pb.AddRequestOp, max_len: int, vocab: int, hash_block_size: int, field: str) -> AddRequestOp:
+    request_id = check_id(f"{field}.request_id", a.request_id)
+    mm = tuple(MultiModalItem(check_id(f"{field}.mm_items[{j}].identifier", m.identifier), m.offset, m.length)
+               for j, m in enumerate(a.mm_items))
+    if a.block_hashes:
+        if a.token_ids:
+            raise InvalidArgument(f"{field}.token_ids", f"<{len(a.token_ids)} bytes>",
+                                  "send token_ids or block_hashes, not both")
+        if a.cache_salt or mm:
+            raise InvalidArgument(f"{field}.cache_salt" if a.cache_salt else f"{field}.mm_items", "...",
+                                  "with block_hashes the client hashes salt and multimodal items itself")
+        hashes = decode_hashes(f"{field}.block_hashes", a.block_hashes)
+        if a.num_tokens == 0 or a.num_tokens > max_len:
+            raise InvalidArgument(f"{field}.num_tokens", a.num_tokens, f"must be in [1, max_model_len {max_len}]")
+        if len(hashes) != a.num_tokens // hash_block_size:
+            raise InvalidArgument(f"{field}.block_hashes", f"<{len(hashes)} hashes>",
+                                  f"{a.num_tokens} tokens need {a.num_tokens // hash_block_size} hashes at hash "
+                                  f"block size {hash_block_size}")
+        return AddRequestOp(request_id, None, hashes, a.num_tokens, None,
+                            check_name(f"{field}.lora_name", a.lora_name))
+    tokens = decode_tokens(f"{field}.token_ids", a.token_ids, vocab)
+    if not tokens:
+        raise InvalidArgument(f"{field}.token_ids", "<0 bytes>", "a request needs at least one token (or "
+                                                                 "block_hashes with num_tokens)")
+    if len(tokens) > max_len:
+        raise InvalidArgument(f"{field}.token_ids", f"<{len(tokens)} tokens>", f"exceeds max_model_len {max_len}")
+    if a.num_tokens and a.num_tokens != len(tokens):
+        raise InvalidArgument(f"{field}.num_tokens", a.num_tokens, f"disagrees with the {len(tokens)} token ids")
+    for j, m in enumerate(mm):
+        if m.length == 0 or m.offset + m.length > len(tokens):
+            raise InvalidArgument(f"{field}.mm_items[{j}]", (m.offset, m.length), "must lie inside the prompt")
+    return AddRequestOp(request_id, tokens, None, len(tokens), check_name(f"{field}.cache_salt", a.cache_salt),
+                        check_name(f"{field}.lora_name", a.lora_name), mm)
+
+
+def decode_allocate(a: pb.AllocateOp, max_len: int, vocab: int, field: str) -> AllocateOp:
+    request_id = a.request_id
+    if not request_id or len(request_id) > MAX_ID_BYTES or not request_id.isprintable():
+        check_id(f"{field}.request_id", request_id)
+    if a.num_computed_tokens > max_len:
+        raise InvalidArgument(f"{field}.num_computed_tokens", a.num_computed_tokens, f"exceeds max_model_len {max_len}")
+    if a.num_new_tokens > max_len:
+        raise InvalidArgument(f"{field}.num_new_tokens", a.num_new_tokens, f"exceeds max_model_len {max_len}")
+    if a.num_lookahead_tokens > max_len:
+        raise InvalidArgument(f"{field}.num_lookahead_tokens", a.num_lookahead_tokens,
+                              f"exceeds max_model_len {max_len}")
+    tokens = hashes = None
+    if a.append_token_ids:
+        tokens = decode_tokens(f"{field}.append_token_ids", a.append_token_ids, vocab)
+        if len(tokens) > max_len:
+            raise InvalidArgument(f"{field}.append_token_ids", f"<{len(tokens)} tokens>", "exceeds max_model_len")
+        if a.num_append_tokens or a.append_block_hashes:
+            raise InvalidArgument(f"{field}.num_append_tokens", a.num_append_tokens,
+                                  "append token ids or hashes (with num_append_tokens), not both")
+    elif a.append_block_hashes or a.num_append_tokens:
+        hashes = decode_hashes(f"{field}.append_block_hashes", a.append_block_hashes)
+        if a.num_append_tokens == 0 or a.num_append_tokens > max_len:
+            raise InvalidArgument(f"{field}.num_append_tokens", a.num_append_tokens,
+                                  f"must be in [1, max_model_len {max_len}] when appending hashes")
+    return AllocateOp(request_id, a.num_computed_tokens, a.num_new_tokens, tokens, hashes, a.num_append_tokens,
+                      a.num_lookahead_tokens, a.delay_cache_blocks, a.allow_transfer)
+
+
+def encode_op(op: Op, msg: pb.Op) -> None:
+    """Fills `msg` from a domain op (client side)."""
+    if isinstance(op, AllocateOp):
+        a = msg.allocate
+        a.request_id = op.request_id
+        a.num_computed_tokens = op.num_computed_tokens
+        a.num_new_tokens = op.num_new_tokens
+        if op.append_token_ids is not None:
+            a.append_token_ids = encode_tokens(op.append_token_ids)
+        if op.append_block_hashes is not None:
+            a.append_block_hashes = b"".join(op.append_block_hashes)
+        a.num_append_tokens = op.num_append_tokens
+        a.num_lookahead_tokens = op.num_lookahead_tokens
+        a.delay_cache_blocks = op.delay_cache_blocks
+        a.allow_transfer = op.allow_transfer
+    elif isinstance(op, AddRequestOp):
+        encode_add(op, msg.add)
+    elif isinstance(op, FreeOp):
+        msg.free.request_id = op.request_id
+    elif isinstance(op, ForkOp):
+        msg.fork.parent_request_id = op.parent_request_id
+        msg.fork.child_request_id = op.child_request_id
+    else:
+        raise TypeError(f"not an op: {op!r}")
+
+
+def encode_add(op: AddRequestOp, a: pb.AddRequestOp) -> None:
+    a.request_id = op.request_id
+    if op.block_hashes is not None:
+        a.block_hashes = b"".join(op.block_hashes)
+        a.num_tokens = op.num_tokens
+    else:
+        a.token_ids = encode_tokens(op.token_ids or [])
+    a.cache_salt = op.cache_salt or ""
+    a.lora_name = op.lora_name or ""
+    for m in op.mm_items:
+        a.mm_items.add(identifier=m.identifier, offset=m.offset, length=m.length)
+
+
+# ---- results -------------------------------------------------------------------------------------
+def encode_step_result(result: StepResult, msg: pb.StepResponse) -> pb.StepResponse:
+    msg.sequence = result.sequence
+    add = msg.results.add
+    for r in result.results:
+        m = add(status=r.status, request_id=r.request_id, num_computed_tokens=r.num_computed_tokens,
+                num_scheduled_tokens=r.num_scheduled_tokens, num_tokens=r.num_tokens)
+        if r.message:
+            m.message = r.message
+        if r.new_block_ids:
+            group_add = m.new_blocks.add
+            for ids in r.new_block_ids:
+                group_add(block_ids=ids)
+        if r.transfer is not None:
+            t = r.transfer
+            m.transfer.CopyFrom(pb.TransferOrder(transfer_id=t.transfer_id, src_pool_id=t.src_pool_id,
+                                                 src_block_ids=t.src_block_ids, dst_block_ids=t.dst_block_ids,
+                                                 num_tokens=t.num_tokens))
+    for src, dst in result.copies:
+        msg.copies.add(src=src, dst=dst)
+    return msg
+
+
+def decode_step_result(msg: pb.StepResponse) -> StepResult:
+    results = []
+    for m in msg.results:
+        transfer = None
+        if m.HasField("transfer"):
+            t = m.transfer
+            transfer = TransferOrder(t.transfer_id, t.src_pool_id, list(t.src_block_ids), list(t.dst_block_ids),
+                                     t.num_tokens)
+        results.append(OpResult(m.request_id, OpStatus(m.status), m.message,
+                                tuple(list(g.block_ids) for g in m.new_blocks), m.num_computed_tokens,
+                                m.num_scheduled_tokens, m.num_tokens, transfer))
+    return StepResult(msg.sequence, results, [(c.src, c.dst) for c in msg.copies])
