@@ -207,3 +207,25 @@ def test_fork_op_inside_step_and_errors(client, request):
     assert [x.status for x in r.results] == [OpStatus.OK, OpStatus.FAILED_PRECONDITION, OpStatus.OK, OpStatus.OK,
                                              OpStatus.ALREADY_EXISTS, OpStatus.NOT_FOUND]
     client.free(pid, "p", "c")
+
+
+def test_async_client_round_trip(server, request):
+    import asyncio
+
+    from kvservice.client import AsyncKVServiceClient
+
+    async def run():
+        async with AsyncKVServiceClient(server.target, hash_block_size=HBS) as c:
+            pid = pool_id(request)
+            await c.register_pool(pid, small_config(32, 4), max_model_len=256)
+            steps = await asyncio.gather(*[
+                c.step(pid, [AddRequestOp(f"r{i}", token_ids=list(range(8))), AllocateOp(f"r{i}", num_new_tokens=8)])
+                for i in range(4)])
+            assert sorted(s.sequence for s in steps) == [2, 3, 4, 5]  # serialized per session
+            assert sorted(s[1].num_computed_tokens for s in steps) == [0, 4, 4, 4]
+            assert (await c.lookup(list(range(9)))).tokens(pid) == 8
+            await c.free(pid, *[f"r{i}" for i in range(4)])
+            stats = await c.get_stats(check_invariants=True)
+            assert stats.pools[pid].num_free_blocks == 31 and stats.pools[pid].invariant_violation == ""
+
+    asyncio.run(run())

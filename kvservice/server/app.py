@@ -14,12 +14,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvservice._proto import allocator_pb2 as pb
-from kvservice._proto import allocator_pb2_grpc as pb_grpc
 from kvservice.allocator import Allocator
 from kvservice.hashing import DEFAULT_HASH_BLOCK_SIZE, DEFAULT_HASH_SEED
 from kvservice.server.auth import Authenticator, AuthInterceptor, load_token_file
 from kvservice.server.metrics import Metrics
-from kvservice.server.servicer import AllocatorServicer, NullJournal
+from kvservice.server.servicer import AllocatorServicer, NullJournal, method_handlers
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Allocator"].full_name
@@ -68,7 +67,7 @@ class AllocatorServer:
         reject = lambda method, reason: self.metrics.rejected.labels(method.rsplit("/", 1)[-1], reason).inc()
         interceptor = AuthInterceptor(self.auth, reject)
         self.server = grpc.aio.server(interceptors=[interceptor], options=options)
-        pb_grpc.add_AllocatorServicer_to_server(self.servicer, self.server)
+        self.server.add_generic_rpc_handlers((method_handlers(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
         address = f"{cfg.host}:{cfg.port}"

@@ -16,7 +16,6 @@ from collections.abc import Callable
 import grpc
 
 from kvservice._proto import allocator_pb2 as pb
-from kvservice._proto import allocator_pb2_grpc as pb_grpc
 from kvservice.allocator import Allocator, RegisterResult
 from kvservice.core import AllBlocksCleared, BlockRemoved, BlockStored
 from kvservice.errors import InvalidArgument, KVServiceError, Unimplemented
@@ -53,15 +52,30 @@ class NullJournal:
         return None
 
 
+SERVICE = pb.DESCRIPTOR.services_by_name["Allocator"]
+
+
+def parse(name: str, raw: bytes):
+    """Requests arrive as bytes (kept for the WAL) and are parsed here, so that undecodable input is an
+    INVALID_ARGUMENT rather than gRPC's generic UNKNOWN."""
+    cls = SERVICE.methods_by_name[name].input_type._concrete_class
+    try:
+        return cls.FromString(raw)
+    except Exception:
+        raise InvalidArgument("request", f"<{len(raw)} bytes>", f"not a valid {cls.DESCRIPTOR.full_name} message") \
+            from None
+
+
 def rpc(method: Callable) -> Callable:
-    """Maps domain errors to gRPC statuses, times the call, and never lets a bug crash the server."""
+    """Parses the request, maps domain errors to gRPC statuses, times the call, and never lets a bug
+    crash the server."""
     name = method.__name__
 
     @functools.wraps(method)
-    async def wrapper(self: AllocatorServicer, request, context: grpc.aio.ServicerContext):
+    async def wrapper(self: AllocatorServicer, raw: bytes, context: grpc.aio.ServicerContext):
         start = time.perf_counter()
         try:
-            return await method(self, request, context)
+            return await method(self, parse(name, raw), context)
         except KVServiceError as exc:
             self.metrics.rejected.labels(name, exc.code.name).inc()
             await context.abort(exc.code, exc.message)
@@ -77,7 +91,7 @@ def rpc(method: Callable) -> Callable:
     return wrapper
 
 
-class AllocatorServicer(pb_grpc.AllocatorServicer):
+class AllocatorServicer:
     def __init__(self, allocator: Allocator, auth: Authenticator, metrics: Metrics, journal=None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.allocator = allocator
@@ -273,8 +287,9 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         return pb.ResetPrefixCacheResponse(reset_pool_ids=done, refused_pool_ids=refused)
 
     # ---- events --------------------------------------------------------------------------------
-    async def WatchEvents(self, request: pb.WatchEventsRequest, context):
+    async def WatchEvents(self, raw: bytes, context):
         try:
+            request = parse("WatchEvents", raw)
             principal = self.auth.of(context)
             pool_ids = {check_id(f"pool_ids[{i}]", p) for i, p in enumerate(request.pool_ids)}
             log = self.allocator.events
@@ -302,6 +317,17 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
                 yield encode_event(item)
             if not batch:
                 await self._event_signal.wait()
+
+
+def method_handlers(servicer: AllocatorServicer) -> grpc.GenericRpcHandler:
+    """The service's handlers, taking raw request bytes (see `parse`)."""
+    handlers = {}
+    for method in SERVICE.methods:
+        impl = getattr(servicer, method.name)
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(impl, request_deserializer=None,
+                                     response_serializer=method.output_type._concrete_class.SerializeToString)
+    return grpc.method_handlers_generic_handler(SERVICE.full_name, handlers)
 
 
 def encode_event(item: LoggedEvent) -> pb.KVEvent:

@@ -1,0 +1,207 @@
+"""Auth, admin, tenant isolation, quotas, TLS and mTLS against real server processes."""
+
+import datetime
+import ipaddress
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from kvservice.errors import KVServiceError, PermissionDenied, Unauthenticated, Unavailable
+from kvservice.ops import AddRequestOp, AllocateOp, OpStatus
+from tests.service_helpers import small_config, start_server
+
+TOKENS = "tok-a tenant-a\ntok-b tenant-b\ntok-admin ops admin\n"
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory):
+    d = tmp_path_factory.mktemp("auth")
+    (d / "tokens").write_text(TOKENS)
+    proc = start_server("--token-file", str(d / "tokens"), "--quota", "tenant-b=6", log_dir=d)
+    yield proc
+    proc.stop()
+
+
+def test_missing_and_wrong_tokens_are_unauthenticated(secured):
+    for token in (None, "nope"):
+        c = secured.client(token, retries=0)
+        with pytest.raises(Unauthenticated):
+            c.get_stats()
+        with pytest.raises(Unauthenticated):
+            c.open_session()
+        c.close()
+    # The watch stream is guarded too.
+    c = secured.client("nope", retries=0)
+    with pytest.raises(Unauthenticated):
+        next(iter(c.watch_events(timeout_s=5)))
+    c.close()
+
+
+def test_health_and_reflection_are_exempt(secured):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+    with grpc.insecure_channel(secured.target) as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        replies = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                                 timeout=5))
+        names = {s.name for s in replies[0].list_services_response.service}
+        assert {"kvservice.v1.Allocator", "grpc.health.v1.Health"} <= names
+
+
+def test_reset_needs_an_admin_token(secured):
+    user = secured.client("tok-a")
+    with pytest.raises(PermissionDenied, match="not an admin"):
+        user.reset_prefix_cache()
+    admin = secured.client("tok-admin")
+    admin.reset_prefix_cache()
+    user.close()
+    admin.close()
+
+
+def test_tenants_never_share_prefixes_requests_or_events(secured):
+    a, b = secured.client("tok-a"), secured.client("tok-b")
+    a.register_pool("shared", small_config(64, 16), max_model_len=512)
+    prompt = list(range(64))
+    start = a.get_stats().event_sequence + 1
+    r = a.step("shared", [AddRequestOp("r", token_ids=prompt), AllocateOp("r", num_new_tokens=64)])
+    a_blocks = set(r[1].new_block_ids[0])
+    # Same request id, same prompt, even the same client-computed hashes: no hit, no shared block.
+    r = b.step("shared", [AddRequestOp("r", block_hashes=b.hash_prompt(prompt), num_tokens=64),
+                          AllocateOp("r", num_new_tokens=64)])
+    assert r[0].status == OpStatus.OK and r[1].num_computed_tokens == 0
+    assert not a_blocks & set(r[1].new_block_ids[0])
+    assert a.lookup(prompt + [1]).tokens("shared") == 64 and b.lookup(prompt).tokens("shared") == 48
+    # Tenant a's own repeat hits its own blocks.
+    r = a.step("shared", [AddRequestOp("r2", token_ids=prompt), AllocateOp("r2", num_new_tokens=64)])
+    assert r[1].num_computed_tokens == 48
+    a_blocks |= set(r[1].new_block_ids[0])
+    # Each tenant sees only its own events, in its own (tenant-free) hashes.
+    seen_a = [e for e in _drain(a, start)]
+    seen_b = [e for e in _drain(b, start)]
+    assert seen_a and seen_b
+    assert {h for e in seen_a for h in e.block_hashes} == set(a.hash_prompt(prompt))
+    assert all(set(e.block_ids) <= a_blocks for e in seen_a)
+    assert not {bid for e in seen_b for bid in e.block_ids} & a_blocks
+    # Requests are per tenant: b cannot read or free a's.
+    assert b.get_request("shared", "r").block_ids != a.get_request("shared", "r").block_ids
+    a.free("shared", "r", "r2")
+    assert b.get_request("shared", "r").running
+    b.free("shared", "r")
+    a.close()
+    b.close()
+
+
+def _drain(client, start):
+    """Every event visible to `client` from `start` (the stream stays open: read until a deadline)."""
+    out = []
+    try:
+        for e in client.watch_events(["shared"], start_sequence=start, timeout_s=2):
+            out.append(e)
+    except KVServiceError as exc:
+        assert exc.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    return out
+
+
+def test_sessions_belong_to_their_tenant(secured):
+    a, b = secured.client("tok-a"), secured.client("tok-b")
+    a.open_session()
+    b.session_id = a.session_id
+    b.next_sequence = a.next_sequence
+    with pytest.raises(PermissionDenied, match="another tenant"):
+        b.heartbeat()
+    a.close()
+    b.close()
+
+
+def test_tenant_block_quota(secured):
+    b = secured.client("tok-b")
+    b.register_pool("quota", small_config(64, 16), max_model_len=512)
+    r = b.step("quota", [AddRequestOp("q1", token_ids=list(range(64))), AllocateOp("q1", num_new_tokens=64)])
+    assert r[1].status == OpStatus.OK  # 4 blocks of a quota of 6
+    r = b.step("quota", [AddRequestOp("q2", token_ids=list(range(1000, 1048))), AllocateOp("q2", num_new_tokens=48)])
+    assert r[1].status == OpStatus.RESOURCE_EXHAUSTED
+    assert "4 held + 3 needed > quota 6" in r[1].message
+    # A fork shares blocks: it costs nothing against the quota.
+    assert b.fork("quota", "q1", "q1-child")[0].status == OpStatus.OK
+    b.free("quota", "q1", "q1-child", "q2")
+    r = b.step("quota", [AddRequestOp("q3", token_ids=list(range(2000, 2096))), AllocateOp("q3", num_new_tokens=96)])
+    assert r[1].status == OpStatus.OK  # 6 blocks: exactly the quota once the others are freed
+    b.free("quota", "q3")
+    b.close()
+
+
+# ---- TLS ------------------------------------------------------------------------------------------
+def _cert(subject: str, issuer_key, issuer_name, key, ca: bool = False, server: bool = False):
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (x509.CertificateBuilder().subject_name(name).issuer_name(issuer_name or name)
+               .public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=2))
+               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if server:
+        builder = builder.add_extension(x509.SubjectAlternativeName(
+            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+    return builder.sign(issuer_key, hashes.SHA256())
+
+
+def _write(path, cert=None, key=None):
+    if cert is not None:
+        path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    else:
+        path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pki")
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = _cert("kvservice test CA", ca_key, None, ca_key, ca=True)
+    files = {"ca": _write(d / "ca.pem", cert=ca)}
+    for who, server in (("server", True), ("client", False)):
+        key = ec.generate_private_key(ec.SECP256R1())
+        files[f"{who}_key"] = _write(d / f"{who}.key", key=key)
+        files[f"{who}_cert"] = _write(d / f"{who}.pem", cert=_cert(who, ca_key, ca.subject, key, server=server))
+    other_key = ec.generate_private_key(ec.SECP256R1())
+    rogue = _cert("rogue", other_key, None, other_key)
+    files["rogue_key"] = _write(d / "rogue.key", key=other_key)
+    files["rogue_cert"] = _write(d / "rogue.pem", cert=rogue)
+    files["dir"] = d
+    return files
+
+
+def test_tls_server(pki):
+    proc = start_server("--tls-cert", pki["server_cert"], "--tls-key", pki["server_key"], log_dir=pki["dir"])
+    try:
+        c = proc.client(tls_ca=pki["ca"])
+        assert c.get_stats().persistence in ("off", "ok", "degraded")
+        c.close()
+        plain = proc.client(retries=0, timeout_s=3)
+        with pytest.raises(Unavailable):
+            plain.get_stats()
+        plain.close()
+    finally:
+        proc.stop()
+
+
+def test_mutual_tls_requires_a_client_certificate(pki):
+    proc = start_server("--tls-cert", pki["server_cert"], "--tls-key", pki["server_key"], "--tls-ca", pki["ca"],
+                        log_dir=pki["dir"])
+    try:
+        good = proc.client(tls_ca=pki["ca"], tls_cert=pki["client_cert"], tls_key=pki["client_key"])
+        good.register_pool("mtls", small_config(), max_model_len=256)
+        good.close()
+        for cert, key in ((None, None), (pki["rogue_cert"], pki["rogue_key"])):
+            bad = proc.client(tls_ca=pki["ca"], tls_cert=cert, tls_key=key, retries=0, timeout_s=3)
+            with pytest.raises(Unavailable):
+                bad.get_stats()
+            bad.close()
+    finally:
+        proc.stop()
