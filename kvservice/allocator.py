@@ -7,10 +7,11 @@ write-ahead log replays. No I/O and no clock of its own: times are arguments.
 from __future__ import annotations
 
 import logging
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvservice.core import AllBlocksCleared, Request
+from kvservice.core import AllBlocksCleared, KVCacheBlocks, Request
 from kvservice.core.invariants import InvariantError, check_invariants
 from kvservice.errors import FailedPrecondition, NotFound
 from kvservice.eventlog import EventLog
@@ -18,6 +19,8 @@ from kvservice.hashing import DEFAULT_HASH_BLOCK_SIZE, DEFAULT_HASH_SEED, hash_p
 from kvservice.ops import (
     AddRequestOp,
     AllocateOp,
+    DecodeBatchOp,
+    DecodeBatchResult,
     ForkOp,
     FreeOp,
     Op,
@@ -25,10 +28,11 @@ from kvservice.ops import (
     OpStatus,
     StepResult,
 )
-from kvservice.pools import Pool, PoolSpec, TenantUsage, client_request_id, namespace, request_key
+from kvservice.pools import SEP, Pool, PoolSpec, TenantUsage, client_request_id, namespace, request_key
 from kvservice.sessions import Session, SessionTable
 
 logger = logging.getLogger(__name__)
+EMPTY_BLOCKS = KVCacheBlocks(((),))  # an append-only op: scheduled nothing
 
 
 @dataclass(slots=True)
@@ -166,6 +170,8 @@ class Allocator:
                 results.append(self._allocate(pool, session, op))
             elif isinstance(op, AddRequestOp):
                 results.append(self._add(pool, session, op))
+            elif isinstance(op, DecodeBatchOp):
+                results.append(self._decode_batch(pool, session, op))
             elif isinstance(op, FreeOp):
                 results.append(self._free_op(pool, session, op))
             else:
@@ -210,72 +216,135 @@ class Allocator:
         return OpResult(op.request_id, num_tokens=req.num_tokens)
 
     def _allocate(self, pool: Pool, session: Session, op: AllocateOp) -> OpResult:
-        key = request_key(session.tenant, op.request_id)
+        tenant = session.tenant
+        request_id = op.request_id
+        key = f"{tenant}{SEP}{request_id}" if tenant else request_id
         req = pool.requests.get(key)
         if req is None:
-            return self._missing(pool, key, op.request_id)
+            return self._missing(pool, key, request_id)
+        tokens = op.append_token_ids
+        if tokens is not None and len(tokens) == 1:
+            tokens = tokens[0]
+        status, message, new, start, num_new = self._schedule(
+            pool, tenant, key, req, op.num_computed_tokens, op.num_new_tokens, tokens, op.append_block_hashes,
+            op.num_append_tokens, op.num_lookahead_tokens, op.delay_cache_blocks)
+        if new is None:
+            return OpResult(request_id, status, message, (), start, num_new, req.num_tokens)
+        groups = new.blocks
+        if len(groups) == 1:
+            ids = ([b.block_id for b in groups[0]],) if groups[0] else ([],)
+        else:
+            ids = tuple([b.block_id for b in g] for g in groups)
+        return OpResult(request_id, OpStatus.OK, "", ids, start, num_new, req.num_tokens)
+
+    def _decode_batch(self, pool: Pool, session: Session, op: DecodeBatchOp) -> OpResult:
+        """Entry i is exactly the AllocateOp it stands for; outcomes are packed."""
+        tenant = session.tenant
+        requests = pool.requests
+        statuses = bytearray(len(op.request_ids))
+        counts, ids, computed_out, scheduled_out = array("I"), array("I"), array("I"), array("I")
+        failures: list[OpResult] = []
+        num_groups = len(pool.spec.config.groups)
+        tokens = op.append_token_ids
+        budget, lookahead = op.num_new_tokens or 1, op.num_lookahead_tokens
+        for i, request_id in enumerate(op.request_ids):
+            key = f"{tenant}{SEP}{request_id}" if tenant else request_id
+            req = requests.get(key)
+            if req is None:
+                failure = self._missing(pool, key, request_id)
+                status, new, start, num_new = failure.status, None, 0, 0
+            else:
+                status, message, new, start, num_new = self._schedule(
+                    pool, tenant, key, req, op.num_computed_tokens[i], budget,
+                    None if tokens is None else tokens[i], None, 0, lookahead, False)
+                if new is None:
+                    failure = OpResult(request_id, status, message, (), start, num_new, req.num_tokens)
+            if new is None:
+                statuses[i] = status
+                failures.append(failure)
+                counts.extend([0] * num_groups)
+            else:
+                for group in new.blocks:
+                    counts.append(len(group))
+                    for block in group:
+                        ids.append(block.block_id)
+            computed_out.append(start)
+            scheduled_out.append(num_new)
+        batch = DecodeBatchResult(bytes(statuses), counts, ids, computed_out, scheduled_out, failures, num_groups)
+        return OpResult("", OpStatus.OK, "", (), 0, 0, 0, None, batch)
+
+    def _schedule(self, pool: Pool, tenant: str, key: str, req: Request, num_computed_tokens: int,
+                  num_new_tokens: int, append_tokens, append_hashes, num_append: int, num_lookahead: int,
+                  delay_cache_blocks: bool):
+        """Appends, then schedules up to `num_new_tokens`; all or nothing.
+
+        Returns:
+            (status, message, new blocks or None, where the new tokens start, how many were scheduled).
+        """
         manager = pool.manager
         num_tokens_before = req.num_tokens
         computed_before = req.num_computed_tokens
-        if op.append_token_ids is not None or op.num_append_tokens:
-            if op.num_append_tokens and not req.has_token_ids:
-                try:
-                    req.append_block_hashes(op.append_block_hashes or [], op.num_append_tokens)
-                except ValueError as exc:
-                    return OpResult(op.request_id, OpStatus.FAILED_PRECONDITION, str(exc))
-            elif op.append_token_ids is not None and req.has_token_ids:
-                req.append_output_token_ids(op.append_token_ids)
-            else:
-                kind = "token ids" if req.has_token_ids else "block hashes"
-                return OpResult(op.request_id, OpStatus.FAILED_PRECONDITION,
-                                f"request {op.request_id!r} was added with {kind}: append {kind}")
-        if req.num_tokens > pool.spec.max_model_len:
-            req.truncate(num_tokens_before)
-            return OpResult(op.request_id, OpStatus.FAILED_PRECONDITION,
-                            f"request {op.request_id!r} would hold {req.num_tokens} tokens > max_model_len "
-                            f"{pool.spec.max_model_len}")
-        running = manager.coordinator.is_running(key)
+        if append_tokens is not None or num_append:
+            failure = self._append(req, key, append_tokens, append_hashes, num_append)
+            if failure is not None:
+                return OpStatus.FAILED_PRECONDITION, failure, None, 0, 0
+            if req.num_tokens > pool.spec.max_model_len:
+                num_tokens = req.num_tokens
+                req.truncate(num_tokens_before)
+                return (OpStatus.FAILED_PRECONDITION, f"request {client_request_id(key)!r} would hold {num_tokens} "
+                        f"tokens > max_model_len {pool.spec.max_model_len}", None, 0, 0)
+        running = key in manager.coordinator.managers[0].num_cached_block
         hits, num_hit = None, 0
         if running:
-            if op.num_computed_tokens > req.num_tokens:
+            if num_computed_tokens > req.num_tokens:
                 req.truncate(num_tokens_before)
-                return OpResult(op.request_id, OpStatus.FAILED_PRECONDITION,
-                                f"num_computed_tokens {op.num_computed_tokens} > the request's {req.num_tokens} "
-                                f"tokens")
-            req.num_computed_tokens = op.num_computed_tokens
-        elif op.num_new_tokens:
+                return (OpStatus.FAILED_PRECONDITION, f"num_computed_tokens {num_computed_tokens} > the request's "
+                        f"{req.num_tokens} tokens", None, 0, 0)
+            req.num_computed_tokens = num_computed_tokens
+        elif num_new_tokens:
             req.num_computed_tokens = 0
             hits, num_hit = manager.get_computed_blocks(req)
         start = req.num_computed_tokens + num_hit
-        if op.num_new_tokens == 0:
-            return OpResult(op.request_id, num_computed_tokens=start, num_tokens=req.num_tokens)
-        num_new = min(op.num_new_tokens, req.num_tokens - start)
+        if num_new_tokens == 0:
+            return OpStatus.OK, "", EMPTY_BLOCKS, start, 0
+        num_new = min(num_new_tokens, req.num_tokens - start)
         if num_new <= 0:
             self._undo(req, num_tokens_before, computed_before)
-            return OpResult(op.request_id, OpStatus.FAILED_PRECONDITION,
-                            f"request {op.request_id!r} has no uncomputed tokens (num_tokens {req.num_tokens}, "
-                            f"num_computed_tokens {start}); append tokens first")
-        tenant = session.tenant
-        if self.usage.tracks(tenant):
-            needed = manager.num_blocks_needed(req, num_new, num_hit, hits, op.num_lookahead_tokens)
-            quota = self.usage.quotas[tenant]
+            return (OpStatus.FAILED_PRECONDITION, f"request {client_request_id(key)!r} has no uncomputed tokens "
+                    f"(num_tokens {req.num_tokens}, num_computed_tokens {start}); append tokens first", None, start, 0)
+        quota = self.usage.quotas.get(tenant) if self.usage.quotas else None
+        if quota is not None:
+            needed = manager.num_blocks_needed(req, num_new, num_hit, hits, num_lookahead)
             used = self.usage.used(tenant)
             if used + needed > quota:
                 self._undo(req, num_tokens_before, computed_before)
-                return OpResult(op.request_id, OpStatus.RESOURCE_EXHAUSTED,
-                                f"tenant {tenant!r} block quota: {used} held + {needed} needed > quota {quota}")
-        new = manager.allocate_slots(req, num_new, num_hit, hits, op.num_lookahead_tokens, op.delay_cache_blocks)
+                return (OpStatus.RESOURCE_EXHAUSTED, f"tenant {tenant!r} block quota: {used} held + {needed} "
+                        f"needed > quota {quota}", None, start, 0)
+        new = manager.allocate_slots(req, num_new, num_hit, hits, num_lookahead, delay_cache_blocks)
         if new is None:
             self._undo(req, num_tokens_before, computed_before)
-            return OpResult(op.request_id, OpStatus.NO_SPACE,
-                            f"pool {pool.pool_id!r} has {manager.block_pool.get_num_free_blocks()} free blocks, "
-                            f"not enough for {num_new} more tokens of {op.request_id!r}")
+            return (OpStatus.NO_SPACE, f"pool {pool.pool_id!r} has {manager.block_pool.get_num_free_blocks()} free "
+                    f"blocks, not enough for {num_new} more tokens of {client_request_id(key)!r}", None, start, 0)
         if not running:
             req.num_computed_tokens = num_hit
-        if self.usage.tracks(tenant):
+        if quota is not None:
             self.usage.update(tenant, pool, key)
-        return OpResult(op.request_id, new_block_ids=new.get_block_ids(), num_computed_tokens=start,
-                        num_scheduled_tokens=num_new, num_tokens=req.num_tokens)
+        return OpStatus.OK, "", new, start, num_new
+
+    @staticmethod
+    def _append(req: Request, key: str, tokens, hashes, num_append: int) -> str | None:
+        """Appends tokens (an int or uint32 array) or hashes; the reason when they do not fit."""
+        if num_append and not req.has_token_ids:
+            try:
+                req.append_block_hashes(hashes or [], num_append)
+            except ValueError as exc:
+                return str(exc)
+        elif tokens is not None and req.has_token_ids:
+            req.append_output_token_ids(tokens)
+        else:
+            kind = "token ids" if req.has_token_ids else "block hashes"
+            return f"request {client_request_id(key)!r} was added with {kind}: append {kind}"
+        return None
 
     @staticmethod
     def _undo(req: Request, num_tokens: int, num_computed: int) -> None:

@@ -63,7 +63,19 @@ class FreeOp:
     request_id: str
 
 
-Op = AddRequestOp | AllocateOp | ForkOp | FreeOp
+@dataclass(slots=True)
+class DecodeBatchOp:
+    """Running requests advancing together, packed: entry i is
+    AllocateOp(request_ids[i], num_computed_tokens[i], num_new_tokens, [append_token_ids[i]], num_lookahead_tokens)."""
+
+    request_ids: list[str]
+    num_computed_tokens: array | list[int]
+    append_token_ids: array | list[int] | None = None
+    num_new_tokens: int = 1
+    num_lookahead_tokens: int = 0
+
+
+Op = AddRequestOp | AllocateOp | ForkOp | FreeOp | DecodeBatchOp
 
 
 @dataclass(slots=True)
@@ -79,6 +91,41 @@ class TransferOrder:
 
 
 @dataclass(slots=True)
+class DecodeBatchResult:
+    """Packed per-request outcomes of a DecodeBatchOp."""
+
+    statuses: bytes
+    num_new_blocks: array  # uint32 per (request, group), row-major
+    new_block_ids: array  # uint32, concatenated
+    num_computed_tokens: array
+    num_scheduled_tokens: array
+    failures: list[OpResult]
+    num_groups: int
+
+    def __len__(self) -> int:
+        return len(self.statuses)
+
+    def status(self, i: int) -> OpStatus:
+        return OpStatus(self.statuses[i])
+
+    def block_ids(self) -> list[tuple[list[int], ...]]:
+        """New block ids per request, one list per group."""
+        out = []
+        pos = 0
+        counts = self.num_new_blocks
+        ids = self.new_block_ids
+        g = self.num_groups
+        for i in range(len(self.statuses)):
+            groups = []
+            for j in range(g):
+                n = counts[i * g + j]
+                groups.append(ids[pos:pos + n].tolist())
+                pos += n
+            out.append(tuple(groups))
+        return out
+
+
+@dataclass(slots=True)
 class OpResult:
     request_id: str
     status: OpStatus = OpStatus.OK
@@ -88,6 +135,7 @@ class OpResult:
     num_scheduled_tokens: int = 0
     num_tokens: int = 0
     transfer: TransferOrder | None = None
+    batch: DecodeBatchResult | None = None
 
     @property
     def ok(self) -> bool:

@@ -20,7 +20,19 @@ from kvservice.core import (
 )
 from kvservice.errors import InvalidArgument
 from kvservice.hashing import HASH_BYTES, MultiModalItem
-from kvservice.ops import AddRequestOp, AllocateOp, ForkOp, FreeOp, Op, OpResult, OpStatus, StepResult, TransferOrder
+from kvservice.ops import (
+    AddRequestOp,
+    AllocateOp,
+    DecodeBatchOp,
+    DecodeBatchResult,
+    ForkOp,
+    FreeOp,
+    Op,
+    OpResult,
+    OpStatus,
+    StepResult,
+    TransferOrder,
+)
 from kvservice.pools import PoolSpec
 
 MAX_ID_BYTES = 256
@@ -167,9 +179,11 @@ def decode_ops(ops: Sequence[pb.Op], spec: PoolSpec, hash_block_size: int, field
     for i, op in enumerate(ops):
         kind = op.WhichOneof("op")
         if kind == "allocate":
-            append(decode_allocate(op.allocate, max_len, vocab, f"{field}[{i}].allocate"))
+            append(decode_allocate(op.allocate, max_len, vocab, field, i))
         elif kind == "add":
             append(decode_add(op.add, max_len, vocab, hash_block_size, f"{field}[{i}].add"))
+        elif kind == "decode":
+            append(decode_batch(op.decode, max_len, vocab, f"{field}[{i}].decode"))
         elif kind == "free":
             append(FreeOp(check_id(f"{field}[{i}].free.request_id", op.free.request_id)))
         elif kind == "fork":
@@ -177,7 +191,7 @@ def decode_ops(ops: Sequence[pb.Op], spec: PoolSpec, hash_block_size: int, field
             append(ForkOp(check_id(f"{field}[{i}].fork.parent_request_id", f.parent_request_id),
                           check_id(f"{field}[{i}].fork.child_request_id", f.child_request_id)))
         else:
-            raise InvalidArgument(f"{field}[{i}]", "{}", "set one of add, allocate, fork, free")
+            raise InvalidArgument(f"{field}[{i}]", "{}", "set one of add, allocate, decode, fork, free")
     return out
 
 
@@ -216,10 +230,29 @@ def decode_add(a: pb.AddRequestOp, max_len: int, vocab: int, hash_block_size: in
                         check_name(f"{field}.lora_name", a.lora_name), mm)
 
 
-def decode_allocate(a: pb.AllocateOp, max_len: int, vocab: int, field: str) -> AllocateOp:
+def decode_allocate(a: pb.AllocateOp, max_len: int, vocab: int, field: str, index: int | None = None) -> AllocateOp:
+    """Validates one allocate op; `field` (with `index`) names it in errors, formatted only then."""
     request_id = a.request_id
-    if not request_id or len(request_id) > MAX_ID_BYTES or not request_id.isprintable():
-        check_id(f"{field}.request_id", request_id)
+    computed, budget, lookahead = a.num_computed_tokens, a.num_new_tokens, a.num_lookahead_tokens
+    append_tokens, append_hashes, num_append = a.append_token_ids, a.append_block_hashes, a.num_append_tokens
+    if (not request_id or len(request_id) > MAX_ID_BYTES // 4 or not request_id.isprintable() or computed > max_len
+            or budget > max_len or lookahead > max_len or append_hashes or num_append):
+        return _decode_allocate_slow(a, max_len, vocab, field if index is None else f"{field}[{index}].allocate")
+    tokens = None
+    if append_tokens:
+        if len(append_tokens) % 4 or len(append_tokens) > 4 * max_len:
+            return _decode_allocate_slow(a, max_len, vocab, field if index is None else f"{field}[{index}].allocate")
+        tokens = array("I")
+        tokens.frombytes(append_tokens)
+        if not _LITTLE:
+            tokens.byteswap()
+        if vocab and max(tokens) >= vocab:
+            return _decode_allocate_slow(a, max_len, vocab, field if index is None else f"{field}[{index}].allocate")
+    return AllocateOp(request_id, computed, budget, tokens, None, 0, lookahead, a.delay_cache_blocks, a.allow_transfer)
+
+
+def _decode_allocate_slow(a: pb.AllocateOp, max_len: int, vocab: int, field: str) -> AllocateOp:
+    request_id = check_id(f"{field}.request_id", a.request_id)
     if a.num_computed_tokens > max_len:
         raise InvalidArgument(f"{field}.num_computed_tokens", a.num_computed_tokens, f"exceeds max_model_len {max_len}")
     if a.num_new_tokens > max_len:
@@ -244,6 +277,34 @@ def decode_allocate(a: pb.AllocateOp, max_len: int, vocab: int, field: str) -> A
                       a.num_lookahead_tokens, a.delay_cache_blocks, a.allow_transfer)
 
 
+def decode_batch(d: pb.DecodeBatchOp, max_len: int, vocab: int, field: str) -> DecodeBatchOp:
+    request_ids = list(d.request_ids)
+    n = len(request_ids)
+    check_count(f"{field}.request_ids", n, MAX_OPS_PER_STEP)
+    for j, rid in enumerate(request_ids):
+        if not rid or len(rid) > MAX_ID_BYTES // 4 or not rid.isprintable():
+            check_id(f"{field}.request_ids[{j}]", rid)
+    computed = decode_tokens(f"{field}.num_computed_tokens", d.num_computed_tokens)
+    if len(computed) != n:
+        raise InvalidArgument(f"{field}.num_computed_tokens", f"<{len(computed)} values>",
+                              f"needs one uint32 per request ({n})")
+    if computed and max(computed) > max_len:
+        j = next(j for j, c in enumerate(computed) if c > max_len)
+        raise InvalidArgument(f"{field}.num_computed_tokens[{j}]", computed[j], f"exceeds max_model_len {max_len}")
+    tokens = None
+    if d.append_token_ids:
+        tokens = decode_tokens(f"{field}.append_token_ids", d.append_token_ids, vocab)
+        if len(tokens) != n:
+            raise InvalidArgument(f"{field}.append_token_ids", f"<{len(tokens)} tokens>",
+                                  f"needs one token per request ({n}) or none")
+    if d.num_new_tokens > max_len:
+        raise InvalidArgument(f"{field}.num_new_tokens", d.num_new_tokens, f"exceeds max_model_len {max_len}")
+    if d.num_lookahead_tokens > max_len:
+        raise InvalidArgument(f"{field}.num_lookahead_tokens", d.num_lookahead_tokens,
+                              f"exceeds max_model_len {max_len}")
+    return DecodeBatchOp(request_ids, computed, tokens, d.num_new_tokens or 1, d.num_lookahead_tokens)
+
+
 def encode_op(op: Op, msg: pb.Op) -> None:
     """Fills `msg` from a domain op (client side)."""
     if isinstance(op, AllocateOp):
@@ -261,6 +322,14 @@ def encode_op(op: Op, msg: pb.Op) -> None:
         a.allow_transfer = op.allow_transfer
     elif isinstance(op, AddRequestOp):
         encode_add(op, msg.add)
+    elif isinstance(op, DecodeBatchOp):
+        d = msg.decode
+        d.request_ids.extend(op.request_ids)
+        d.num_computed_tokens = encode_tokens(op.num_computed_tokens)
+        if op.append_token_ids is not None:
+            d.append_token_ids = encode_tokens(op.append_token_ids)
+        d.num_new_tokens = op.num_new_tokens
+        d.num_lookahead_tokens = op.num_lookahead_tokens
     elif isinstance(op, FreeOp):
         msg.free.request_id = op.request_id
     elif isinstance(op, ForkOp):
@@ -285,6 +354,7 @@ def encode_add(op: AddRequestOp, a: pb.AddRequestOp) -> None:
 
 # ---- results -------------------------------------------------------------------------------------
 def encode_step_result(result: StepResult, msg: pb.StepResponse) -> pb.StepResponse:
+    """Groups' new block ids are sent only when some group got a block (decode steps mostly don't)."""
     msg.sequence = result.sequence
     add = msg.results.add
     for r in result.results:
@@ -292,15 +362,27 @@ def encode_step_result(result: StepResult, msg: pb.StepResponse) -> pb.StepRespo
                 num_scheduled_tokens=r.num_scheduled_tokens, num_tokens=r.num_tokens)
         if r.message:
             m.message = r.message
-        if r.new_block_ids:
+        groups = r.new_block_ids
+        if groups and (len(groups) > 1 or groups[0]):
             group_add = m.new_blocks.add
-            for ids in r.new_block_ids:
+            for ids in groups:
                 group_add(block_ids=ids)
         if r.transfer is not None:
             t = r.transfer
             m.transfer.CopyFrom(pb.TransferOrder(transfer_id=t.transfer_id, src_pool_id=t.src_pool_id,
                                                  src_block_ids=t.src_block_ids, dst_block_ids=t.dst_block_ids,
                                                  num_tokens=t.num_tokens))
+        if r.batch is not None:
+            b = r.batch
+            mb = m.batch
+            mb.statuses = b.statuses
+            mb.num_new_blocks = encode_tokens(b.num_new_blocks)
+            mb.new_block_ids = encode_tokens(b.new_block_ids)
+            mb.num_computed_tokens = encode_tokens(b.num_computed_tokens)
+            mb.num_scheduled_tokens = encode_tokens(b.num_scheduled_tokens)
+            mb.num_groups = b.num_groups
+            if b.failures:
+                mb.failures.extend(encode_step_result(StepResult(0, b.failures), pb.StepResponse()).results)
     for src, dst in result.copies:
         msg.copies.add(src=src, dst=dst)
     return msg
@@ -314,7 +396,15 @@ def decode_step_result(msg: pb.StepResponse) -> StepResult:
             t = m.transfer
             transfer = TransferOrder(t.transfer_id, t.src_pool_id, list(t.src_block_ids), list(t.dst_block_ids),
                                      t.num_tokens)
+        batch = None
+        if m.HasField("batch"):
+            b = m.batch
+            batch = DecodeBatchResult(b.statuses, decode_tokens("num_new_blocks", b.num_new_blocks),
+                                      decode_tokens("new_block_ids", b.new_block_ids),
+                                      decode_tokens("num_computed_tokens", b.num_computed_tokens),
+                                      decode_tokens("num_scheduled_tokens", b.num_scheduled_tokens),
+                                      decode_step_result(pb.StepResponse(results=b.failures)).results, b.num_groups)
         results.append(OpResult(m.request_id, OpStatus(m.status), m.message,
                                 tuple(list(g.block_ids) for g in m.new_blocks), m.num_computed_tokens,
-                                m.num_scheduled_tokens, m.num_tokens, transfer))
+                                m.num_scheduled_tokens, m.num_tokens, transfer, batch))
     return StepResult(msg.sequence, results, [(c.src, c.dst) for c in msg.copies])

@@ -94,7 +94,7 @@ def test_fork_returns_copy_on_write_copies(client, request):
     assert [x.new_block_ids for x in r.results] == [([1, 2],), ([1, 2],)]
     r = client.step(pid, [AllocateOp(rid, num_computed_tokens=6, num_new_tokens=1, append_token_ids=[100 + i])
                           for i, rid in enumerate(["p", "c1", "c2"])])
-    assert [x.new_block_ids for x in r.results] == [([],), ([],), ([],)]
+    assert [x.new_block_ids for x in r.results] == [(), (), ()]  # no group got a block
     assert r.copies == [(2, 3), (2, 4)]  # two writers copy, the last owns block 2
     assert [client.get_request(pid, x).block_ids for x in ("p", "c1", "c2")] == [([1, 3],), ([1, 4],), ([1, 2],)]
     client.free(pid, "p", "c1", "c2")
@@ -229,3 +229,29 @@ def test_async_client_round_trip(server, request):
             assert stats.pools[pid].num_free_blocks == 31 and stats.pools[pid].invariant_violation == ""
 
     asyncio.run(run())
+
+
+def test_decode_batch_is_packed_allocate_ops(client, request):
+    from kvservice.ops import DecodeBatchOp
+    pid = pool_id(request)
+    client.register_pool(pid, small_config(8, 4), max_model_len=64)  # 7 usable blocks
+    client.step(pid, [AddRequestOp("a", token_ids=[1, 2, 3, 4]), AllocateOp("a", num_new_tokens=4),
+                      AddRequestOp("b", token_ids=[5, 6]), AllocateOp("b", num_new_tokens=2),
+                      AddRequestOp("w", token_ids=[7])])
+    r = client.step(pid, [DecodeBatchOp(["a", "b", "ghost", "w"], [4, 2, 0, 0], [10, 11, 12, 13])])
+    batch = r[0].batch
+    assert [batch.status(i) for i in range(4)] == [OpStatus.OK, OpStatus.OK, OpStatus.NOT_FOUND, OpStatus.OK]
+    # a crosses into a new block, b fills its partial block, w (waiting) is admitted with 2 tokens budgeted 1.
+    assert batch.block_ids() == [([3],), ([],), ([],), ([4],)]
+    assert list(batch.num_computed_tokens) == [4, 2, 0, 0] and list(batch.num_scheduled_tokens) == [1, 1, 0, 1]
+    assert [f.request_id for f in batch.failures] == ["ghost"]
+    assert client.get_request(pid, "a").block_ids == ([1, 3],)
+    # Entry by entry the same as AllocateOps: NO_SPACE undoes that entry's append only.
+    client.step(pid, [AddRequestOp("big", token_ids=list(range(12))), AllocateOp("big", num_new_tokens=12)])
+    r = client.step(pid, [DecodeBatchOp(["a", "big"], [5, 12], [20, 21], num_new_tokens=8)])
+    assert r[0].batch.status(0) == OpStatus.OK and r[0].batch.status(1) == OpStatus.NO_SPACE
+    assert client.get_request(pid, "big").num_tokens == 12
+    with pytest.raises(InvalidArgument, match="needs one uint32 per request"):
+        client.step(pid, [DecodeBatchOp(["a", "b"], [1])])
+    client.free(pid, "a", "b", "w", "big")
+    assert client.get_stats(check_invariants=True).pools[pid].num_free_blocks == 7

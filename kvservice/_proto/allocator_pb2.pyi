@@ -216,17 +216,33 @@ class FreeOp(_message.Message):
     request_id: str
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
+class DecodeBatchOp(_message.Message):
+    __slots__ = ("request_ids", "num_computed_tokens", "append_token_ids", "num_new_tokens", "num_lookahead_tokens")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_computed_tokens: bytes
+    append_token_ids: bytes
+    num_new_tokens: int
+    num_lookahead_tokens: int
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_computed_tokens: _Optional[bytes] = ..., append_token_ids: _Optional[bytes] = ..., num_new_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ...) -> None: ...
+
 class Op(_message.Message):
-    __slots__ = ("add", "allocate", "fork", "free")
+    __slots__ = ("add", "allocate", "fork", "free", "decode")
     ADD_FIELD_NUMBER: _ClassVar[int]
     ALLOCATE_FIELD_NUMBER: _ClassVar[int]
     FORK_FIELD_NUMBER: _ClassVar[int]
     FREE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
     add: AddRequestOp
     allocate: AllocateOp
     fork: ForkOp
     free: FreeOp
-    def __init__(self, add: _Optional[_Union[AddRequestOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., fork: _Optional[_Union[ForkOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ...) -> None: ...
+    decode: DecodeBatchOp
+    def __init__(self, add: _Optional[_Union[AddRequestOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., fork: _Optional[_Union[ForkOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., decode: _Optional[_Union[DecodeBatchOp, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("session_id", "sequence", "pool_id", "ops")
@@ -308,8 +324,26 @@ class TransferOrder(_message.Message):
     num_tokens: int
     def __init__(self, transfer_id: _Optional[str] = ..., src_pool_id: _Optional[str] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
+class DecodeBatchResult(_message.Message):
+    __slots__ = ("statuses", "num_new_blocks", "new_block_ids", "num_computed_tokens", "num_scheduled_tokens", "failures", "num_groups")
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    statuses: bytes
+    num_new_blocks: bytes
+    new_block_ids: bytes
+    num_computed_tokens: bytes
+    num_scheduled_tokens: bytes
+    failures: _containers.RepeatedCompositeFieldContainer[OpResult]
+    num_groups: int
+    def __init__(self, statuses: _Optional[bytes] = ..., num_new_blocks: _Optional[bytes] = ..., new_block_ids: _Optional[bytes] = ..., num_computed_tokens: _Optional[bytes] = ..., num_scheduled_tokens: _Optional[bytes] = ..., failures: _Optional[_Iterable[_Union[OpResult, _Mapping]]] = ..., num_groups: _Optional[int] = ...) -> None: ...
+
 class OpResult(_message.Message):
-    __slots__ = ("status", "message", "request_id", "new_blocks", "num_computed_tokens", "num_scheduled_tokens", "num_tokens", "transfer")
+    __slots__ = ("status", "message", "request_id", "new_blocks", "num_computed_tokens", "num_scheduled_tokens", "num_tokens", "transfer", "batch")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -318,6 +352,7 @@ class OpResult(_message.Message):
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     status: OpStatus
     message: str
     request_id: str
@@ -326,7 +361,8 @@ class OpResult(_message.Message):
     num_scheduled_tokens: int
     num_tokens: int
     transfer: TransferOrder
-    def __init__(self, status: _Optional[_Union[OpStatus, str]] = ..., message: _Optional[str] = ..., request_id: _Optional[str] = ..., new_blocks: _Optional[_Iterable[_Union[GroupBlocks, _Mapping]]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_tokens: _Optional[int] = ..., transfer: _Optional[_Union[TransferOrder, _Mapping]] = ...) -> None: ...
+    batch: DecodeBatchResult
+    def __init__(self, status: _Optional[_Union[OpStatus, str]] = ..., message: _Optional[str] = ..., request_id: _Optional[str] = ..., new_blocks: _Optional[_Iterable[_Union[GroupBlocks, _Mapping]]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_tokens: _Optional[int] = ..., transfer: _Optional[_Union[TransferOrder, _Mapping]] = ..., batch: _Optional[_Union[DecodeBatchResult, _Mapping]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("sequence", "results", "copies")

@@ -84,9 +84,13 @@ class KVCacheCoordinator:
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
                                    new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
                                    total_computed_tokens: int) -> int:
-        return sum(m.get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks[i], total_computed_tokens)
-                   + m.get_num_cow_blocks(request_id, total_computed_tokens, num_tokens)
-                   for i, m in enumerate(self.managers))
+        """Free blocks the allocation consumes: new ones, rescued hits and copy-on-write copies."""
+        total = 0
+        for i, m in enumerate(self.managers):
+            total += m.get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks[i],
+                                                  total_computed_tokens)
+            total += len(m.cow_indices(request_id, total_computed_tokens, num_tokens))
+        return total
 
     def allocate_new_computed_blocks(self, request_id: str, new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
                                      num_computed_tokens: int) -> None:
@@ -98,6 +102,8 @@ class KVCacheCoordinator:
             m.apply_copy_on_write(request_id, total_computed_tokens, num_tokens)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> tuple[list[KVCacheBlock], ...]:
+        if len(self.managers) == 1:
+            return (self.managers[0].allocate_new_blocks(request_id, num_tokens),)
         return tuple(m.allocate_new_blocks(request_id, num_tokens) for m in self.managers)
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:

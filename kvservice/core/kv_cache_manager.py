@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -63,6 +64,19 @@ class PrefixCacheTotals:
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
+
+
+def _checked_counts(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens) -> tuple[int, int, int]:
+    """The slow path of allocate_slots' argument check: accepts any integral type (numpy too)."""
+    out = []
+    for name, value in (("num_new_tokens", num_new_tokens), ("num_new_computed_tokens", num_new_computed_tokens),
+                        ("num_lookahead_tokens", num_lookahead_tokens)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        out.append(int(value))
+    if out[0] == 0:
+        raise ValueError("num_new_tokens must be greater than 0")
+    return out[0], out[1], out[2]
 
 
 class KVCacheManager:
@@ -145,13 +159,12 @@ class KVCacheManager:
             The newly allocated blocks per group, or None when they do not fit. Then nothing
             changed, except that blocks no group reads again may already have been freed.
         """
-        self._check_request(request)
-        for name, value in (("num_new_tokens", num_new_tokens), ("num_new_computed_tokens", num_new_computed_tokens),
-                            ("num_lookahead_tokens", num_lookahead_tokens)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-        if num_new_tokens == 0:
-            raise ValueError("num_new_tokens must be greater than 0")
+        if request.block_size != self.hash_block_size:
+            self._check_request(request)
+        if not (type(num_new_tokens) is int and num_new_tokens > 0 and type(num_new_computed_tokens) is int
+                and num_new_computed_tokens >= 0 and type(num_lookahead_tokens) is int and num_lookahead_tokens >= 0):
+            num_new_tokens, num_new_computed_tokens, num_lookahead_tokens = _checked_counts(
+                num_new_tokens, num_new_computed_tokens, num_lookahead_tokens)
         hits = new_computed_blocks.blocks if new_computed_blocks is not None else self._empty
         coordinator = self.coordinator
         request_id = request.request_id

@@ -112,23 +112,25 @@ class SingleTypeManager:
         num_evictable = sum(1 for b in new_computed_blocks[first_kept:] if b.ref_cnt == 0 and not b.is_null)
         return num_new + num_evictable
 
-    def get_num_cow_blocks(self, request_id: str, total_computed_tokens: int, num_tokens: int) -> int:
-        return len(self._cow_indices(request_id, total_computed_tokens, num_tokens))
-
-    def _cow_indices(self, request_id: str, total_computed_tokens: int, num_tokens: int) -> list[int]:
+    def cow_indices(self, request_id: str, total_computed_tokens: int, num_tokens: int) -> list[int]:
         """Indices of held blocks this allocation writes into that another request's table holds."""
         blocks = self.req_to_blocks.get(request_id)
         if not blocks:
             return []
-        first = total_computed_tokens // self.block_size
-        last = min(len(blocks), cdiv(num_tokens, self.block_size))
-        holders = self.cow.holders
-        return [i for i in range(first, last) if not blocks[i].is_null and holders(blocks[i]) > 1]
+        bs = self.block_size
+        last = min(len(blocks), -(-num_tokens // bs))
+        out = []
+        for i in range(total_computed_tokens // bs, last):
+            block = blocks[i]
+            # ref_cnt > 1 first: the common unshared case never looks at the pins.
+            if block.ref_cnt > 1 and not block.is_null and self.cow.holders(block) > 1:
+                out.append(i)
+        return out
 
     def apply_copy_on_write(self, request_id: str, total_computed_tokens: int, num_tokens: int) -> None:
         """Swaps a fresh block into this request's table for every shared block it will write; the
         copy (src, dst) is recorded when the shared block already holds computed tokens."""
-        indices = self._cow_indices(request_id, total_computed_tokens, num_tokens)
+        indices = self.cow_indices(request_id, total_computed_tokens, num_tokens)
         if not indices:
             return
         blocks = self.req_to_blocks[request_id]

@@ -115,6 +115,8 @@ class Request:
             if not 0 <= token_ids <= MAX_TOKEN_ID:
                 raise TokenIdError(f"output token id {token_ids} is not a token id in [0, 2**32)")
             self._token_ids.append(token_ids)
+        elif type(token_ids) is array and token_ids.typecode == "I":
+            self._token_ids.extend(token_ids)  # already uint32: nothing to validate
         else:
             self._token_ids.extend(token_array(token_ids, "output_token_ids"))  # validated first
         self._num_tokens = len(self._token_ids)
