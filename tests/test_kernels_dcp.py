@@ -4,6 +4,7 @@ partial results equals attention over the whole context."""
 
 from __future__ import annotations
 
+import importlib
 import itertools
 
 import pytest
@@ -18,6 +19,8 @@ from worker.kernels import (
     reshape_and_cache,
 )
 from worker.kernels import reference as ref
+
+paged_attention_module = importlib.import_module("worker.kernels.paged_attention")
 
 DECODE = [(40, 1), (7, 1), (95, 1), (0, 1)]
 MIXED = [(0, 21), (33, 9), (66, 1), (12, 1)]
@@ -44,14 +47,18 @@ def write_rank_cache(batch: PagedBatch, world: int, rank: int, interleave: int) 
     return key_cache, value_cache
 
 
-def run_dcp_case(seqs, world, interleave, dtype=torch.float16, block_size=16, heads=(4, 2), head_size=64):
+def run_dcp_case(
+    seqs, world, interleave, dtype=torch.float16, block_size=16, heads=(4, 2), head_size=64, sliding_window=None
+):
     num_q_heads, num_kv_heads = heads
     batch = make_batch(seqs, num_q_heads, num_kv_heads, head_size, block_size, dtype, dcp_world_size=world, seed=world)
     outs, lses, twin_outs, twin_lses = [], [], [], []
     for rank in range(world):
         key_cache, value_cache = write_rank_cache(batch, world, rank, interleave)
         args = (batch.q, key_cache, value_cache, batch.block_table, batch.query_start_loc, batch.seq_lens, batch.scale)
-        kwargs = dict(return_lse=True, dcp_world_size=world, dcp_rank=rank, interleave=interleave)
+        kwargs = dict(
+            return_lse=True, dcp_world_size=world, dcp_rank=rank, interleave=interleave, sliding_window=sliding_window
+        )
         out, lse = paged_attention(*args, **kwargs)
         twin_out, twin_lse = ref.paged_attention(*args, **kwargs)
         assert_close(out, twin_out, dtype, f"rank {rank} vs twin")
@@ -62,7 +69,7 @@ def run_dcp_case(seqs, world, interleave, dtype=torch.float16, block_size=16, he
         twin_lses.append(twin_lse)
 
     merged, merged_lse = merge_attn_states(torch.stack(outs), torch.stack(lses))
-    dense_out, dense_lse = dense_attention(batch)
+    dense_out, dense_lse = dense_attention(batch, sliding_window)
     what = f"W={world} I={interleave} seqs={seqs}"
     assert_close(merged, dense_out, dtype, what)
     torch.testing.assert_close(merged_lse.double(), dense_lse, atol=1e-3, rtol=1e-4)
@@ -83,6 +90,13 @@ def run_dcp_case(seqs, world, interleave, dtype=torch.float16, block_size=16, he
 )
 def test_sharded_attention_merges_to_full_attention(seqs, world, interleave):
     run_dcp_case(seqs, world, interleave)
+
+
+@pytest.mark.parametrize("world,interleave", [(2, 2), (4, 1)])
+def test_sharded_attention_with_sliding_window_and_gpu_tiles(monkeypatch, world, interleave):
+    # Small key tiles: the window's first visible local key falls inside later tiles on every rank.
+    monkeypatch.setattr(paged_attention_module, "TILE_OVERRIDE", (16, 16))
+    run_dcp_case([(120, 5), (77, 1), (9, 30)], world, interleave, dtype=torch.float32, sliding_window=29)
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
 
 import pytest
@@ -10,6 +11,9 @@ import torch
 from tests.kernel_helpers import assert_close, dense_attention, empty_caches, fill_cache_by_indexing, make_batch
 from worker.kernels import paged_attention
 from worker.kernels import reference as ref
+
+# The submodule, not the function of the same name that `worker.kernels` exports.
+paged_attention_module = importlib.import_module("worker.kernels.paged_attention")
 
 # (context_len, query_len): prefill without context, prefill with context, decodes, a one-token prompt.
 MIXED = [(0, 19), (37, 12), (70, 1), (5, 1), (0, 1)]
@@ -59,6 +63,15 @@ def test_decode_only_batch_long_context():
     run_case([(300, 1), (129, 1), (517, 1), (16, 1)], 8, 2, 64, 16, torch.float16, seed=3)
 
 
+@pytest.mark.parametrize("block_n", [16, 32, 64])
+def test_gpu_tiles_many_query_blocks_and_key_tiles(monkeypatch, block_n):
+    # The GPU's small tiles: several query blocks per prefill, many key tiles per program, so the
+    # online-softmax rescaling and tiles that straddle cache blocks are exercised.
+    monkeypatch.setattr(paged_attention_module, "TILE_OVERRIDE", (16, block_n))
+    run_case([(150, 37), (200, 1), (0, 50)], 8, 2, 64, 16, torch.float32, sliding_window=None, seed=block_n)
+    run_case([(90, 20), (61, 1)], 4, 4, 64, 32, torch.bfloat16, sliding_window=45, seed=block_n + 1)
+
+
 def test_prefill_chunk_spanning_several_query_blocks():
     # More query rows than one program's tile holds, on a context that is not block aligned.
     run_case([(45, 140), (0, 3)], 2, 1, 64, 16, torch.float32, seed=4)
@@ -96,6 +109,7 @@ def test_rows_that_see_no_key_give_zero_and_neg_inf():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("tiles", [None, (16, 32)], ids=["device-tiles", "gpu-tiles"])
 @pytest.mark.parametrize(
     "block_size,head_size,ratio,dtype,sliding_window",
     list(
@@ -104,6 +118,7 @@ def test_rows_that_see_no_key_give_zero_and_neg_inf():
         )
     ),
 )
-def test_mixed_batch_full_sweep(block_size, head_size, ratio, dtype, sliding_window):
+def test_mixed_batch_full_sweep(monkeypatch, tiles, block_size, head_size, ratio, dtype, sliding_window):
+    monkeypatch.setattr(paged_attention_module, "TILE_OVERRIDE", tiles)
     num_kv_heads = 2 if ratio <= 4 else 1
     run_case(MIXED, ratio * num_kv_heads, num_kv_heads, head_size, block_size, dtype, sliding_window, seed=ratio)

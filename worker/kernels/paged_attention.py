@@ -68,7 +68,7 @@ def paged_attention_kernel(
     RETURN_LSE: tl.constexpr,
     DCP_WORLD_SIZE: tl.constexpr,
     INTERLEAVE: tl.constexpr,
-    DOT_FP32: tl.constexpr,  # upcast tiles to fp32 before tl.dot (fp32 inputs; bf16 on the interpreter)
+    DOT_FP32: tl.constexpr,  # fp32 tl.dot: exact for fp32 inputs; always on the interpreter (its bf16 dot is broken)
 ):
     # Index math is int64 throughout: offsets pass 2**31 on large caches, and the interpreter adds an
     # overflow check to every int32 add/mul, which would dominate its run time.
