@@ -36,6 +36,8 @@ proto:
 	$(PIP) install -q grpcio-tools==$(GRPC_TOOLS_VERSION)
 	$(PY) -m grpc_tools.protoc -Ikvservice/_proto=proto/kvservice/v1 --python_out=. --pyi_out=. \
 	  --grpc_python_out=. proto/kvservice/v1/allocator.proto
+	$(PY) -m grpc_tools.protoc -Ikvservice/_proto=proto/kvservice/v1 --python_out=. --pyi_out=. \
+	  proto/kvservice/v1/state.proto
 	touch kvservice/_proto/__init__.py
 
 test:

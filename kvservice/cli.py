@@ -40,6 +40,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--quota", type=_quota, action="append", default=[], metavar="TENANT=BLOCKS",
                        help="per-tenant block quota (repeatable)")
     serve.add_argument("--max-message-mb", type=int, default=64)
+    persist = serve.add_argument_group("persistence (DESIGN §6)")
+    persist.add_argument("--redis-url", help="use this Redis (default: a private redis-server in --data-dir)")
+    persist.add_argument("--no-persistence", action="store_true", help="memory only: a restart loses everything")
+    persist.add_argument("--require-persistence", action="store_true",
+                         help="refuse mutations (UNAVAILABLE) while Redis is down instead of serving degraded")
+    persist.add_argument("--redis-fsync", choices=["everysec", "always", "no"], default="everysec",
+                         help="embedded Redis AOF fsync: everysec loses up to ~1 s if the Redis host dies, "
+                              "always loses nothing")
+    persist.add_argument("--redis-namespace", default="kvservice")
+    persist.add_argument("--snapshot-every", type=int, default=50_000, help="snapshot after this many WAL entries")
+    persist.add_argument("--snapshot-interval", type=float, default=60.0, help="...or this many seconds")
+    persist.add_argument("--reset-state", action="store_true", help="delete the stored state and start empty")
 
     status = sub.add_parser("status", help="print pools, usage and hit rate")
     status.add_argument("--target", default="127.0.0.1:50051")
@@ -59,9 +71,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           hash_block_size=args.hash_block_size, hash_seed=args.hash_seed,
                           session_ttl_s=args.session_ttl, event_retention=args.event_retention,
                           quotas=dict(args.quota), max_message_bytes=args.max_message_mb << 20,
-                          data_dir=args.data_dir)
-    asyncio.run(serve(config))
-    return 0
+                          data_dir=args.data_dir, persistence=not args.no_persistence, redis_url=args.redis_url,
+                          redis_namespace=args.redis_namespace, redis_fsync=args.redis_fsync,
+                          require_persistence=args.require_persistence, snapshot_every=args.snapshot_every,
+                          snapshot_interval_s=args.snapshot_interval, reset_state=args.reset_state)
+    try:
+        return asyncio.run(serve(config))
+    except (ConnectionError, ValueError) as exc:
+        logging.getLogger("kvservice").error("%s", exc)
+        print(f"kvservice serve: {exc}", file=sys.stderr)
+        return 2
 
 
 def cmd_status(args: argparse.Namespace) -> int:

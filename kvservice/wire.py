@@ -195,6 +195,30 @@ def decode_ops(ops: Sequence[pb.Op], spec: PoolSpec, hash_block_size: int, field
     return out
 
 
+def ops_from_request(kind: str, request, spec: PoolSpec, hash_block_size: int) -> list[Op]:
+    """The ops of a Step / Allocate / Free / Fork request (the servicer and WAL replay share this)."""
+    if kind == "step":
+        return decode_ops(request.ops, spec, hash_block_size)
+    if kind == "allocate":
+        ops: list[Op] = []
+        if request.HasField("add"):
+            ops.append(decode_add(request.add, spec.max_model_len, spec.vocab_size, hash_block_size, "add"))
+        if not request.HasField("allocate"):
+            raise InvalidArgument("allocate", None, "required")
+        ops.append(decode_allocate(request.allocate, spec.max_model_len, spec.vocab_size, "allocate"))
+        return ops
+    if kind == "free":
+        if not request.request_ids:
+            raise InvalidArgument("request_ids", [], "name at least one request")
+        return [FreeOp(check_id(f"request_ids[{i}]", r)) for i, r in enumerate(request.request_ids)]
+    if kind == "fork":
+        parent = check_id("parent_request_id", request.parent_request_id)
+        if not request.child_request_ids:
+            raise InvalidArgument("child_request_ids", [], "name at least one child")
+        return [ForkOp(parent, check_id(f"child_request_ids[{i}]", c)) for i, c in enumerate(request.child_request_ids)]
+    raise ValueError(f"not a step kind: {kind!r}")
+
+
 def decode_add(a: pb.AddRequestOp, max_len: int, vocab: int, hash_block_size: int, field: str) -> AddRequestOp:
     request_id = check_id(f"{field}.request_id", a.request_id)
     mm = tuple(MultiModalItem(check_id(f"{field}.mm_items[{j}].identifier", m.identifier), m.offset, m.length)

@@ -37,9 +37,12 @@ class ServerProcess:
 
 
 def start_server(*args: str, log_dir: Path | None = None, timeout_s: float = 30.0, port: int = 0,
-                 env: dict | None = None) -> ServerProcess:
-    """Starts `kvservice serve --port 0 ARGS` and waits for its ready line."""
-    cmd = [sys.executable, "-m", "kvservice.cli", "--log-level", "WARNING", "serve", "--port", str(port), *args]
+                 env: dict | None = None, persistence: bool = False) -> ServerProcess:
+    """Starts `kvservice serve --port 0 ARGS` (memory-only unless `persistence`) and waits for its ready
+    line."""
+    extra = [] if persistence else ["--no-persistence"]
+    cmd = [sys.executable, "-m", "kvservice.cli", "--log-level", "WARNING", "serve", "--port", str(port), *extra,
+           *args]
     log = (log_dir / f"server-{time.monotonic_ns()}.log") if log_dir else None
     stderr = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=REPO,

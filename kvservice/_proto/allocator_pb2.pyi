@@ -25,14 +25,16 @@ RESOURCE_EXHAUSTED: OpStatus
 EPOCH_CHANGED: OpStatus
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("client_name", "resume_session_id", "last_acked_sequence")
+    __slots__ = ("client_name", "resume_pool_ids", "resume_session_id", "last_acked_sequence")
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    RESUME_POOL_IDS_FIELD_NUMBER: _ClassVar[int]
     RESUME_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LAST_ACKED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     client_name: str
+    resume_pool_ids: _containers.RepeatedScalarFieldContainer[str]
     resume_session_id: str
     last_acked_sequence: int
-    def __init__(self, client_name: _Optional[str] = ..., resume_session_id: _Optional[str] = ..., last_acked_sequence: _Optional[int] = ...) -> None: ...
+    def __init__(self, client_name: _Optional[str] = ..., resume_pool_ids: _Optional[_Iterable[str]] = ..., resume_session_id: _Optional[str] = ..., last_acked_sequence: _Optional[int] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session_id", "ttl_ms", "next_sequence", "tenant", "pools_failed")
@@ -503,10 +505,12 @@ class KVEvent(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., pool_id: _Optional[str] = ..., stored: _Optional[_Union[BlockStoredEvent, _Mapping]] = ..., removed: _Optional[_Union[BlockRemovedEvent, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksClearedEvent, _Mapping]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
-    __slots__ = ("check_invariants",)
+    __slots__ = ("check_invariants", "include_state_digest")
     CHECK_INVARIANTS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     check_invariants: bool
-    def __init__(self, check_invariants: _Optional[bool] = ...) -> None: ...
+    include_state_digest: bool
+    def __init__(self, check_invariants: _Optional[bool] = ..., include_state_digest: _Optional[bool] = ...) -> None: ...
 
 class PoolStats(_message.Message):
     __slots__ = ("pool_id", "epoch", "num_blocks", "num_free_blocks", "usage", "num_requests", "prefix_hit_rate", "prefix_queries", "prefix_hits", "evictions", "num_cached_blocks", "invariant_violation", "num_pending_transfers")
@@ -539,7 +543,7 @@ class PoolStats(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., evictions: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., invariant_violation: _Optional[str] = ..., num_pending_transfers: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("pools", "num_sessions", "persistence", "event_sequence", "lease_expiries", "hash_fingerprint", "hash_block_size")
+    __slots__ = ("pools", "num_sessions", "persistence", "event_sequence", "lease_expiries", "hash_fingerprint", "hash_block_size", "state_digest", "wal_entries_written", "wal_bytes_written", "snapshots_written", "last_snapshot_bytes", "wal_lag", "leader_epoch")
     POOLS_FIELD_NUMBER: _ClassVar[int]
     NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     PERSISTENCE_FIELD_NUMBER: _ClassVar[int]
@@ -547,6 +551,13 @@ class GetStatsResponse(_message.Message):
     LEASE_EXPIRIES_FIELD_NUMBER: _ClassVar[int]
     HASH_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     HASH_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    WAL_ENTRIES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    WAL_BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOTS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    LAST_SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WAL_LAG_FIELD_NUMBER: _ClassVar[int]
+    LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     pools: _containers.RepeatedCompositeFieldContainer[PoolStats]
     num_sessions: int
     persistence: str
@@ -554,7 +565,14 @@ class GetStatsResponse(_message.Message):
     lease_expiries: int
     hash_fingerprint: str
     hash_block_size: int
-    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., num_sessions: _Optional[int] = ..., persistence: _Optional[str] = ..., event_sequence: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., hash_fingerprint: _Optional[str] = ..., hash_block_size: _Optional[int] = ...) -> None: ...
+    state_digest: str
+    wal_entries_written: int
+    wal_bytes_written: int
+    snapshots_written: int
+    last_snapshot_bytes: int
+    wal_lag: int
+    leader_epoch: int
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., num_sessions: _Optional[int] = ..., persistence: _Optional[str] = ..., event_sequence: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., hash_fingerprint: _Optional[str] = ..., hash_block_size: _Optional[int] = ..., state_digest: _Optional[str] = ..., wal_entries_written: _Optional[int] = ..., wal_bytes_written: _Optional[int] = ..., snapshots_written: _Optional[int] = ..., last_snapshot_bytes: _Optional[int] = ..., wal_lag: _Optional[int] = ..., leader_epoch: _Optional[int] = ...) -> None: ...
 
 class ResetPrefixCacheRequest(_message.Message):
     __slots__ = ("session_id", "sequence", "pool_ids")

@@ -22,6 +22,7 @@ from kvservice.server.servicer import AllocatorServicer, NullJournal, method_han
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Allocator"].full_name
+PERSISTENCE_HEALTH = SERVICE_NAME + ".persistence"  # NOT_SERVING while degraded
 
 
 @dataclass(slots=True)
@@ -40,6 +41,15 @@ class ServerConfig:
     quotas: dict[str, int] = field(default_factory=dict)
     max_message_bytes: int = 64 * 1024 * 1024
     data_dir: str = "./kvservice-data"
+    persistence: bool = True
+    redis_url: str | None = None  # None: a private embedded redis-server in data_dir
+    redis_namespace: str = "kvservice"
+    redis_fsync: str = "everysec"  # embedded Redis's appendfsync: everysec | always | no
+    require_persistence: bool = False
+    snapshot_every: int = 50_000
+    snapshot_interval_s: float = 60.0
+    reset_state: bool = False
+    redis_wait_s: float = 30.0
 
 
 class AllocatorServer:
@@ -58,6 +68,10 @@ class AllocatorServer:
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self._lease_task: asyncio.Task | None = None
+        self.embedded = None  # EmbeddedRedis, when this server started its own
+        self.stopped = asyncio.Event()
+        self.exit_code = 0
+        self._persistence_health = ""
 
     async def start(self) -> int:
         cfg = self.config
@@ -87,6 +101,7 @@ class AllocatorServer:
             self.metrics.serve(cfg.metrics_port, cfg.host)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        await self._update_persistence_health()
         self._lease_task = asyncio.create_task(self._expire_leases())
         logger.info("kvservice serving on %s:%d (auth %s, TLS %s, persistence %s)", cfg.host, self.port,
                     "on" if self.auth.enabled else "OFF", "on" if cfg.tls_cert else "off", self.journal.state)
@@ -97,9 +112,28 @@ class AllocatorServer:
         while True:
             await asyncio.sleep(period)
             try:
+                await self._update_persistence_health()
                 await self.expire_leases_once()
             except Exception:  # a failed sweep must not stop future sweeps
                 logger.exception("lease sweep failed")
+
+    async def _update_persistence_health(self) -> None:
+        state = self.journal.state
+        if state != self._persistence_health:
+            self._persistence_health = state
+            status = (health_pb2.HealthCheckResponse.SERVING if state in ("ok", "off")
+                      else health_pb2.HealthCheckResponse.NOT_SERVING)
+            await self.health.set(PERSISTENCE_HEALTH, status)
+
+    def on_fenced(self, message: str) -> None:
+        """A newer allocator took over: go NOT_SERVING and exit (never serve from memory)."""
+        logger.critical("fenced (%s): going NOT_SERVING and exiting", message)
+        self.exit_code = 3
+        asyncio.get_running_loop().create_task(self._fence_shutdown())
+
+    async def _fence_shutdown(self) -> None:
+        await self.set_serving(False)
+        self.stopped.set()
 
     async def expire_leases_once(self) -> list[str]:
         now = time.monotonic()
@@ -110,7 +144,7 @@ class AllocatorServer:
         for session_id in expired:
             logger.warning("lease of session %s lapsed: its requests were freed", session_id)
             self.metrics.lease_expiries.inc()
-        await self.journal.record("expire", {"session_ids": expired})
+        await self.journal.record("expire", session_ids=expired)
         return expired
 
     async def set_serving(self, serving: bool) -> None:
@@ -123,21 +157,78 @@ class AllocatorServer:
             self._lease_task.cancel()
         if self.server is not None:
             await self.server.stop(grace)
+        if hasattr(self.journal, "stop"):
+            await self.journal.stop()
+            await self.journal.store.close()
+        if self.embedded is not None:
+            self.embedded.stop()
 
     async def wait(self) -> None:
         assert self.server is not None
         await self.server.wait_for_termination()
 
 
-async def serve(config: ServerConfig, ready_line: bool = True) -> None:
-    """Runs until SIGINT/SIGTERM."""
-    server = AllocatorServer(config)
-    port = await server.start()
-    if ready_line:
-        print(f"kvservice serving on {config.host}:{port}", flush=True)
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await server.stop()
+async def build_server(config: ServerConfig) -> AllocatorServer:
+    """The allocator with its state recovered from Redis (unless persistence is off)."""
+    allocator = Allocator(config.hash_block_size, config.hash_seed, config.session_ttl_s, config.event_retention,
+                          config.quotas)
+    if not config.persistence:
+        logger.warning("persistence is OFF (--no-persistence): a restart loses every allocation")
+        return AllocatorServer(config, allocator)
+    from kvservice.store.journal import PersistentJournal
+    from kvservice.store.recovery import recover
+    from kvservice.store.redis_store import RedisStore
+    embedded = None
+    url = config.redis_url
+    if not url:
+        from kvservice.store.embedded import EmbeddedRedis
+        embedded = EmbeddedRedis(config.data_dir, config.redis_fsync)
+        url = embedded.start()
+    try:
+        store = RedisStore(url, config.redis_namespace)
+        deadline = time.monotonic() + config.redis_wait_s
+        while True:
+            try:
+                await store.ping()
+                break
+            except Exception as exc:
+                if time.monotonic() > deadline:
+                    raise ConnectionError(f"Redis at {url} did not answer within {config.redis_wait_s} s ({exc!r}); "
+                                          f"start it, fix --redis-url, or run with --no-persistence") from None
+                await asyncio.sleep(0.5)
+        if config.reset_state:
+            logger.warning("--reset-state: deleting the allocator state in Redis namespace %r", config.redis_namespace)
+            await store.reset()
+        epoch = await store.acquire_leadership()
+        snapshot, covered, entries = await store.load()
+        info = recover(allocator, snapshot, entries)
+        logger.info("recovered as leader epoch %d: snapshot %d bytes (WAL id %s) + %d WAL entries in %.3f s",
+                    epoch, info["snapshot_bytes"], covered, info["replayed"], info["seconds"])
+        journal = PersistentJournal(store, allocator, config.require_persistence, config.snapshot_every,
+                                    config.snapshot_interval_s)
+    except BaseException:
+        if embedded is not None:
+            embedded.stop()
+        raise
+    server = AllocatorServer(config, allocator, journal)
+    server.embedded = embedded
+    journal.on_fenced = server.on_fenced
+    return server
+
+
+async def serve(config: ServerConfig, ready_line: bool = True) -> int:
+    """Runs until SIGINT/SIGTERM (exit 0) or until fenced by a newer allocator (exit 3)."""
+    server = await build_server(config)
+    try:
+        port = await server.start()
+        if hasattr(server.journal, "start"):
+            server.journal.start()
+        if ready_line:
+            print(f"kvservice serving on {config.host}:{port}", flush=True)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, server.stopped.set)
+        await server.stopped.wait()
+    finally:
+        await server.stop()
+    return server.exit_code

@@ -20,21 +20,19 @@ from kvservice.allocator import Allocator, RegisterResult
 from kvservice.core import AllBlocksCleared, BlockRemoved, BlockStored
 from kvservice.errors import InvalidArgument, KVServiceError, Unimplemented
 from kvservice.eventlog import LoggedEvent
-from kvservice.ops import ForkOp, FreeOp, StepResult
+from kvservice.ops import StepResult
 from kvservice.pools import raw_hash
 from kvservice.server.auth import Authenticator
 from kvservice.server.metrics import Metrics
 from kvservice.wire import (
     check_id,
     check_name,
-    decode_add,
-    decode_allocate,
     decode_hashes,
-    decode_ops,
     decode_pool_spec,
     decode_tokens,
     encode_step_result,
     encode_tokens,
+    ops_from_request,
 )
 
 logger = logging.getLogger(__name__)
@@ -45,7 +43,7 @@ class NullJournal:
 
     state = "off"
 
-    async def record(self, kind: str, payload: dict) -> None:
+    async def record(self, kind: str, **fields) -> None:
         return None
 
     def check_writable(self) -> None:
@@ -117,22 +115,31 @@ class AllocatorServicer:
     async def OpenSession(self, request: pb.OpenSessionRequest, context) -> pb.OpenSessionResponse:
         principal = self.auth.of(context)
         name = check_name("client_name", request.client_name) or ""
+        pool_ids = [check_id(f"resume_pool_ids[{i}]", p) for i, p in enumerate(request.resume_pool_ids)]
         sessions = self.allocator.sessions
         failed: list[str] = []
+        session = None
         if request.resume_session_id:
-            session = sessions.get(check_id("resume_session_id", request.resume_session_id), principal.tenant,
-                                   self.clock())
-            if request.last_acked_sequence > session.last_sequence:
-                failed = sorted(session.requests)
+            known = sessions.sessions.get(check_id("resume_session_id", request.resume_session_id))
+            if known is not None:
+                session = sessions.get(known.session_id, principal.tenant, self.clock())
+            if request.last_acked_sequence > (session.last_sequence if session is not None else 0):
+                # The recovered state is behind what this client saw acknowledged (DESIGN §6): its pools'
+                # blocks may have been handed out since, so they start a new epoch.
+                used = set(pool_ids) | (set(session.requests) if session is not None else set())
+                failed = sorted(p for p in used if p in self.allocator.pools)
                 self.journal.check_writable()
                 for pool_id in failed:
                     self.allocator.bump_epoch(pool_id)
-                await self.journal.record("stale_resume", {"session_id": session.session_id, "pools": failed})
-        else:
+                await self.journal.record("stale_resume", session_id=request.resume_session_id, pool_ids=failed)
+                logger.warning("session %s resumed at sequence %d, ahead of the recovered %d: new epochs for %s",
+                               request.resume_session_id, request.last_acked_sequence,
+                               session.last_sequence if session is not None else 0, failed)
+        if session is None:
             self.journal.check_writable()
             session = self.allocator.open_session(uuid.uuid4().hex, principal.tenant, name, self.clock())
-            await self.journal.record("open_session", {"session_id": session.session_id, "tenant": principal.tenant,
-                                                       "client_name": name})
+            await self.journal.record("open_session", session_id=session.session_id, tenant=principal.tenant,
+                                      client_name=name)
         return pb.OpenSessionResponse(session_id=session.session_id, ttl_ms=int(sessions.ttl_s * 1000),
                                       next_sequence=session.last_sequence + 1, tenant=session.tenant,
                                       pools_failed=failed)
@@ -152,7 +159,7 @@ class AllocatorServicer:
             spec = decode_pool_spec(request, self.allocator.hash_block_size)
             self.journal.check_writable()
             stored = self.allocator.register_pool(session, request.sequence, spec, request.hash_fingerprint)
-            await self.journal.record("register_pool", {"request": request, "session_id": session.session_id})
+            await self.journal.record("register_pool", session_id=session.session_id, request=request)
         if not isinstance(stored, RegisterResult):
             raise InvalidArgument("sequence", request.sequence, "this sequence was applied by another RPC kind")
         r = stored
@@ -162,63 +169,38 @@ class AllocatorServicer:
                                        scheduler_block_size=r.scheduler_block_size)
 
     # ---- steps ---------------------------------------------------------------------------------
-    async def _apply(self, context, session_id: str, sequence: int, pool_id: str, decode, request,
-                     kind: str) -> pb.StepResponse:
-        session = self._session(context, session_id)
-        self._check_sequence(sequence)
-        stored = self.allocator.sessions.check_sequence(session, sequence)
+    async def _apply(self, context, request, kind: str) -> pb.StepResponse:
+        session = self._session(context, request.session_id)
+        self._check_sequence(request.sequence)
+        stored = self.allocator.sessions.check_sequence(session, request.sequence)
         if stored is None:
-            pool = self.allocator.pool(check_id("pool_id", pool_id))
-            ops = decode(pool)
+            pool = self.allocator.pool(check_id("pool_id", request.pool_id))
+            ops = ops_from_request(kind, request, pool.spec, self.allocator.hash_block_size)
             self.journal.check_writable()
-            stored = self.allocator.step(session, sequence, pool, ops)
-            await self.journal.record(kind, {"request": request, "session_id": session.session_id})
+            stored = self.allocator.step(session, request.sequence, pool, ops)
+            await self.journal.record(kind, session_id=session.session_id, request=request)
             counter = self.metrics.op_outcomes
             for r in stored.results:
                 counter.labels(r.status.name).inc()
         if not isinstance(stored, StepResult):
-            raise InvalidArgument("sequence", sequence, "this sequence was applied by another RPC kind")
+            raise InvalidArgument("sequence", request.sequence, "this sequence was applied by another RPC kind")
         return encode_step_result(stored, pb.StepResponse())
 
     @rpc
     async def Step(self, request: pb.StepRequest, context) -> pb.StepResponse:
-        hbs = self.allocator.hash_block_size
-        return await self._apply(context, request.session_id, request.sequence, request.pool_id,
-                                 lambda pool: decode_ops(request.ops, pool.spec, hbs), request, "step")
+        return await self._apply(context, request, "step")
 
     @rpc
     async def Allocate(self, request: pb.AllocateRequest, context) -> pb.StepResponse:
-        def decode(pool):
-            ops = []
-            if request.HasField("add"):
-                ops.append(decode_add(request.add, pool.spec.max_model_len, pool.spec.vocab_size,
-                                      self.allocator.hash_block_size, "add"))
-            if not request.HasField("allocate"):
-                raise InvalidArgument("allocate", None, "required")
-            ops.append(decode_allocate(request.allocate, pool.spec.max_model_len, pool.spec.vocab_size, "allocate"))
-            return ops
-        return await self._apply(context, request.session_id, request.sequence, request.pool_id, decode, request,
-                                 "allocate")
+        return await self._apply(context, request, "allocate")
 
     @rpc
     async def Free(self, request: pb.FreeRequest, context) -> pb.StepResponse:
-        def decode(pool):
-            if not request.request_ids:
-                raise InvalidArgument("request_ids", [], "name at least one request")
-            return [FreeOp(check_id(f"request_ids[{i}]", r)) for i, r in enumerate(request.request_ids)]
-        return await self._apply(context, request.session_id, request.sequence, request.pool_id, decode, request,
-                                 "free")
+        return await self._apply(context, request, "free")
 
     @rpc
     async def Fork(self, request: pb.ForkRequest, context) -> pb.StepResponse:
-        def decode(pool):
-            parent = check_id("parent_request_id", request.parent_request_id)
-            if not request.child_request_ids:
-                raise InvalidArgument("child_request_ids", [], "name at least one child")
-            return [ForkOp(parent, check_id(f"child_request_ids[{i}]", c))
-                    for i, c in enumerate(request.child_request_ids)]
-        return await self._apply(context, request.session_id, request.sequence, request.pool_id, decode, request,
-                                 "fork")
+        return await self._apply(context, request, "fork")
 
     @rpc
     async def CommitTransfer(self, request: pb.CommitTransferRequest, context) -> pb.StepResponse:
@@ -266,6 +248,15 @@ class AllocatorServicer:
         out = pb.GetStatsResponse(num_sessions=len(a.sessions.sessions), persistence=self.journal.state,
                                   event_sequence=a.events.next_sequence - 1, lease_expiries=a.lease_expiries,
                                   hash_fingerprint=a.fingerprint, hash_block_size=a.hash_block_size)
+        if request.include_state_digest:
+            from kvservice.store.snapshot import state_digest
+            out.state_digest = state_digest(a)
+        js = getattr(self.journal, "stats", None)
+        if js:
+            out.wal_entries_written, out.wal_bytes_written = js["entries"], js["bytes"]
+            out.snapshots_written, out.last_snapshot_bytes, out.wal_lag = (js["snapshots"], js["last_snapshot_bytes"],
+                                                                           js["wal_lag"])
+            out.leader_epoch = self.journal.store.epoch
         for pool in a.pools.values():
             m = pool.manager
             bp = m.block_pool
@@ -283,7 +274,7 @@ class AllocatorServicer:
         pool_ids = [check_id(f"pool_ids[{i}]", p) for i, p in enumerate(request.pool_ids)]
         self.journal.check_writable()
         done, refused = self.allocator.reset_prefix_cache(pool_ids)
-        await self.journal.record("reset", {"pool_ids": pool_ids})
+        await self.journal.record("reset", pool_ids=pool_ids)
         return pb.ResetPrefixCacheResponse(reset_pool_ids=done, refused_pool_ids=refused)
 
     # ---- events --------------------------------------------------------------------------------

@@ -1,0 +1,169 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WalEntry(_message.Message):
+    __slots__ = ("kind", "session_id", "request", "tenant", "client_name", "session_ids", "pool_ids")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    POOL_IDS_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    session_id: str
+    request: bytes
+    tenant: str
+    client_name: str
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    pool_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, kind: _Optional[str] = ..., session_id: _Optional[str] = ..., request: _Optional[bytes] = ..., tenant: _Optional[str] = ..., client_name: _Optional[str] = ..., session_ids: _Optional[_Iterable[str]] = ..., pool_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RequestState(_message.Message):
+    __slots__ = ("key", "has_token_ids", "token_ids", "num_tokens", "num_prompt_tokens", "num_computed_tokens", "num_preemptions", "block_hashes", "namespace", "cache_salt", "has_cache_salt", "lora_name", "has_lora_name", "hash_seed", "mm_identifiers", "mm_offsets", "mm_lengths", "chain_tip", "owner", "block_size")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    HAS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    HAS_CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    HAS_LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    HASH_SEED_FIELD_NUMBER: _ClassVar[int]
+    MM_IDENTIFIERS_FIELD_NUMBER: _ClassVar[int]
+    MM_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    MM_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_TIP_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    has_token_ids: bool
+    token_ids: bytes
+    num_tokens: int
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    num_preemptions: int
+    block_hashes: bytes
+    namespace: bytes
+    cache_salt: str
+    has_cache_salt: bool
+    lora_name: str
+    has_lora_name: bool
+    hash_seed: str
+    mm_identifiers: _containers.RepeatedScalarFieldContainer[str]
+    mm_offsets: bytes
+    mm_lengths: bytes
+    chain_tip: bytes
+    owner: str
+    block_size: int
+    def __init__(self, key: _Optional[str] = ..., has_token_ids: _Optional[bool] = ..., token_ids: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., block_hashes: _Optional[bytes] = ..., namespace: _Optional[bytes] = ..., cache_salt: _Optional[str] = ..., has_cache_salt: _Optional[bool] = ..., lora_name: _Optional[str] = ..., has_lora_name: _Optional[bool] = ..., hash_seed: _Optional[str] = ..., mm_identifiers: _Optional[_Iterable[str]] = ..., mm_offsets: _Optional[bytes] = ..., mm_lengths: _Optional[bytes] = ..., chain_tip: _Optional[bytes] = ..., owner: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class GroupState(_message.Message):
+    __slots__ = ("request_keys", "num_blocks", "block_ids", "running_keys", "num_cached_block")
+    REQUEST_KEYS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_KEYS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    request_keys: _containers.RepeatedScalarFieldContainer[str]
+    num_blocks: bytes
+    block_ids: bytes
+    running_keys: _containers.RepeatedScalarFieldContainer[str]
+    num_cached_block: bytes
+    def __init__(self, request_keys: _Optional[_Iterable[str]] = ..., num_blocks: _Optional[bytes] = ..., block_ids: _Optional[bytes] = ..., running_keys: _Optional[_Iterable[str]] = ..., num_cached_block: _Optional[bytes] = ...) -> None: ...
+
+class ManagerState(_message.Message):
+    __slots__ = ("ref_cnts", "free_order", "index_keys", "index_key_lengths", "index_block_ids", "groups", "copy_src", "copy_dst", "evictions", "total_queries", "total_hits", "total_requests", "interval_stats", "interval_reset")
+    REF_CNTS_FIELD_NUMBER: _ClassVar[int]
+    FREE_ORDER_FIELD_NUMBER: _ClassVar[int]
+    INDEX_KEYS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_KEY_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    COPY_SRC_FIELD_NUMBER: _ClassVar[int]
+    COPY_DST_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_HITS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_STATS_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_RESET_FIELD_NUMBER: _ClassVar[int]
+    ref_cnts: bytes
+    free_order: bytes
+    index_keys: bytes
+    index_key_lengths: bytes
+    index_block_ids: bytes
+    groups: _containers.RepeatedCompositeFieldContainer[GroupState]
+    copy_src: bytes
+    copy_dst: bytes
+    evictions: int
+    total_queries: int
+    total_hits: int
+    total_requests: int
+    interval_stats: _containers.RepeatedScalarFieldContainer[int]
+    interval_reset: bool
+    def __init__(self, ref_cnts: _Optional[bytes] = ..., free_order: _Optional[bytes] = ..., index_keys: _Optional[bytes] = ..., index_key_lengths: _Optional[bytes] = ..., index_block_ids: _Optional[bytes] = ..., groups: _Optional[_Iterable[_Union[GroupState, _Mapping]]] = ..., copy_src: _Optional[bytes] = ..., copy_dst: _Optional[bytes] = ..., evictions: _Optional[int] = ..., total_queries: _Optional[int] = ..., total_hits: _Optional[int] = ..., total_requests: _Optional[int] = ..., interval_stats: _Optional[_Iterable[int]] = ..., interval_reset: _Optional[bool] = ...) -> None: ...
+
+class PoolState(_message.Message):
+    __slots__ = ("register_request", "pool_id", "epoch", "manager", "requests", "tombstone_keys", "tombstone_reasons")
+    REGISTER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MANAGER_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TOMBSTONE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    TOMBSTONE_REASONS_FIELD_NUMBER: _ClassVar[int]
+    register_request: bytes
+    pool_id: str
+    epoch: int
+    manager: ManagerState
+    requests: _containers.RepeatedCompositeFieldContainer[RequestState]
+    tombstone_keys: _containers.RepeatedScalarFieldContainer[str]
+    tombstone_reasons: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, register_request: _Optional[bytes] = ..., pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., manager: _Optional[_Union[ManagerState, _Mapping]] = ..., requests: _Optional[_Iterable[_Union[RequestState, _Mapping]]] = ..., tombstone_keys: _Optional[_Iterable[str]] = ..., tombstone_reasons: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SessionState(_message.Message):
+    __slots__ = ("session_id", "tenant", "client_name", "last_sequence", "reply_kind", "reply", "request_pool_ids", "request_keys")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    REPLY_KIND_FIELD_NUMBER: _ClassVar[int]
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_POOL_IDS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_KEYS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    tenant: str
+    client_name: str
+    last_sequence: int
+    reply_kind: str
+    reply: bytes
+    request_pool_ids: _containers.RepeatedScalarFieldContainer[str]
+    request_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., client_name: _Optional[str] = ..., last_sequence: _Optional[int] = ..., reply_kind: _Optional[str] = ..., reply: _Optional[bytes] = ..., request_pool_ids: _Optional[_Iterable[str]] = ..., request_keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Snapshot(_message.Message):
+    __slots__ = ("hash_block_size", "hash_seed", "next_event_sequence", "lease_expiries", "pools", "sessions")
+    HASH_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HASH_SEED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_EVENT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRIES_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    hash_block_size: int
+    hash_seed: str
+    next_event_sequence: int
+    lease_expiries: int
+    pools: _containers.RepeatedCompositeFieldContainer[PoolState]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionState]
+    def __init__(self, hash_block_size: _Optional[int] = ..., hash_seed: _Optional[str] = ..., next_event_sequence: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolState, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionState, _Mapping]]] = ...) -> None: ...

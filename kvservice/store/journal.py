@@ -1,0 +1,222 @@
+"""The persistent journal: WAL appends before replies (group commit), periodic snapshots taken in a
+forked child (a consistent point-in-time copy that costs the event loop one fork), fencing, and the
+Redis-outage policy (DESIGN §6).
+
+States: "ok" (every mutation is in the WAL before its reply), "degraded" (Redis is down: mutations are
+acknowledged from memory; a fresh snapshot is written as soon as Redis answers), "down" (Redis is
+down under --require-persistence: mutations are refused), "fenced" (another allocator took over).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import redis
+
+from kvservice._proto import state_pb2 as st
+from kvservice.allocator import Allocator
+from kvservice.errors import Unavailable
+from kvservice.store.redis_store import FencedError, RedisStore, write_pending_snapshot_sync
+from kvservice.store.snapshot import dump
+
+logger = logging.getLogger(__name__)
+REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+
+
+class PersistentJournal:
+    def __init__(self, store: RedisStore, allocator: Allocator, require_persistence: bool = False,
+                 snapshot_every: int = 50_000, snapshot_interval_s: float = 60.0,
+                 on_fenced: Callable[[str], None] | None = None) -> None:
+        self.store = store
+        self.allocator = allocator
+        self.require_persistence = require_persistence
+        self.snapshot_every = snapshot_every
+        self.snapshot_interval_s = snapshot_interval_s
+        self.on_fenced = on_fenced
+        self.state = "ok"
+        self._queue: list[tuple[bytes, asyncio.Future | None]] = []
+        self._wakeup = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._since_snapshot = 0
+        self._last_snapshot = time.monotonic()
+        self._snapshot_task: asyncio.Task | None = None
+        self.stats = {"entries": 0, "bytes": 0, "batches": 0, "snapshots": 0, "snapshot_failures": 0,
+                      "last_snapshot_bytes": 0, "last_snapshot_s": 0.0, "wal_lag": 0}
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._writer()), asyncio.create_task(self._watch())]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self._snapshot_task is not None:
+            with contextlib.suppress(BaseException):
+                await self._snapshot_task
+        for task in self._tasks:
+            with contextlib.suppress(BaseException):
+                await task
+
+    # ---- the servicer's interface --------------------------------------------------------------
+    def check_writable(self) -> None:
+        if self.state == "fenced":
+            raise Unavailable("this allocator was fenced by a newer one and is shutting down; reconnect")
+        if self.state != "ok" and self.require_persistence:
+            raise Unavailable("persistence is unavailable (Redis is down) and --require-persistence is set; "
+                              "retry when it is back")
+
+    async def record(self, kind: str, *, session_id: str = "", request=None, tenant: str = "",
+                     client_name: str = "", session_ids=(), pool_ids=()) -> None:
+        """Logs one applied mutation; returns once it is in Redis (or, degraded, at once). Must be
+        called right after the mutation, before any await, so the WAL order is the apply order."""
+        entry = st.WalEntry(kind=kind, session_id=session_id, tenant=tenant, client_name=client_name,
+                            session_ids=session_ids, pool_ids=pool_ids)
+        if request is not None:
+            entry.request = request.SerializeToString()
+        raw = entry.SerializeToString()
+        if self.state == "degraded":
+            return  # acknowledged from memory; the resync snapshot will cover it
+        if self.state != "ok":
+            raise Unavailable("persistence is unavailable; the mutation was not acknowledged")
+        future = asyncio.get_running_loop().create_future()
+        self._queue.append((raw, future))
+        self._wakeup.set()
+        await future
+
+    # ---- the WAL writer (group commit) ---------------------------------------------------------
+    async def _writer(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self._queue:
+                batch, self._queue = self._queue, []
+                try:
+                    ids = await self.store.append([raw for raw, _ in batch])
+                except FencedError as exc:
+                    self._fenced(str(exc), batch)
+                    return
+                except REDIS_ERRORS as exc:
+                    self._outage(exc, batch)
+                    continue
+                self.stats["entries"] += len(batch)
+                self.stats["bytes"] += sum(len(raw) for raw, _ in batch)
+                self.stats["batches"] += 1
+                self._since_snapshot += len(batch)
+                for (_, future), entry_id in zip(batch, ids):
+                    if future is not None and not future.done():
+                        future.set_result(entry_id)
+            if self._since_snapshot >= self.snapshot_every and self._snapshot_task is None:
+                self.snapshot()
+
+    def _outage(self, exc: BaseException, batch) -> None:
+        if self.require_persistence:
+            self.state = "down"
+            logger.error("Redis unavailable (%r): refusing mutations until it is back (--require-persistence)", exc)
+            for _, future in batch:
+                if future is not None and not future.done():
+                    future.set_exception(Unavailable(f"persistence failed ({exc!r}); the mutation was not "
+                                                     "acknowledged: retry with the same sequence"))
+        else:
+            self.state = "degraded"
+            logger.error("Redis unavailable (%r): serving from memory (degraded) until it is back", exc)
+            for _, future in batch:
+                if future is not None and not future.done():
+                    future.set_result(None)
+        for _, future in self._queue:  # entries queued behind the failed batch share its fate
+            if future is not None and not future.done():
+                if self.require_persistence:
+                    future.set_exception(Unavailable("persistence failed; retry with the same sequence"))
+                else:
+                    future.set_result(None)
+        self._queue = []
+
+    def _fenced(self, message: str, batch) -> None:
+        self.state = "fenced"
+        logger.critical("fenced: %s", message)
+        for _, future in batch + self._queue:
+            if future is not None and not future.done():
+                future.set_exception(Unavailable("this allocator was fenced by a newer one; reconnect"))
+        self._queue = []
+        if self.on_fenced is not None:
+            self.on_fenced(message)
+
+    # ---- health: leadership, outages, periodic snapshots ---------------------------------------
+    async def _watch(self) -> None:
+        while self.state != "fenced":
+            await asyncio.sleep(0.5)
+            try:
+                leader = await self.store.leader()
+            except REDIS_ERRORS as exc:
+                if self.state == "ok":
+                    self._outage(exc, [])
+                continue
+            if leader != self.store.epoch:
+                self._fenced(f"the leader is epoch {leader}, this allocator holds {self.store.epoch}", [])
+                return
+            if self.state in ("degraded", "down") and self._snapshot_task is None:
+                logger.warning("Redis is back: writing a fresh snapshot to resync")
+                self.snapshot(resync=True)
+            elif (self.state == "ok" and self._since_snapshot and self._snapshot_task is None
+                  and time.monotonic() - self._last_snapshot >= self.snapshot_interval_s):
+                self.snapshot()
+
+    def snapshot(self, resync: bool = False) -> asyncio.Task:
+        """Starts a snapshot: a barrier entry marks the WAL position, a forked child serializes the
+        state as of that instant, then the snapshot is committed and the WAL trimmed behind it."""
+        barrier = st.WalEntry(kind="barrier", pool_ids=["resync"] if resync else []).SerializeToString()
+        future = asyncio.get_running_loop().create_future()
+        self._queue.append((barrier, future))
+        self._wakeup.set()
+        if resync:
+            # From the barrier on, mutations are logged again (after it); the snapshot covers the rest.
+            self.state = "ok"
+        pid = self._fork_child()
+        self._since_snapshot = 0
+        self._last_snapshot = time.monotonic()
+        self._snapshot_task = asyncio.create_task(self._finish_snapshot(pid, future, resync))
+        return self._snapshot_task
+
+    def _fork_child(self) -> int:
+        pid = os.fork()
+        if pid == 0:  # the child: no event loop, no gRPC, no logging: serialize, write, exit
+            code = 1
+            try:
+                start = time.perf_counter()
+                data = dump(self.allocator)
+                write_pending_snapshot_sync(self.store.url, self.store.namespace, self.store.epoch, data)
+                with contextlib.suppress(OSError):
+                    os.write(2, f"snapshot: {len(data)} bytes in {time.perf_counter() - start:.3f} s\n".encode())
+                code = 0
+            finally:
+                os._exit(code)
+        return pid
+
+    async def _finish_snapshot(self, pid: int, barrier: asyncio.Future, resync: bool) -> None:
+        start = time.perf_counter()
+        try:
+            _, status = await asyncio.get_running_loop().run_in_executor(None, os.waitpid, pid, 0)
+            wal_id = await barrier
+            if os.waitstatus_to_exitcode(status) != 0 or wal_id is None:
+                raise RuntimeError(f"snapshot child exited with {os.waitstatus_to_exitcode(status)}")
+            self.stats["wal_lag"] = await self.store.commit_snapshot(wal_id)
+            self.stats["snapshots"] += 1
+            self.stats["last_snapshot_s"] = time.perf_counter() - start
+            usage = await self.store.usage()
+            self.stats["last_snapshot_bytes"] = usage["snapshot_bytes"]
+            logger.info("snapshot committed at WAL id %s (%d bytes, %d WAL entries left)", wal_id,
+                        usage["snapshot_bytes"], usage["wal_entries"])
+        except FencedError as exc:
+            self._fenced(str(exc), [])
+        except BaseException as exc:  # noqa: BLE001 - any failure leaves the WAL untrimmed, which is safe
+            self.stats["snapshot_failures"] += 1
+            logger.error("snapshot failed: %r", exc)
+            if resync and self.state == "ok":
+                self.state = "down" if self.require_persistence else "degraded"
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        finally:
+            self._snapshot_task = None

@@ -1,0 +1,134 @@
+"""Redis layout and fenced writes (DESIGN §6).
+
+Keys under a namespace `ns`:
+    ns:epoch             leadership counter (INCR on every allocator start)
+    ns:leader            the epoch of the allocator allowed to write
+    ns:wal               the write-ahead log (a stream; one entry per mutating batch)
+    ns:snapshot          the latest full snapshot (bytes)
+    ns:snapshot:wal_id   the WAL id the snapshot covers (entries after it are replayed)
+    ns:snapshot:pending  a snapshot being written (renamed into place when complete)
+
+Every write goes through a Lua script that first checks `ns:leader` against the writer's epoch, so
+an old allocator that lives on after a new one started can never write (fencing).
+"""
+
+from __future__ import annotations
+
+import redis
+import redis.asyncio as aioredis
+
+FENCED_PREFIX = "FENCED"
+
+_CHECK = """
+local leader = redis.call('GET', KEYS[1])
+if leader ~= ARGV[1] then
+  return redis.error_reply('FENCED: this allocator holds epoch ' .. ARGV[1] .. ', the leader is ' .. tostring(leader))
+end
+"""
+APPEND = _CHECK + """
+local ids = {}
+for i = 2, #ARGV do ids[#ids + 1] = redis.call('XADD', KEYS[2], '*', 'e', ARGV[i]) end
+return ids
+"""
+SET_PENDING = _CHECK + """
+redis.call('SET', KEYS[2], ARGV[2])
+return 1
+"""
+COMMIT_SNAPSHOT = _CHECK + """
+redis.call('RENAME', KEYS[2], KEYS[3])
+redis.call('SET', KEYS[4], ARGV[2])
+redis.call('XTRIM', KEYS[5], 'MINID', ARGV[2])
+return redis.call('XLEN', KEYS[5])
+"""
+
+
+class FencedError(RuntimeError):
+    """Another allocator took over: this one must stop serving."""
+
+
+def is_fenced(exc: BaseException) -> bool:
+    return isinstance(exc, redis.ResponseError) and str(exc).startswith(FENCED_PREFIX)
+
+
+class RedisStore:
+    def __init__(self, url: str, namespace: str = "kvservice", socket_timeout_s: float = 2.0) -> None:
+        self.url = url
+        self.namespace = namespace
+        self.socket_timeout_s = socket_timeout_s
+        ns = namespace
+        self.k_epoch, self.k_leader, self.k_wal = f"{ns}:epoch", f"{ns}:leader", f"{ns}:wal"
+        self.k_snapshot, self.k_snapshot_id, self.k_pending = f"{ns}:snapshot", f"{ns}:snapshot:wal_id", \
+            f"{ns}:snapshot:pending"
+        self.redis = aioredis.Redis.from_url(url, socket_timeout=socket_timeout_s,
+                                             socket_connect_timeout=socket_timeout_s)
+        self._append = self.redis.register_script(APPEND)
+        self._commit = self.redis.register_script(COMMIT_SNAPSHOT)
+        self.epoch = 0
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def ping(self) -> bool:
+        return bool(await self.redis.ping())
+
+    async def acquire_leadership(self) -> int:
+        """Takes the leader key with a new epoch: from now on older allocators are fenced."""
+        self.epoch = int(await self.redis.incr(self.k_epoch))
+        await self.redis.set(self.k_leader, self.epoch)
+        return self.epoch
+
+    async def leader(self) -> int:
+        value = await self.redis.get(self.k_leader)
+        return int(value) if value is not None else 0
+
+    async def append(self, entries: list[bytes]) -> list[bytes]:
+        """Appends entries in order, in one round trip, if this allocator still leads."""
+        try:
+            return await self._append(keys=[self.k_leader, self.k_wal], args=[self.epoch, *entries])
+        except redis.ResponseError as exc:
+            if is_fenced(exc):
+                raise FencedError(str(exc)) from None
+            raise
+
+    async def commit_snapshot(self, wal_id: bytes) -> int:
+        """Makes the pending snapshot current (it covers WAL entries up to `wal_id`) and trims the WAL
+        behind it. Returns the WAL length left."""
+        try:
+            return int(await self._commit(keys=[self.k_leader, self.k_pending, self.k_snapshot, self.k_snapshot_id,
+                                                 self.k_wal], args=[self.epoch, wal_id]))
+        except redis.ResponseError as exc:
+            if is_fenced(exc):
+                raise FencedError(str(exc)) from None
+            raise
+
+    async def load(self, batch: int = 10_000) -> tuple[bytes | None, bytes | None, list[tuple[bytes, bytes]]]:
+        """(snapshot, the WAL id it covers, the WAL entries after it as (id, entry))."""
+        snapshot = await self.redis.get(self.k_snapshot)
+        covered = await self.redis.get(self.k_snapshot_id)
+        start = b"(" + covered if covered else b"-"
+        entries: list[tuple[bytes, bytes]] = []
+        while True:
+            chunk = await self.redis.xrange(self.k_wal, min=start, max="+", count=batch)
+            entries.extend((entry_id, fields[b"e"]) for entry_id, fields in chunk)
+            if len(chunk) < batch:
+                break
+            start = b"(" + chunk[-1][0]
+        return snapshot, covered, entries
+
+    async def usage(self) -> dict[str, int]:
+        """WAL length and snapshot bytes (to check Redis memory stays bounded)."""
+        return {"wal_entries": int(await self.redis.xlen(self.k_wal)),
+                "snapshot_bytes": int(await self.redis.strlen(self.k_snapshot))}
+
+    async def reset(self) -> None:
+        """Deletes this namespace's state (operators only: `kvservice serve --reset-state`)."""
+        await self.redis.delete(self.k_wal, self.k_snapshot, self.k_snapshot_id, self.k_pending)
+
+
+def write_pending_snapshot_sync(url: str, namespace: str, epoch: int, data: bytes) -> None:
+    """Writes a snapshot as pending from a forked child (its own, blocking connection)."""
+    client = redis.Redis.from_url(url, socket_timeout=60)
+    try:
+        client.eval(SET_PENDING, 2, f"{namespace}:leader", f"{namespace}:snapshot:pending", epoch, data)
+    finally:
+        client.close()

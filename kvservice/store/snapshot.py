@@ -1,0 +1,221 @@
+"""Full allocator state ⇄ bytes: pools (config, epoch, every block's state, requests, tombstones),
+sessions (last replies for retries) and counters. Framed with a magic, the hash-spec fingerprint and a
+checksum, so a corrupt or foreign snapshot is refused whole, never half-loaded."""
+
+from __future__ import annotations
+
+from array import array
+
+import xxhash
+
+from kvservice._proto import allocator_pb2 as pb
+from kvservice._proto import state_pb2 as st
+from kvservice.allocator import Allocator, RegisterResult
+from kvservice.core import Request
+from kvservice.core.state import GroupTables, ManagerState, export_manager_state, import_manager_state
+from kvservice.hashing import HASH_BYTES, MultiModalItem
+from kvservice.ops import StepResult
+from kvservice.pools import SEP, Pool
+from kvservice.sessions import Session
+from kvservice.wire import decode_pool_spec, decode_step_result, decode_tokens, encode_config, encode_step_result
+
+MAGIC = b"KVSNAP1\n"
+
+
+class SnapshotError(ValueError):
+    """The snapshot cannot be loaded (corrupt, foreign, or for another hash spec)."""
+
+
+def _u32(values) -> bytes:
+    return array("I", values).tobytes()
+
+
+def _from_u32(data: bytes, what: str) -> array:
+    return decode_tokens(what, data)
+
+
+# ---- encode --------------------------------------------------------------------------------------
+def encode_state(allocator: Allocator) -> st.Snapshot:
+    snap = st.Snapshot(hash_block_size=allocator.hash_block_size, hash_seed=allocator.hash_seed,
+                       next_event_sequence=allocator.events.next_sequence, lease_expiries=allocator.lease_expiries)
+    for pool_id in sorted(allocator.pools):
+        snap.pools.append(_encode_pool(allocator.pools[pool_id]))
+    for session_id in sorted(allocator.sessions.sessions):
+        snap.sessions.append(_encode_session(allocator.sessions.sessions[session_id]))
+    return snap
+
+
+def dump(allocator: Allocator) -> bytes:
+    payload = encode_state(allocator).SerializeToString(deterministic=True)
+    return MAGIC + allocator.fingerprint.encode() + xxhash.xxh3_128_digest(payload) + payload
+
+
+def state_digest(allocator: Allocator) -> str:
+    """A hash of the whole state: equal digests mean equal state, block for block."""
+    return xxhash.xxh3_128_hexdigest(encode_state(allocator).SerializeToString(deterministic=True))
+
+
+def _encode_pool(pool: Pool) -> st.PoolState:
+    spec = pool.spec
+    reg = pb.RegisterPoolRequest(pool_id=spec.pool_id, epoch=pool.epoch,
+                                 config=encode_config(spec.config, spec.max_model_len, spec.dcp_world_size,
+                                                      spec.enable_caching, spec.vocab_size, spec.kv_layout))
+    ms = export_manager_state(pool.manager)
+    m = st.ManagerState(ref_cnts=ms.ref_cnts.tobytes(), free_order=ms.free_order.tobytes(),
+                        index_keys=b"".join(ms.index_keys), index_key_lengths=_u32(len(k) for k in ms.index_keys),
+                        index_block_ids=ms.index_block_ids.tobytes(),
+                        copy_src=_u32(s for s, _ in ms.copies), copy_dst=_u32(d for _, d in ms.copies),
+                        evictions=ms.evictions, total_queries=ms.totals[0], total_hits=ms.totals[1],
+                        total_requests=ms.totals[2], interval_stats=list(ms.interval),
+                        interval_reset=ms.interval_reset)
+    for g in ms.groups:
+        m.groups.add(request_keys=g.request_keys, num_blocks=g.num_blocks.tobytes(), block_ids=g.block_ids.tobytes(),
+                     running_keys=g.running_keys, num_cached_block=g.num_cached_block.tobytes())
+    out = st.PoolState(register_request=reg.SerializeToString(deterministic=True), pool_id=pool.pool_id,
+                       epoch=pool.epoch, manager=m, tombstone_keys=list(pool.tombstones),
+                       tombstone_reasons=list(pool.tombstones.values()))
+    for key in sorted(pool.requests):
+        out.requests.append(_encode_request(pool.requests[key], pool.owner.get(key, "")))
+    return out
+
+
+def _encode_request(req: Request, owner: str) -> st.RequestState:
+    ns_len = len(req.namespace)
+    hashes = b"".join(h[:HASH_BYTES] for h in req.block_hashes) if ns_len else b"".join(req.block_hashes)
+    return st.RequestState(
+        key=req.request_id, has_token_ids=req.has_token_ids,
+        token_ids=req.all_token_ids.tobytes() if req.has_token_ids else b"", num_tokens=req.num_tokens,
+        num_prompt_tokens=req.num_prompt_tokens, num_computed_tokens=req.num_computed_tokens,
+        num_preemptions=req.num_preemptions, block_hashes=hashes, namespace=req.namespace,
+        cache_salt=req.cache_salt or "", has_cache_salt=req.cache_salt is not None, lora_name=req.lora_name or "",
+        has_lora_name=req.lora_name is not None, hash_seed=req.hash_seed,
+        mm_identifiers=[i.identifier for i in req.mm_items], mm_offsets=_u32(i.offset for i in req.mm_items),
+        mm_lengths=_u32(i.length for i in req.mm_items), chain_tip=req._chain_tip, owner=owner,
+        block_size=req.block_size)
+
+
+def _encode_session(s: Session) -> st.SessionState:
+    out = st.SessionState(session_id=s.session_id, tenant=s.tenant, client_name=s.client_name,
+                          last_sequence=s.last_sequence)
+    if isinstance(s.last_reply, StepResult):
+        out.reply_kind = "step"
+        out.reply = encode_step_result(s.last_reply, pb.StepResponse()).SerializeToString(deterministic=True)
+    elif isinstance(s.last_reply, RegisterResult):
+        r = s.last_reply
+        out.reply_kind = "register"
+        out.reply = pb.RegisterPoolResponse(
+            pool_id=r.pool_id, epoch=r.epoch, new_epoch=r.new_epoch, hash_block_size=r.hash_block_size,
+            hash_seed=r.hash_seed, num_requests_failed=r.num_requests_failed,
+            scheduler_block_size=r.scheduler_block_size).SerializeToString(deterministic=True)
+    for pool_id in sorted(s.requests):
+        for key in sorted(s.requests[pool_id]):
+            out.request_pool_ids.append(pool_id)
+            out.request_keys.append(key)
+    return out
+
+
+# ---- decode --------------------------------------------------------------------------------------
+def load(data: bytes, allocator: Allocator, now: float) -> None:
+    """Restores `data` into a fresh allocator (same hash spec). Raises SnapshotError, leaving the
+    allocator untouched, when the snapshot is corrupt or foreign."""
+    if not data.startswith(MAGIC):
+        raise SnapshotError("not a kvservice snapshot (bad magic): refusing to start from it")
+    fingerprint = data[len(MAGIC):len(MAGIC) + 16].decode(errors="replace")
+    checksum = data[len(MAGIC) + 16:len(MAGIC) + 32]
+    payload = data[len(MAGIC) + 32:]
+    if fingerprint != allocator.fingerprint:
+        raise SnapshotError(f"snapshot was written for hash spec {fingerprint!r}, this allocator uses "
+                            f"{allocator.fingerprint!r} (seed {allocator.hash_seed!r}, block "
+                            f"{allocator.hash_block_size}): start with the same --hash-seed/--hash-block-size")
+    if xxhash.xxh3_128_digest(payload) != checksum:
+        raise SnapshotError("snapshot checksum mismatch: the snapshot is corrupt")
+    try:
+        snap = st.Snapshot.FromString(payload)
+        staged = Allocator(allocator.hash_block_size, allocator.hash_seed, allocator.sessions.ttl_s,
+                           allocator.events.retained, allocator.usage.quotas)
+        _decode_into(snap, staged, now)
+    except SnapshotError:
+        raise
+    except Exception as exc:
+        raise SnapshotError(f"snapshot could not be decoded: {exc!r}") from exc
+    # Only a fully decoded state replaces the allocator's (never a half-loaded one).
+    allocator.pools = staged.pools
+    allocator.sessions = staged.sessions
+    allocator.events.next_sequence = staged.events.next_sequence
+    allocator.usage = staged.usage
+    allocator.lease_expiries = staged.lease_expiries
+
+
+def _decode_into(snap: st.Snapshot, allocator: Allocator, now: float) -> None:
+    if snap.hash_block_size != allocator.hash_block_size or snap.hash_seed != allocator.hash_seed:
+        raise SnapshotError("snapshot hash spec does not match its header")
+    allocator.events.next_sequence = snap.next_event_sequence
+    allocator.lease_expiries = snap.lease_expiries
+    for ps in snap.pools:
+        spec = decode_pool_spec(pb.RegisterPoolRequest.FromString(ps.register_request), allocator.hash_block_size)
+        pool = Pool(spec, allocator.hash_block_size, allocator.hash_seed)
+        m = ps.manager
+        lengths = _from_u32(m.index_key_lengths, "index_key_lengths")
+        keys, pos = [], 0
+        for n in lengths:
+            keys.append(m.index_keys[pos:pos + n])
+            pos += n
+        ref_cnts = array("i")
+        ref_cnts.frombytes(m.ref_cnts)
+        groups = [GroupTables(list(g.request_keys), _from_u32(g.num_blocks, "num_blocks"),
+                              _from_u32(g.block_ids, "block_ids"), list(g.running_keys),
+                              _from_u32(g.num_cached_block, "num_cached_block")) for g in m.groups]
+        state = ManagerState(ref_cnts, _from_u32(m.free_order, "free_order"), keys,
+                             _from_u32(m.index_block_ids, "index_block_ids"), groups,
+                             list(zip(_from_u32(m.copy_src, "copy_src"), _from_u32(m.copy_dst, "copy_dst"))),
+                             m.evictions, (m.total_queries, m.total_hits, m.total_requests),
+                             tuple(m.interval_stats), m.interval_reset)
+        import_manager_state(pool.manager, state)
+        for rs in ps.requests:
+            pool.requests[rs.key] = _decode_request(rs)
+            if rs.owner:
+                pool.owner[rs.key] = rs.owner
+        for key, reason in zip(ps.tombstone_keys, ps.tombstone_reasons):
+            pool.tombstones[key] = reason
+        allocator.pools[pool.pool_id] = pool
+        for key in pool.requests:
+            tenant = key.split(SEP, 1)[0] if SEP in key else ""
+            allocator.usage.update(tenant, pool, key)
+    for ss in snap.sessions:
+        session = allocator.sessions.open(ss.session_id, ss.tenant, ss.client_name, now)
+        session.last_sequence = ss.last_sequence
+        if ss.reply_kind == "step":
+            session.last_reply = decode_step_result(pb.StepResponse.FromString(ss.reply))
+        elif ss.reply_kind == "register":
+            r = pb.RegisterPoolResponse.FromString(ss.reply)
+            session.last_reply = RegisterResult(r.pool_id, r.epoch, r.new_epoch, r.hash_block_size, r.hash_seed,
+                                                r.num_requests_failed, r.scheduler_block_size)
+        for pool_id, key in zip(ss.request_pool_ids, ss.request_keys):
+            session.own(pool_id, key)
+
+
+def _decode_request(rs: st.RequestState) -> Request:
+    req = Request.__new__(Request)
+    req.request_id = rs.key
+    req.block_size = rs.block_size
+    req.cache_salt = rs.cache_salt if rs.has_cache_salt else None
+    req.lora_name = rs.lora_name if rs.has_lora_name else None
+    req.hash_seed = rs.hash_seed
+    offsets, lengths = _from_u32(rs.mm_offsets, "mm_offsets"), _from_u32(rs.mm_lengths, "mm_lengths")
+    req.mm_items = tuple(MultiModalItem(i, o, n) for i, o, n in zip(rs.mm_identifiers, offsets, lengths))
+    req.namespace = rs.namespace
+    req.num_prompt_tokens = rs.num_prompt_tokens
+    if rs.has_token_ids:
+        tokens = array("I")
+        tokens.frombytes(rs.token_ids)
+        req._token_ids = tokens
+    else:
+        req._token_ids = None
+    req._num_tokens = rs.num_tokens
+    req.num_computed_tokens = rs.num_computed_tokens
+    req.num_preemptions = rs.num_preemptions
+    req._chain_tip = rs.chain_tip
+    ns = rs.namespace
+    raw = rs.block_hashes
+    req.block_hashes = [raw[i:i + HASH_BYTES] + ns for i in range(0, len(raw), HASH_BYTES)]
+    return req
