@@ -139,6 +139,7 @@ class Allocator:
             old.bury(key, reason)
         self.usage.drop_pool(old.pool_id)
         self.events.extend(old.pool_id, [*old.manager.take_events(), AllBlocksCleared()])
+        old.manager.block_pool.release()
         logger.warning("pool %s: epoch %d -> %d, %d requests failed", old.pool_id, old.epoch, new_epoch,
                        len(old.requests))
         return len(old.requests)

@@ -224,6 +224,14 @@ class BlockPool:
             self.kv_event_queue.append(AllBlocksCleared())
         return True
 
+    def release(self) -> None:
+        """Breaks the free queue's reference cycles so a discarded pool is freed by reference counting
+        alone (its blocks may have been frozen out of the cyclic GC)."""
+        for block in self.blocks:
+            block.prev_free_block = block.next_free_block = None
+        self.free_block_queue = FreeBlockQueue([])
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
+
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
 

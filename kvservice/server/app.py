@@ -18,7 +18,7 @@ from kvservice.allocator import Allocator
 from kvservice.hashing import DEFAULT_HASH_BLOCK_SIZE, DEFAULT_HASH_SEED
 from kvservice.server.auth import Authenticator, AuthInterceptor, load_token_file
 from kvservice.server.metrics import Metrics
-from kvservice.server.servicer import AllocatorServicer, NullJournal, method_handlers
+from kvservice.server.servicer import AllocatorServicer, NullJournal, freeze_long_lived, method_handlers
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Allocator"].full_name
@@ -210,6 +210,7 @@ async def build_server(config: ServerConfig) -> AllocatorServer:
         if embedded is not None:
             embedded.stop()
         raise
+    freeze_long_lived()
     server = AllocatorServer(config, allocator, journal)
     server.embedded = embedded
     journal.on_fenced = server.on_fenced

@@ -156,9 +156,10 @@ def _decode_into(snap: st.Snapshot, allocator: Allocator, now: float) -> None:
         pool = Pool(spec, allocator.hash_block_size, allocator.hash_seed)
         m = ps.manager
         lengths = _from_u32(m.index_key_lengths, "index_key_lengths")
+        raw_keys = m.index_keys  # bind once: each protobuf field access copies the bytes
         keys, pos = [], 0
         for n in lengths:
-            keys.append(m.index_keys[pos:pos + n])
+            keys.append(raw_keys[pos:pos + n])
             pos += n
         ref_cnts = array("i")
         ref_cnts.frombytes(m.ref_cnts)
