@@ -156,6 +156,7 @@ class BlockTable:
     def commit(self, num_reqs: int) -> None:
         """Copy the first `num_reqs` rows to the device table."""
         self._check_num_reqs(num_reqs)
+        # Asynchronous from pinned memory: rows must not be edited again before the step's kernels ran.
         self.block_table[:num_reqs].copy_(self.block_table_cpu[:num_reqs], non_blocking=True)
 
     def compute_slot_mapping(

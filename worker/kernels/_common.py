@@ -24,6 +24,15 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def cache_strides(key_cache: torch.Tensor, value_cache: torch.Tensor) -> dict[str, int]:
+    """Block, slot and head strides of a `[num_blocks, block_size, Hkv, D]` cache pair, as kernel keywords."""
+    return {
+        f"{name}_stride_{dim}": cache.stride(i)
+        for name, cache in (("key_cache", key_cache), ("value_cache", value_cache))
+        for i, dim in enumerate("bsh")
+    }
+
+
 def check_tensor(
     name: str,
     t: object,

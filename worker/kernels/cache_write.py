@@ -8,6 +8,7 @@ import triton.language as tl
 
 from worker.kernels._common import (
     FLOAT_DTYPES,
+    cache_strides,
     cdiv,
     check_contiguous,
     check_last_dim_contiguous,
@@ -111,12 +112,7 @@ def reshape_and_cache(
         key_stride_h=key.stride(1),
         value_stride_t=value.stride(0),
         value_stride_h=value.stride(1),
-        key_cache_stride_b=key_cache.stride(0),
-        key_cache_stride_s=key_cache.stride(1),
-        key_cache_stride_h=key_cache.stride(2),
-        value_cache_stride_b=value_cache.stride(0),
-        value_cache_stride_s=value_cache.stride(1),
-        value_cache_stride_h=value_cache.stride(2),
+        **cache_strides(key_cache, value_cache),
         NUM_KV_HEADS=num_kv_heads,
         HEAD_SIZE=head_size,
         BLOCK_SIZE=key_cache.shape[1],

@@ -12,6 +12,7 @@ import triton.language as tl
 
 from worker.kernels._common import (
     FLOAT_DTYPES,
+    cache_strides,
     check_contiguous,
     check_dcp,
     check_last_dim_contiguous,
@@ -137,21 +138,24 @@ def paged_attention_kernel(
             # A tile spans several cache blocks: one table lookup per key.
             block = tl.load(table_row + key_idx // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
             offset = key_idx % BLOCK_SIZE
+            # Keys past `hi` read block 0 (in bounds) and are never visible, so K needs no key mask; V does,
+            # since 0 * garbage (NaN in a fresh cache) would poison the accumulator.
             k_offs = block * key_cache_stride_b + offset * key_cache_stride_s
             if HEAD_PAD == HEAD_SIZE:
-                k = tl.load(k_base + k_offs[None, :], mask=key_ok[None, :], other=0.0)  # [HEAD_PAD, BLOCK_N]
+                k = tl.load(k_base + k_offs[None, :])  # [HEAD_PAD, BLOCK_N]
             else:
-                k = tl.load(k_base + k_offs[None, :], mask=key_ok[None, :] & (dims < HEAD_SIZE)[:, None], other=0.0)
+                k = tl.load(k_base + k_offs[None, :], mask=(dims < HEAD_SIZE)[:, None], other=0.0)
             if DOT_FP32:
                 scores = tl.dot(q, k.to(tl.float32), input_precision="ieee")
             else:
                 scores = tl.dot(q, k) * qk_scale
 
+            # Global positions grow with the local index, so every key at or past `hi` lies beyond the
+            # block's last query and the causal test alone masks it.
             if DCP_WORLD_SIZE == 1:
-                key_pos = key_idx
+                key_pos = key_idx[None, :]
             else:
-                key_pos = dcp_global_pos(key_idx, BLOCK_SIZE, DCP_WORLD_SIZE, dcp_rank, INTERLEAVE)
-            key_pos = tl.where(key_ok, key_pos, 1 << 62)[None, :]
+                key_pos = dcp_global_pos(key_idx, BLOCK_SIZE, DCP_WORLD_SIZE, dcp_rank, INTERLEAVE)[None, :]
             if USE_WINDOW:
                 visible = (key_pos <= q_pos) & (key_pos > q_pos - sliding_window)
             else:
@@ -311,12 +315,7 @@ def paged_attention(
             out_stride_t=out.stride(0),
             out_stride_h=out.stride(1),
             lse_stride_t=lse.stride(0),
-            key_cache_stride_b=key_cache.stride(0),
-            key_cache_stride_s=key_cache.stride(1),
-            key_cache_stride_h=key_cache.stride(2),
-            value_cache_stride_b=value_cache.stride(0),
-            value_cache_stride_s=value_cache.stride(1),
-            value_cache_stride_h=value_cache.stride(2),
+            **cache_strides(key_cache, value_cache),
             block_table_stride=block_table.stride(0),
             NUM_QUERIES_PER_KV=qpk,
             HEAD_SIZE=head_size,

@@ -35,28 +35,35 @@ def slot_mapping_kernel(
     INTERLEAVE: tl.constexpr,
     TILE: tl.constexpr,
 ):
+    # int64 indices: slots pass 2**31, and the interpreter checks every int32 add/mul for overflow.
     req = tl.program_id(0)
-    offs = tl.arange(0, TILE)
+    offs = tl.arange(0, TILE).to(tl.int64)
     if req == num_reqs:
         # The extra program pads the buffer tail so stale slots from an earlier step are never reused.
-        pad_start = tl.load(query_start_loc_ptr + num_reqs)
+        pad_start = tl.load(query_start_loc_ptr + num_reqs).to(tl.int64)
         for i in range(pad_start, out_len, TILE):
             idx = i + offs
             tl.store(slot_mapping_ptr + idx, tl.full([TILE], -1, tl.int64), mask=idx < out_len)
     else:
-        start = tl.load(query_start_loc_ptr + req)
-        end = tl.load(query_start_loc_ptr + req + 1)
+        start = tl.load(query_start_loc_ptr + req).to(tl.int64)
+        end = tl.load(query_start_loc_ptr + req + 1).to(tl.int64)
         row_ptr = block_table_ptr + req.to(tl.int64) * block_table_stride
         for i in range(start, end, TILE):
             idx = i + offs
             in_req = idx < end
             pos = tl.load(positions_ptr + idx, mask=in_req, other=0).to(tl.int64)
-            vbi = pos // (BLOCK_SIZE * DCP_WORLD_SIZE)
-            vbo = pos % (BLOCK_SIZE * DCP_WORLD_SIZE)
-            owner = (vbo // INTERLEAVE) % DCP_WORLD_SIZE
-            local = (vbo // (DCP_WORLD_SIZE * INTERLEAVE)) * INTERLEAVE + vbo % INTERLEAVE
+            if DCP_WORLD_SIZE == 1:
+                vbi = pos // BLOCK_SIZE
+                local = pos % BLOCK_SIZE
+                mine = in_req
+            else:
+                vbi = pos // (BLOCK_SIZE * DCP_WORLD_SIZE)
+                vbo = pos % (BLOCK_SIZE * DCP_WORLD_SIZE)
+                owner = (vbo // INTERLEAVE) % DCP_WORLD_SIZE
+                local = (vbo // (DCP_WORLD_SIZE * INTERLEAVE)) * INTERLEAVE + vbo % INTERLEAVE
+                mine = in_req & (owner == dcp_rank)
             # Positions past the row width map to -1 rather than reading outside the table.
-            mine = in_req & (owner == dcp_rank) & (vbi < max_num_blocks_per_req)
+            mine = mine & (vbi < max_num_blocks_per_req)
             block_id = tl.load(row_ptr + vbi, mask=mine, other=0)
             slot = block_id.to(tl.int64) * BLOCK_SIZE + local
             tl.store(slot_mapping_ptr + idx, tl.where(mine, slot, -1), mask=in_req)
