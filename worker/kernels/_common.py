@@ -64,6 +64,16 @@ def check_tensor(
     return t
 
 
+def check_kernel_device(name: str, t: torch.Tensor) -> torch.device:
+    """Compiled kernels need CUDA tensors; the interpreter (no CUDA) reads host memory. Returns the device."""
+    if not interpreting() and t.device.type != "cuda":
+        raise ValueError(
+            f"{name} is on {t.device}, but the Triton kernels run on CUDA here; move the tensors to the GPU "
+            "or use the torch twins in worker.kernels.reference"
+        )
+    return t.device
+
+
 def check_same_dtype(name: str, t: torch.Tensor, like_name: str, like: torch.Tensor) -> None:
     if t.dtype != like.dtype:
         raise ValueError(f"{name} has dtype {t.dtype} but {like_name} has {like.dtype}; they must match")

@@ -11,6 +11,7 @@ from worker.kernels._common import (
     cache_strides,
     cdiv,
     check_contiguous,
+    check_kernel_device,
     check_last_dim_contiguous,
     check_same_dtype,
     check_tensor,
@@ -77,7 +78,7 @@ def reshape_and_cache(
     a negative slot (another DCP rank's, or padding) are skipped. Caches are addressed by their strides.
     """
     check_tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES)
-    device = key.device
+    device = check_kernel_device("key", key)
     num_tokens, num_kv_heads, head_size = key.shape
     check_tensor("value", value, ndim=3, dtypes=FLOAT_DTYPES, shape=key.shape, device=device)
     check_same_dtype("value", value, "key", key)

@@ -8,7 +8,15 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.kernels._common import FLOAT_DTYPES, cdiv, check_contiguous, check_tensor, interpreting, next_pow2
+from worker.kernels._common import (
+    FLOAT_DTYPES,
+    cdiv,
+    check_contiguous,
+    check_kernel_device,
+    check_tensor,
+    interpreting,
+    next_pow2,
+)
 
 
 @triton.jit
@@ -48,7 +56,8 @@ def copy_blocks(
     caches += [(f"value_caches[{i}]", c) for i, c in enumerate(value_caches)]
     if not caches:
         return
-    device = caches[0][1].device
+    first_name, first = caches[0]
+    device = check_kernel_device(first_name, check_tensor(first_name, first, ndim=4, dtypes=FLOAT_DTYPES))
     check_tensor("pairs", pairs, ndim=2, dtypes=(torch.int64,), shape=(None, 2), device=device)
     check_contiguous("pairs", pairs)
     for name, cache in caches:

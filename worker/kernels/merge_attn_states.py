@@ -9,6 +9,7 @@ import triton.language as tl
 from worker.kernels._common import (
     FLOAT_DTYPES,
     cdiv,
+    check_kernel_device,
     check_last_dim_contiguous,
     check_tensor,
     interpreting,
@@ -81,6 +82,7 @@ def merge_attn_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Ten
         a row where every part is -inf gets out 0 and lse -inf.
     """
     check_tensor("outs", outs, ndim=4, dtypes=FLOAT_DTYPES)
+    check_kernel_device("outs", outs)
     num_parts, num_tokens, num_heads, head_size = outs.shape
     check_tensor(
         "lses", lses, ndim=3, dtypes=(torch.float32,), shape=(num_parts, num_tokens, num_heads), device=outs.device

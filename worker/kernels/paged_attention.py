@@ -15,6 +15,7 @@ from worker.kernels._common import (
     cache_strides,
     check_contiguous,
     check_dcp,
+    check_kernel_device,
     check_last_dim_contiguous,
     check_query_start_loc_on_host,
     check_same_dtype,
@@ -252,7 +253,7 @@ def paged_attention(
         that see no key (and rows past `query_start_loc[-1]`) get out 0 and lse -inf.
     """
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
-    device = q.device
+    device = check_kernel_device("q", q)
     num_tokens, num_q_heads, head_size = q.shape
     check_tensor("key_cache", key_cache, ndim=4, dtypes=FLOAT_DTYPES, device=device)
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape

@@ -10,6 +10,7 @@ from worker.kernels._common import (
     INDEX_DTYPES,
     check_contiguous,
     check_dcp,
+    check_kernel_device,
     check_positive,
     check_query_start_loc_on_host,
     check_tensor,
@@ -94,7 +95,7 @@ def compute_slot_mapping(
     check_positive("block_size", block_size)
     check_dcp(dcp_world_size, dcp_rank, interleave, block_size)
     check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,))
-    device = block_table.device
+    device = check_kernel_device("block_table", block_table)
     check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,), device=device)
     check_tensor("positions", positions, ndim=1, dtypes=INDEX_DTYPES, device=device)
     if block_table.shape[1] > 1 and block_table.stride(1) != 1:
