@@ -1,7 +1,8 @@
 """Triton kernels of the GPU worker, each with a pure-torch twin in `reference.py`.
 
-Without CUDA the same kernels run under the Triton interpreter: `TRITON_INTERPRET` must be set before
-triton is imported (triton decides at `@triton.jit` time), so this package sets it first.
+Without CUDA the same kernels run under the Triton interpreter: `TRITON_INTERPRET` must be set before the
+kernels are defined (triton decides at `@triton.jit` time), so this package sets it first, unless it is set
+explicitly (`TRITON_INTERPRET=0` on a CPU machine: compile the kernels for a GPU target without running them).
 """
 
 import os
@@ -9,7 +10,7 @@ import os
 import torch
 
 if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from worker.kernels.cache_write import reshape_and_cache, reshape_and_cache_kernel  # noqa: E402
 from worker.kernels.copy_blocks import copy_blocks, copy_blocks_kernel  # noqa: E402
