@@ -48,6 +48,7 @@ def attention_args(**override):
         (dict(query_start_loc=torch.tensor([0, 3, 2], dtype=torch.int32)), "query_start_loc"),
         (dict(seq_lens=torch.tensor([9], dtype=torch.int32)), "seq_lens"),
         (dict(seq_lens=torch.tensor([9, 3], dtype=torch.int32)), "seq_lens"),  # shorter than its 4 queries
+        (dict(seq_lens=torch.tensor([65, 4], dtype=torch.int32)), "block_table row"),  # 4 blocks x 16 < 65
         (dict(sliding_window=0), "sliding_window"),
         (dict(dcp_world_size=2, dcp_rank=2), "dcp_rank"),
         (dict(dcp_world_size=2, interleave=3), "interleave"),

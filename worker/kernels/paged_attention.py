@@ -23,7 +23,7 @@ from worker.kernels._common import (
     interpreting,
     next_pow2,
 )
-from worker.kernels.dcp import dcp_global_pos, dcp_local_len
+from worker.kernels.dcp import dcp_global_pos, dcp_local_len, dcp_local_seq_lens
 
 _LOG2E = 1.4426950408889634
 
@@ -207,7 +207,10 @@ def _tile_sizes(num_queries_per_kv: int, head_pad: int, max_query_len: int | Non
     return max(16, group), (64 if head_pad <= 128 else 32)
 
 
-def _check_lengths_on_host(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int) -> int:
+def _check_lengths_on_host(
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int, max_local_keys: int,
+    local_lens: torch.Tensor,
+) -> int:
     """Value checks that would need a device sync on a GPU; done only when the tensors live on the CPU.
 
     Returns the longest query length (the interpreter sizes its tiles with it).
@@ -220,6 +223,13 @@ def _check_lengths_on_host(query_start_loc: torch.Tensor, seq_lens: torch.Tensor
         raise ValueError(
             f"seq_lens[{i}] = {s} is shorter than its {n} query tokens; seq_lens is the total length "
             "(context + new tokens)"
+        )
+    long = [(i, n) for i, n in enumerate(local_lens.tolist()) if n > max_local_keys]
+    if long:
+        i, n = long[0]
+        raise ValueError(
+            f"seq_lens[{i}] = {seq_lens[i].item()} needs {n} cached tokens on this rank, more than the "
+            f"{max_local_keys} its block_table row can address (width x block_size)"
         )
     return max(q_lens, default=0)
 
@@ -288,7 +298,9 @@ def paged_attention(
     check_dcp(dcp_world_size, dcp_rank, interleave, block_size)
     max_query_len = None
     if device.type == "cpu":
-        max_query_len = _check_lengths_on_host(query_start_loc, seq_lens, num_tokens)
+        local_lens = dcp_local_seq_lens(seq_lens, dcp_world_size, interleave, dcp_rank)
+        max_local_keys = block_table.shape[1] * block_size
+        max_query_len = _check_lengths_on_host(query_start_loc, seq_lens, num_tokens, max_local_keys, local_lens)
 
     out = torch.zeros_like(q, memory_format=torch.contiguous_format)
     lse = torch.full((num_tokens, num_q_heads), float("-inf"), dtype=torch.float32, device=device)
