@@ -306,7 +306,7 @@ def test_snapshots_keep_redis_bounded(redis_server, tmp_path):
         sizes.append((r.xlen("bounded:wal"), r.strlen("bounded:snapshot")))
     assert all(wal <= 400 for wal, _ in sizes), sizes  # trimmed behind each snapshot
     assert sizes[-1][1] < 2 * sizes[0][1] + 4096, sizes  # the snapshot does not grow with history
-    assert stats(client).snapshots_written >= 8
+    assert stats(client).snapshots_written >= 4  # one at least every ~300 entries (they may overlap runs)
     proc.stop()
 
 
