@@ -1,8 +1,13 @@
 """The allocator's event log: every pool's cache events with one global sequence, kept for a
-retained window so watchers can resume from any sequence inside it."""
+retained window so watchers can resume from any sequence inside it.
+
+Events are stored per batch (one step's events of one pool), not one record per event: a step that
+evicts a thousand blocks adds one list, which keeps the hot path cheap.
+"""
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -31,22 +36,26 @@ class EventLog:
         if retained <= 0:
             raise ValueError(f"event retention must be positive, got {retained}")
         self.retained = retained
-        self._events: deque[LoggedEvent] = deque(maxlen=retained)
+        self._batches: deque[tuple[int, str, list[KVCacheEvent]]] = deque()  # (first sequence, pool, events)
+        self._num_events = 0
         self.next_sequence = 1
         self.listeners: list[Callable[[], None]] = []
 
     def extend(self, pool_id: str, events: list[KVCacheEvent]) -> None:
         if not events:
             return
-        for event in events:
-            self._events.append(LoggedEvent(self.next_sequence, pool_id, event))
-            self.next_sequence += 1
+        self._batches.append((self.next_sequence, pool_id, events))
+        self.next_sequence += len(events)
+        self._num_events += len(events)
+        while self._num_events - len(self._batches[0][2]) >= self.retained:
+            self._num_events -= len(self._batches.popleft()[2])
         for notify in self.listeners:
             notify()
 
     @property
     def oldest_sequence(self) -> int:
-        return self._events[0].sequence if self._events else self.next_sequence
+        """The oldest sequence a watcher can resume from (whole batches are retained)."""
+        return self._batches[0][0] if self._batches else self.next_sequence
 
     def since(self, start: int) -> Iterator[LoggedEvent]:
         """Events with sequence >= start. Raises OutOfRange when start fell out of the window."""
@@ -56,5 +65,12 @@ class EventLog:
                              f"(retention {self.retained} events); resume from {oldest} or later")
         if start >= self.next_sequence:
             return iter(())
-        offset = start - oldest
-        return (self._events[i] for i in range(offset, len(self._events)))
+        batches = list(self._batches)
+        first = bisect.bisect_right([b[0] for b in batches], start) - 1
+        return self._iterate(batches[first:], start)
+
+    @staticmethod
+    def _iterate(batches, start: int) -> Iterator[LoggedEvent]:
+        for first_seq, pool_id, events in batches:
+            for i in range(max(0, start - first_seq), len(events)):
+                yield LoggedEvent(first_seq + i, pool_id, events[i])

@@ -36,6 +36,15 @@ class ServerProcess:
                 self.proc.wait(5)
 
 
+def _die_with_parent() -> None:
+    """A server outlives no test run, even a killed one (Linux: parent-death signal)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def start_server(*args: str, log_dir: Path | None = None, timeout_s: float = 30.0, port: int = 0,
                  env: dict | None = None, persistence: bool = False) -> ServerProcess:
     """Starts `kvservice serve --port 0 ARGS` (memory-only unless `persistence`) and waits for its ready
@@ -46,7 +55,7 @@ def start_server(*args: str, log_dir: Path | None = None, timeout_s: float = 30.
     log = (log_dir / f"server-{time.monotonic_ns()}.log") if log_dir else None
     stderr = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=REPO,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, preexec_fn=_die_with_parent)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         line = proc.stdout.readline()

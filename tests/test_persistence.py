@@ -26,9 +26,25 @@ def redis_server(tmp_path_factory):
     server.stop()
 
 
+_STARTED = []
+
+
+@pytest.fixture(autouse=True)
+def _stop_started_servers():
+    """Whatever a test started is stopped, even when it fails half-way."""
+    yield
+    while _STARTED:
+        proc = _STARTED.pop()
+        if proc.proc.poll() is None:
+            proc.proc.kill()
+            proc.proc.wait(10)
+
+
 def allocator(redis_server, namespace, tmp_path, *args, port=0):
-    return start_server("--redis-url", redis_server.url, "--redis-namespace", namespace, *args, port=port,
+    proc = start_server("--redis-url", redis_server.url, "--redis-namespace", namespace, *args, port=port,
                         persistence=True, log_dir=tmp_path)
+    _STARTED.append(proc)
+    return proc
 
 
 def digest(client) -> str:
@@ -337,6 +353,7 @@ def test_corrupt_or_foreign_snapshot_is_refused(redis_server, tmp_path):
 def test_embedded_default_survives_kill_9(tmp_path):
     data = tmp_path / "data"
     proc = start_server("--data-dir", str(data), persistence=True, log_dir=tmp_path)
+    _STARTED.append(proc)
     client = proc.client()
     client.register_pool("p", CONFIG, max_model_len=2048)
     client.step("p", [AddRequestOp("a", token_ids=list(range(40))), AllocateOp("a", num_new_tokens=40)])
@@ -344,6 +361,7 @@ def test_embedded_default_survives_kill_9(tmp_path):
     redis_pid = int((data / "redis.pid").read_text())
     kill(proc)
     proc = start_server("--data-dir", str(data), persistence=True, log_dir=tmp_path)
+    _STARTED.append(proc)
     client = proc.client()
     assert digest(client) == before
     new_pid = int((data / "redis.pid").read_text())

@@ -9,13 +9,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from kvservice.core.block import (
-    BlockHashWithGroupId,
-    KVCacheBlock,
-    get_block_hash,
-    get_group_id,
-    make_block_hash_with_group_id,
-)
+from kvservice.core.block import BlockHashWithGroupId, KVCacheBlock, make_block_hash_with_group_id
 from kvservice.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvservice.core.free_queue import FreeBlockQueue
 from kvservice.hashing import BlockHash
@@ -178,7 +172,7 @@ class BlockPool:
         block.reset_hash()
         self.num_evictions += 1
         if self.enable_events:
-            self.kv_event_queue.append(BlockRemoved(block_hashes=[get_block_hash(key)], group_idx=get_group_id(key)))
+            self.kv_event_queue.append(BlockRemoved([key[:-4]], int.from_bytes(key[-4:], "big")))
         return True
 
     def touch(self, blocks: Iterable[Sequence[KVCacheBlock]]) -> None:

@@ -20,6 +20,8 @@ from kvservice.core.specs import (
 )
 from kvservice.hashing import BlockHash
 
+_NO_INDICES: list[int] = []  # shared empty result (never mutated)
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -116,15 +118,18 @@ class SingleTypeManager:
         """Indices of held blocks this allocation writes into that another request's table holds."""
         blocks = self.req_to_blocks.get(request_id)
         if not blocks:
-            return []
+            return _NO_INDICES
         bs = self.block_size
+        first = total_computed_tokens // bs
         last = min(len(blocks), -(-num_tokens // bs))
-        out = []
-        for i in range(total_computed_tokens // bs, last):
+        if first >= last:  # the common decode case at a block boundary: nothing held is written
+            return _NO_INDICES
+        out = _NO_INDICES
+        for i in range(first, last):
             block = blocks[i]
             # ref_cnt > 1 first: the common unshared case never looks at the pins.
             if block.ref_cnt > 1 and not block.is_null and self.cow.holders(block) > 1:
-                out.append(i)
+                out = [*out, i]
         return out
 
     def apply_copy_on_write(self, request_id: str, total_computed_tokens: int, num_tokens: int) -> None:
