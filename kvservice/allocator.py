@@ -236,7 +236,7 @@ class Allocator:
             ids = ([b.block_id for b in groups[0]],) if groups[0] else ([],)
         else:
             ids = tuple([b.block_id for b in g] for g in groups)
-        return OpResult(request_id, OpStatus.OK, "", ids, start, num_new, req.num_tokens)
+        return OpResult(request_id, OpStatus.OK, "", ids, start, num_new, req.num_tokens, replaced=new.replaced)
 
     def _decode_batch(self, pool: Pool, session: Session, op: DecodeBatchOp) -> OpResult:
         """Entry i is exactly the AllocateOp it stands for; outcomes are packed."""
@@ -245,6 +245,7 @@ class Allocator:
         statuses = bytearray(len(op.request_ids))
         counts, ids, computed_out, scheduled_out = array("I"), array("I"), array("I"), array("I")
         failures: list[OpResult] = []
+        replaced: list[tuple[int, int, int, int]] = []
         num_groups = len(pool.spec.config.groups)
         tokens = op.append_token_ids
         budget, lookahead = op.num_new_tokens or 1, op.num_lookahead_tokens
@@ -269,9 +270,12 @@ class Allocator:
                     counts.append(len(group))
                     for block in group:
                         ids.append(block.block_id)
+                for g, index, block_id in new.replaced:
+                    replaced.append((i, g, index, block_id))
             computed_out.append(start)
             scheduled_out.append(num_new)
-        batch = DecodeBatchResult(bytes(statuses), counts, ids, computed_out, scheduled_out, failures, num_groups)
+        batch = DecodeBatchResult(bytes(statuses), counts, ids, computed_out, scheduled_out, failures, num_groups,
+                                  replaced)
         return OpResult("", OpStatus.OK, "", (), 0, 0, 0, None, batch)
 
     def _schedule(self, pool: Pool, tenant: str, key: str, req: Request, num_computed_tokens: int,

@@ -101,6 +101,7 @@ class DecodeBatchResult:
     num_scheduled_tokens: array
     failures: list[OpResult]
     num_groups: int
+    replaced: list[tuple[int, int, int, int]] = field(default_factory=list)  # (request index, group, index, id)
 
     def __len__(self) -> int:
         return len(self.statuses)
@@ -136,6 +137,7 @@ class OpResult:
     num_tokens: int = 0
     transfer: TransferOrder | None = None
     batch: DecodeBatchResult | None = None
+    replaced: list[tuple[int, int, int]] = field(default_factory=list)  # (group, index, new block id)
 
     @property
     def ok(self) -> bool:

@@ -391,6 +391,8 @@ def encode_step_result(result: StepResult, msg: pb.StepResponse) -> pb.StepRespo
             group_add = m.new_blocks.add
             for ids in groups:
                 group_add(block_ids=ids)
+        for g, index, block_id in r.replaced:
+            m.replaced.add(group=g, index=index, block_id=block_id)
         if r.transfer is not None:
             t = r.transfer
             m.transfer.CopyFrom(pb.TransferOrder(transfer_id=t.transfer_id, src_pool_id=t.src_pool_id,
@@ -405,6 +407,8 @@ def encode_step_result(result: StepResult, msg: pb.StepResponse) -> pb.StepRespo
             mb.num_computed_tokens = encode_tokens(b.num_computed_tokens)
             mb.num_scheduled_tokens = encode_tokens(b.num_scheduled_tokens)
             mb.num_groups = b.num_groups
+            if b.replaced:
+                mb.replaced = encode_tokens([v for quad in b.replaced for v in quad])
             if b.failures:
                 mb.failures.extend(encode_step_result(StepResult(0, b.failures), pb.StepResponse()).results)
     for src, dst in result.copies:
@@ -428,7 +432,10 @@ def decode_step_result(msg: pb.StepResponse) -> StepResult:
                                       decode_tokens("num_computed_tokens", b.num_computed_tokens),
                                       decode_tokens("num_scheduled_tokens", b.num_scheduled_tokens),
                                       decode_step_result(pb.StepResponse(results=b.failures)).results, b.num_groups)
+            flat = decode_tokens("replaced", b.replaced)
+            batch.replaced = [tuple(flat[j:j + 4]) for j in range(0, len(flat), 4)]
         results.append(OpResult(m.request_id, OpStatus(m.status), m.message,
                                 tuple(list(g.block_ids) for g in m.new_blocks), m.num_computed_tokens,
-                                m.num_scheduled_tokens, m.num_tokens, transfer, batch))
+                                m.num_scheduled_tokens, m.num_tokens, transfer, batch,
+                                [(x.group, x.index, x.block_id) for x in m.replaced]))
     return StepResult(msg.sequence, results, [(c.src, c.dst) for c in msg.copies])

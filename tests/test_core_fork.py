@@ -117,3 +117,14 @@ def test_fork_rejects_existing_child_id():
     admit(m, p)
     with pytest.raises(ValueError, match="already exists"):
         m.fork(p, "p")
+
+
+def test_allocate_slots_reports_the_entries_copy_on_write_swapped():
+    m = full_manager(20, block_size=4)
+    p = Request("p", tokens(0, 6), 4)
+    admit(m, p)
+    m.fork(p, "c")
+    p.append_output_token_ids(9)
+    new = m.allocate_slots(p, 1)
+    assert new.get_block_ids() == ([],) and new.replaced == [(0, 1, 3)]  # group 0, index 1 -> block 3
+    assert m.take_block_copies() == [(2, 3)]

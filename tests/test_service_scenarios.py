@@ -96,6 +96,7 @@ def test_fork_returns_copy_on_write_copies(client, request):
                           for i, rid in enumerate(["p", "c1", "c2"])])
     assert [x.new_block_ids for x in r.results] == [(), (), ()]  # no group got a block
     assert r.copies == [(2, 3), (2, 4)]  # two writers copy, the last owns block 2
+    assert [x.replaced for x in r.results] == [[(0, 1, 3)], [(0, 1, 4)], []]  # (group, index, new block)
     assert [client.get_request(pid, x).block_ids for x in ("p", "c1", "c2")] == [([1, 3],), ([1, 4],), ([1, 2],)]
     client.free(pid, "p", "c1", "c2")
     assert client.get_stats(check_invariants=True).pools[pid].num_free_blocks == 31

@@ -304,6 +304,16 @@ class GroupBlocks(_message.Message):
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class ReplacedBlock(_message.Message):
+    __slots__ = ("group", "index", "block_id")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    group: int
+    index: int
+    block_id: int
+    def __init__(self, group: _Optional[int] = ..., index: _Optional[int] = ..., block_id: _Optional[int] = ...) -> None: ...
+
 class BlockCopy(_message.Message):
     __slots__ = ("src", "dst")
     SRC_FIELD_NUMBER: _ClassVar[int]
@@ -327,7 +337,7 @@ class TransferOrder(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., src_pool_id: _Optional[str] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeBatchResult(_message.Message):
-    __slots__ = ("statuses", "num_new_blocks", "new_block_ids", "num_computed_tokens", "num_scheduled_tokens", "failures", "num_groups")
+    __slots__ = ("statuses", "num_new_blocks", "new_block_ids", "num_computed_tokens", "num_scheduled_tokens", "failures", "num_groups", "replaced")
     STATUSES_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -335,6 +345,7 @@ class DecodeBatchResult(_message.Message):
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    REPLACED_FIELD_NUMBER: _ClassVar[int]
     statuses: bytes
     num_new_blocks: bytes
     new_block_ids: bytes
@@ -342,10 +353,11 @@ class DecodeBatchResult(_message.Message):
     num_scheduled_tokens: bytes
     failures: _containers.RepeatedCompositeFieldContainer[OpResult]
     num_groups: int
-    def __init__(self, statuses: _Optional[bytes] = ..., num_new_blocks: _Optional[bytes] = ..., new_block_ids: _Optional[bytes] = ..., num_computed_tokens: _Optional[bytes] = ..., num_scheduled_tokens: _Optional[bytes] = ..., failures: _Optional[_Iterable[_Union[OpResult, _Mapping]]] = ..., num_groups: _Optional[int] = ...) -> None: ...
+    replaced: bytes
+    def __init__(self, statuses: _Optional[bytes] = ..., num_new_blocks: _Optional[bytes] = ..., new_block_ids: _Optional[bytes] = ..., num_computed_tokens: _Optional[bytes] = ..., num_scheduled_tokens: _Optional[bytes] = ..., failures: _Optional[_Iterable[_Union[OpResult, _Mapping]]] = ..., num_groups: _Optional[int] = ..., replaced: _Optional[bytes] = ...) -> None: ...
 
 class OpResult(_message.Message):
-    __slots__ = ("status", "message", "request_id", "new_blocks", "num_computed_tokens", "num_scheduled_tokens", "num_tokens", "transfer", "batch")
+    __slots__ = ("status", "message", "request_id", "new_blocks", "num_computed_tokens", "num_scheduled_tokens", "num_tokens", "transfer", "batch", "replaced")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -355,6 +367,7 @@ class OpResult(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    REPLACED_FIELD_NUMBER: _ClassVar[int]
     status: OpStatus
     message: str
     request_id: str
@@ -364,7 +377,8 @@ class OpResult(_message.Message):
     num_tokens: int
     transfer: TransferOrder
     batch: DecodeBatchResult
-    def __init__(self, status: _Optional[_Union[OpStatus, str]] = ..., message: _Optional[str] = ..., request_id: _Optional[str] = ..., new_blocks: _Optional[_Iterable[_Union[GroupBlocks, _Mapping]]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_tokens: _Optional[int] = ..., transfer: _Optional[_Union[TransferOrder, _Mapping]] = ..., batch: _Optional[_Union[DecodeBatchResult, _Mapping]] = ...) -> None: ...
+    replaced: _containers.RepeatedCompositeFieldContainer[ReplacedBlock]
+    def __init__(self, status: _Optional[_Union[OpStatus, str]] = ..., message: _Optional[str] = ..., request_id: _Optional[str] = ..., new_blocks: _Optional[_Iterable[_Union[GroupBlocks, _Mapping]]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_tokens: _Optional[int] = ..., transfer: _Optional[_Union[TransferOrder, _Mapping]] = ..., batch: _Optional[_Union[DecodeBatchResult, _Mapping]] = ..., replaced: _Optional[_Iterable[_Union[ReplacedBlock, _Mapping]]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("sequence", "results", "copies")

@@ -97,9 +97,14 @@ class KVCacheCoordinator:
         for i, m in enumerate(self.managers):
             m.allocate_new_computed_blocks(request_id, new_computed_blocks[i], num_computed_tokens)
 
-    def apply_copy_on_write(self, request_id: str, total_computed_tokens: int, num_tokens: int) -> None:
-        for m in self.managers:
-            m.apply_copy_on_write(request_id, total_computed_tokens, num_tokens)
+    def apply_copy_on_write(self, request_id: str, total_computed_tokens: int,
+                            num_tokens: int) -> list[tuple[int, int, int]]:
+        """(group, index, new block id) of every table entry swapped by copy-on-write."""
+        swapped: list[tuple[int, int, int]] = []
+        for g, m in enumerate(self.managers):
+            for index, block_id in m.apply_copy_on_write(request_id, total_computed_tokens, num_tokens):
+                swapped.append((g, index, block_id))
+        return swapped
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> tuple[list[KVCacheBlock], ...]:
         if len(self.managers) == 1:

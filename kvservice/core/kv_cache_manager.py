@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvservice.core.block import KVCacheBlock
 from kvservice.core.block_pool import BlockPool
@@ -16,9 +16,12 @@ from kvservice.core.specs import KVCacheConfig, effective_block_size, gcd_block_
 
 @dataclass(slots=True)
 class KVCacheBlocks:
-    """Blocks of one request, one sequence per KV-cache group."""
+    """Blocks of one request, one sequence per KV-cache group. From `allocate_slots`, `replaced` lists
+    the (group, index, new block id) table entries that copy-on-write swapped (their old blocks are
+    the sources of `take_block_copies()`)."""
 
     blocks: tuple[Sequence[KVCacheBlock], ...]
+    replaced: list[tuple[int, int, int]] = field(default_factory=list)
 
     def get_block_ids(self) -> tuple[list[int], ...]:
         return tuple([b.block_id for b in group] for group in self.blocks)
@@ -183,12 +186,12 @@ class KVCacheManager:
 
         if not running:
             coordinator.allocate_new_computed_blocks(request_id, hits, total_computed)
-        coordinator.apply_copy_on_write(request_id, total_computed, num_tokens_need_slot)
+        replaced = coordinator.apply_copy_on_write(request_id, total_computed, num_tokens_need_slot)
         new_blocks = coordinator.allocate_new_blocks(request_id, num_tokens_need_slot)
         if self.enable_caching and not delay_cache_blocks:
             # Lookahead (draft) tokens may be rejected: cache only up to the main-model tokens.
             coordinator.cache_blocks(request, min(num_tokens_main, request.num_tokens))
-        return KVCacheBlocks(new_blocks)
+        return KVCacheBlocks(new_blocks, replaced)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Caches full blocks up to `num_computed_tokens` (after a delayed allocation)."""

@@ -20,7 +20,8 @@ from kvservice.core.specs import (
 )
 from kvservice.hashing import BlockHash
 
-_NO_INDICES: list[int] = []  # shared empty result (never mutated)
+_NO_INDICES: list[int] = []  # shared empty results (never mutated)
+_NO_SWAPS: list[tuple[int, int]] = []
 
 
 def cdiv(a: int, b: int) -> int:
@@ -132,12 +133,17 @@ class SingleTypeManager:
                 out = [*out, i]
         return out
 
-    def apply_copy_on_write(self, request_id: str, total_computed_tokens: int, num_tokens: int) -> None:
+    def apply_copy_on_write(self, request_id: str, total_computed_tokens: int,
+                            num_tokens: int) -> list[tuple[int, int]]:
         """Swaps a fresh block into this request's table for every shared block it will write; the
-        copy (src, dst) is recorded when the shared block already holds computed tokens."""
+        copy (src, dst) is recorded when the shared block already holds computed tokens.
+
+        Returns:
+            (index, new block id) for every swapped table entry.
+        """
         indices = self.cow_indices(request_id, total_computed_tokens, num_tokens)
         if not indices:
-            return
+            return _NO_SWAPS
         blocks = self.req_to_blocks[request_id]
         fresh = self.block_pool.get_new_blocks(len(indices))
         for i, dst in zip(indices, fresh, strict=True):
@@ -147,6 +153,7 @@ class SingleTypeManager:
                 self.cow.add(src, dst)  # the writer's reference becomes the pin
             else:
                 self.block_pool.free_blocks([src])
+        return [(i, dst.block_id) for i, dst in zip(indices, fresh)]
 
     def allocate_new_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock],
                                      num_computed_tokens: int) -> None:

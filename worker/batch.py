@@ -1,0 +1,39 @@
+"""What the engine sends every rank of a pool for one scheduler step (the same object to each rank).
+
+Block-table changes come first (rows of finished requests cleared, new rows added, new blocks
+appended, entries swapped by copy-on-write), then copy-on-write copies, then the forward pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RowUpdate:
+    """One request's block-table row change (KV-cache group 0: the model has full attention only)."""
+
+    row: int
+    set_blocks: list[int] | None = None  # add_row: the row becomes exactly these block ids
+    append_blocks: list[int] = field(default_factory=list)  # append_row
+    replace: list[tuple[int, int]] = field(default_factory=list)  # (index, block id) swapped by copy-on-write
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """A varlen batch: request i owns tokens input_ids[query_start_loc[i]:query_start_loc[i+1]] at
+    `positions`, its table row is rows[i], and its sequence is seq_lens[i] tokens long after them."""
+
+    clear_rows: list[int]
+    row_updates: list[RowUpdate]
+    copies: list[tuple[int, int]]  # (src, dst) block ids, executed before any K/V of this step is written
+    input_ids: list[int]
+    positions: list[int]
+    rows: list[int]
+    query_start_loc: list[int]  # len(rows) + 1
+    seq_lens: list[int]
+    logits_indices: list[int]  # token indices whose logits the engine needs (in this order)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
