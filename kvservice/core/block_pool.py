@@ -5,6 +5,8 @@ Policy (which blocks a request needs, what hits) lives in the managers above it.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
@@ -18,6 +20,18 @@ if TYPE_CHECKING:
     from kvservice.core.request import Request
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Pauses the cyclic garbage collector while building many long-lived objects at once."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class BlockHashToBlockMap:
@@ -86,7 +100,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.enable_events = enable_events
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        with gc_paused():  # a million new objects would otherwise trigger ever longer collections
+            self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeBlockQueue(self.blocks)
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         self.null_block = self.free_block_queue.popleft()

@@ -7,7 +7,8 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass, field
 
-from kvservice.core.block import BlockHashWithGroupId
+import numpy as np
+
 from kvservice.core.free_queue import FreeBlockQueue
 from kvservice.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 
@@ -81,17 +82,24 @@ def import_manager_state(m: KVCacheManager, state: ManagerState) -> None:
                          f"{len(m.coordinator.managers)}")
     if state.free_order and max(state.free_order) >= n or state.index_block_ids and max(state.index_block_ids) >= n:
         raise ValueError("snapshot names block ids beyond the pool")
-    for block, ref_cnt in zip(blocks, state.ref_cnts):
-        block.ref_cnt = ref_cnt
+    if pool.get_num_free_blocks() != n - 1 or pool.cached_block_hash_to_block:
+        raise ValueError("import_manager_state needs a freshly built manager")
+    # A fresh pool has every block free, unhashed and linked: set only what differs.
+    ref_cnts = np.frombuffer(state.ref_cnts, dtype=np.int32)
+    for i in np.flatnonzero(ref_cnts[1:]).tolist():
+        block = blocks[i + 1]
+        block.ref_cnt = int(ref_cnts[i + 1])
         block.prev_free_block = block.next_free_block = None
-        block._block_hash = None
-    blocks[0].ref_cnt = 0
     pool.free_block_queue = FreeBlockQueue([blocks[i] for i in state.free_order])
-    index = pool.cached_block_hash_to_block
+    cache = pool.cached_block_hash_to_block._cache
+    insert = pool.cached_block_hash_to_block.insert
     for key, block_id in zip(state.index_keys, state.index_block_ids):
         block = blocks[block_id]
-        block._block_hash = BlockHashWithGroupId(key)
-        index.insert(block._block_hash, block)
+        block._block_hash = key
+        if key in cache:
+            insert(key, block)  # several blocks under one hash: keep their order
+        else:
+            cache[key] = block
     for manager, g in zip(m.coordinator.managers, state.groups):
         pos = 0
         for key, count in zip(g.request_keys, g.num_blocks):

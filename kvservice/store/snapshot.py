@@ -12,6 +12,7 @@ from kvservice._proto import allocator_pb2 as pb
 from kvservice._proto import state_pb2 as st
 from kvservice.allocator import Allocator, RegisterResult
 from kvservice.core import Request
+from kvservice.core.block_pool import gc_paused
 from kvservice.core.state import GroupTables, ManagerState, export_manager_state, import_manager_state
 from kvservice.hashing import HASH_BYTES, MultiModalItem
 from kvservice.ops import StepResult
@@ -133,7 +134,8 @@ def load(data: bytes, allocator: Allocator, now: float) -> None:
         snap = st.Snapshot.FromString(payload)
         staged = Allocator(allocator.hash_block_size, allocator.hash_seed, allocator.sessions.ttl_s,
                            allocator.events.retained, allocator.usage.quotas)
-        _decode_into(snap, staged, now)
+        with gc_paused():
+            _decode_into(snap, staged, now)
     except SnapshotError:
         raise
     except Exception as exc:
