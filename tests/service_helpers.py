@@ -50,7 +50,7 @@ def start_server(*args: str, log_dir: Path | None = None, timeout_s: float = 30.
     """Starts `kvservice serve --port 0 ARGS` (memory-only unless `persistence`) and waits for its ready
     line."""
     extra = [] if persistence else ["--no-persistence"]
-    cmd = [sys.executable, "-m", "kvservice.cli", "--log-level", "WARNING", "serve", "--port", str(port), *extra,
+    cmd = [sys.executable, "-m", "kvservice.cli", "--log-level", os.environ.get("KVSERVICE_TEST_LOG_LEVEL", "WARNING"), "serve", "--port", str(port), *extra,
            *args]
     log = (log_dir / f"server-{time.monotonic_ns()}.log") if log_dir else None
     stderr = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 - closed with the process
@@ -63,7 +63,7 @@ def start_server(*args: str, log_dir: Path | None = None, timeout_s: float = 30.
             return ServerProcess(line.split()[-1], proc, list(args), log)
         if not line and proc.poll() is not None:
             detail = log.read_text()[-2000:] if log else ""
-            raise RuntimeError(f"kvservice serve exited with {proc.returncode}: {detail}")
+            raise RuntimeError(f"kvservice serve (pid {proc.pid}) exited with {proc.returncode}: {detail}")
     proc.kill()
     raise TimeoutError(f"kvservice serve did not become ready in {timeout_s} s")
 

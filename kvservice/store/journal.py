@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import time
@@ -184,6 +185,7 @@ class PersistentJournal:
         pid = os.fork()
         if pid == 0:  # the child: no event loop, no gRPC, no logging: serialize, write, exit
             code = 1
+            gc.disable()  # never traverse objects other (now absent) threads were mutating
             try:
                 start = time.perf_counter()
                 data = dump(self.allocator)
