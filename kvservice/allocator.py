@@ -332,6 +332,8 @@ class Allocator:
                     f"blocks, not enough for {num_new} more tokens of {client_request_id(key)!r}", None, start, 0)
         if not running:
             req.num_computed_tokens = num_hit
+            # Admission: the engine has no row yet, so it gets the whole table (hits included).
+            new = KVCacheBlocks(manager.coordinator.get_blocks(key), new.replaced)
         if quota is not None:
             self.usage.update(tenant, pool, key)
         return OpStatus.OK, "", new, start, num_new

@@ -36,7 +36,8 @@ def test_prefix_sharing_exact_ids_and_drain(client, request):
     assert [x.status for x in r.results] == [OpStatus.OK, OpStatus.OK]
     assert r[1].new_block_ids == ([1, 2, 3],) and r[1].num_computed_tokens == 0 and r[1].num_scheduled_tokens == 10
     r = client.step(pid, [AddRequestOp("b", token_ids=list(range(10))), AllocateOp("b", num_new_tokens=10)])
-    assert r[1].new_block_ids == ([4],) and r[1].num_computed_tokens == 8 and r[1].num_scheduled_tokens == 2
+    # Admission returns the whole table: the two hit blocks and the new one.
+    assert r[1].new_block_ids == ([1, 2, 4],) and r[1].num_computed_tokens == 8 and r[1].num_scheduled_tokens == 2
     assert client.get_request(pid, "b").block_ids == ([1, 2, 4],)
     stats = client.get_stats(check_invariants=True).pools[pid]
     assert stats.invariant_violation == "" and stats.num_free_blocks == 63 - 4
@@ -111,7 +112,7 @@ def test_requests_added_by_client_hashes(client, request):
     assert hashes == hash_prompt(prompt, block_size=HBS) and len(hashes) == 2
     r = client.step(pid, [AddRequestOp("hsh", block_hashes=hashes, num_tokens=10),
                           AllocateOp("hsh", num_new_tokens=10)])
-    assert r[1].num_computed_tokens == 8 and r[1].new_block_ids == ([4],)
+    assert r[1].num_computed_tokens == 8 and r[1].new_block_ids == ([1, 2, 4],)
     # Appending: 2 tokens complete block 2, whose hash the client sends.
     nxt = hash_prompt(prompt + [7, 7], block_size=HBS)[2]
     r = client.step(pid, [AllocateOp("hsh", num_computed_tokens=10, num_new_tokens=2, append_block_hashes=[nxt],

@@ -95,6 +95,26 @@ class ModelRunner:
         ]
 
     @torch.inference_mode()
+    def read_blocks(self, block_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's K and V of `block_ids`, per layer (CPU copies: a cross-pool transfer's payload)."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.key_caches[0].device)
+        return [(k.index_select(0, index).cpu(), v.index_select(0, index).cpu())
+                for k, v in zip(self.key_caches, self.value_caches)]
+
+    @torch.inference_mode()
+    def write_blocks(self, block_ids: list[int], data: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Writes blocks read from a pool with the same layout (same rank) into `block_ids`."""
+        if len(data) != len(self.key_caches):
+            raise ValueError(f"transfer payload has {len(data)} layers, this pool {len(self.key_caches)}")
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.key_caches[0].device)
+        for (k, v), key_cache, value_cache in zip(data, self.key_caches, self.value_caches):
+            if k.shape[1:] != key_cache.shape[1:] or k.shape[0] != len(block_ids):
+                raise ValueError(f"transfer payload of shape {tuple(k.shape)} does not fit blocks "
+                                 f"{tuple(key_cache.shape[1:])} x {len(block_ids)}")
+            key_cache.index_copy_(0, index, k.to(key_cache))
+            value_cache.index_copy_(0, index, v.to(value_cache))
+
+    @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Apply the batch's block-table edits and copies, run the forward pass, return fp32 logits
         `[len(batch.logits_indices), vocab]` in `logits_indices` order."""
