@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--tls-ca")
     status.add_argument("--check-invariants", action="store_true")
 
-    sub.add_parser("demo", help="end-to-end demo (allocator + Ray workers + a tiny model)")
+    sub.add_parser("demo", help="end-to-end demo (allocator + Ray workers + a tiny model); options after it go "
+                               "to worker/demo.py (e.g. --requests, --dcp, --backend, --num-blocks)", add_help=False)
     sub.add_parser("bench", help="run every benchmark (same as `make bench`)")
     return parser
 
@@ -110,12 +111,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from kvservice.demo import main as demo_main
-    return demo_main()
+    from worker.demo import main as demo_main  # the workers (torch, Ray) load only for the demo
+    return demo_main(args.demo_args)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "demo":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.demo_args = extra
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return {"serve": cmd_serve, "status": cmd_status, "demo": cmd_demo, "bench": cmd_bench}[args.command](args)
 

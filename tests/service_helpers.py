@@ -50,7 +50,8 @@ def start_server(*args: str, log_dir: Path | None = None, timeout_s: float = 30.
     """Starts `kvservice serve --port 0 ARGS` (memory-only unless `persistence`) and waits for its ready
     line."""
     extra = [] if persistence else ["--no-persistence"]
-    cmd = [sys.executable, "-m", "kvservice.cli", "--log-level", os.environ.get("KVSERVICE_TEST_LOG_LEVEL", "WARNING"), "serve", "--port", str(port), *extra,
+    level = os.environ.get("KVSERVICE_TEST_LOG_LEVEL", "WARNING")
+    cmd = [sys.executable, "-m", "kvservice.cli", "--log-level", level, "serve", "--port", str(port), *extra,
            *args]
     log = (log_dir / f"server-{time.monotonic_ns()}.log") if log_dir else None
     stderr = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 - closed with the process
