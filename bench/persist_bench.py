@@ -10,6 +10,10 @@
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")  # we spawn processes after using gRPC
+
 import argparse
 import asyncio
 import random

@@ -10,6 +10,10 @@ shared prefix. Target: Step p50 <= echo p50 + 1.2 x in-process p50; >= 50k block
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")  # we spawn processes after using gRPC
+
 import argparse
 import random
 import subprocess

@@ -2,6 +2,11 @@
 
 import os
 
+# Tests fork servers (subprocess with a preexec_fn) from a process that uses gRPC clients. With gRPC's
+# fork support on, the child restarts gRPC's poller before exec() and can abort on the epoll fd that
+# close_fds just closed (grpc/grpc#43055). The child never uses gRPC, so the handlers are not needed.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
+
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
