@@ -88,6 +88,7 @@ class EngineStats:
     copies: int = 0
     forks: int = 0
     peak_blocks: int = 0
+    peak_running: int = 0
     allocator_s: float = 0.0
     model_s: float = 0.0
     total_s: float = 0.0
@@ -267,6 +268,7 @@ class Engine:
             self.running.append(seq)
             scheduled.append((seq, r.num_computed_tokens, r.num_scheduled_tokens))
         self.stats.copies += len(result.copies)
+        self.stats.peak_running = max(self.stats.peak_running, len(self.running))
         self.stats.peak_blocks = max(self.stats.peak_blocks,
                                      len({b for s in self.running for b in s.table if b}))
         if not scheduled and not updates and not self._clear_rows:
