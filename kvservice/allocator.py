@@ -30,6 +30,7 @@ from kvservice.ops import (
 )
 from kvservice.pools import SEP, Pool, PoolSpec, TenantUsage, client_request_id, namespace, request_key
 from kvservice.sessions import Session, SessionTable
+from kvservice.transfers import TransferBook
 
 logger = logging.getLogger(__name__)
 EMPTY_BLOCKS = KVCacheBlocks(((),))  # an append-only op: scheduled nothing
@@ -56,7 +57,7 @@ class PoolHit:
 class Allocator:
     def __init__(self, hash_block_size: int = DEFAULT_HASH_BLOCK_SIZE, hash_seed: str = DEFAULT_HASH_SEED,
                  session_ttl_s: float = 30.0, event_retention: int = 100_000,
-                 quotas: dict[str, int] | None = None) -> None:
+                 quotas: dict[str, int] | None = None, min_transfer_tokens: int = 64) -> None:
         self.hash_block_size = hash_block_size
         self.hash_seed = hash_seed
         self.fingerprint = spec_fingerprint(hash_seed, hash_block_size)
@@ -64,6 +65,7 @@ class Allocator:
         self.sessions = SessionTable(session_ttl_s)
         self.events = EventLog(event_retention)
         self.usage = TenantUsage(quotas or {})
+        self.transfers = TransferBook(min_transfer_tokens)
         self.lease_expiries = 0
 
     # ---- sessions ------------------------------------------------------------------------------
@@ -82,6 +84,8 @@ class Allocator:
 
     def close_session(self, session_id: str) -> int:
         session = self.sessions.sessions.pop(session_id)
+        for transfer in self.transfers.of_session(session_id):
+            self._abort_transfer(transfer)
         num_freed = 0
         for pool_id, keys in session.requests.items():
             pool = self.pools.get(pool_id)
@@ -95,6 +99,48 @@ class Allocator:
         self.lease_expiries += 1
         logger.info("session %s closed: %d requests freed", session_id, num_freed)
         return num_freed
+
+    # ---- transfers -----------------------------------------------------------------------------
+    def commit_transfer(self, session: Session, sequence: int, pool: Pool, transfer_id: str,
+                        abort: bool) -> StepResult:
+        """Commit: the destination's copied blocks become cached. Abort: the destination request is freed.
+        Either way the source pins drop."""
+        stored = self.sessions.check_sequence(session, sequence)
+        if stored is not None:
+            return stored  # type: ignore[return-value]
+        transfer = self.transfers.transfers.get(transfer_id)
+        if transfer is None or transfer.dst_pool != pool.pool_id or not self._same_tenant(session, transfer):
+            result = OpResult(transfer_id, OpStatus.NOT_FOUND,
+                              f"no pending transfer {transfer_id!r} into pool {pool.pool_id!r}")
+        elif abort:
+            request_id = client_request_id(transfer.dst_key)
+            self._abort_transfer(transfer)
+            result = OpResult(request_id, OpStatus.OK, f"transfer {transfer_id} aborted; request freed")
+        else:
+            self.transfers.close(transfer, self.pools, commit=True)
+            result = OpResult(client_request_id(transfer.dst_key), OpStatus.OK)
+        for p in {transfer.src_pool, transfer.dst_pool} if transfer is not None else ():
+            if p in self.pools:
+                self._drain(self.pools[p])
+        step = StepResult(sequence, [result], [])
+        self._commit(session, sequence, step)
+        return step
+
+    def _same_tenant(self, session: Session, transfer) -> bool:
+        owner = self.sessions.sessions.get(transfer.session_id)
+        return owner is None or owner.tenant == session.tenant
+
+    def _abort_transfer(self, transfer, reason: str = "") -> None:
+        """Drops the source pins and frees the destination request (it never got its prefix)."""
+        self.transfers.close(transfer, self.pools, commit=False)
+        dst = self.pools.get(transfer.dst_pool)
+        if dst is not None and transfer.dst_key in dst.requests:
+            key = transfer.dst_key
+            tenant = key.split(SEP, 1)[0] if SEP in key else ""
+            self._free(dst, tenant, key)
+            if reason:
+                dst.bury(key, f"transfer {transfer.transfer_id} aborted: {reason}; re-add the request")
+            self._drain(dst)
 
     # ---- pools ---------------------------------------------------------------------------------
     def register_pool(self, session: Session, sequence: int, spec: PoolSpec, fingerprint: str) -> RegisterResult:
@@ -127,7 +173,10 @@ class Allocator:
                               pool.manager.scheduler_block_size)
 
     def _retire(self, old: Pool, new: Pool) -> int:
-        """A new epoch: the workers' memory is gone, so every in-flight request fails."""
+        """A new epoch: the workers' memory is gone, so every in-flight request fails (and every transfer
+        from or to it)."""
+        for transfer in self.transfers.involving(old.pool_id):
+            self._abort_transfer(transfer, reason=f"pool {old.pool_id!r} restarted (epoch {new.epoch})")
         new_epoch = new.epoch
         new.tombstones = old.tombstones
         reason = (f"pool {old.pool_id!r} started epoch {new_epoch} (was {old.epoch}): its KV memory is gone; "
@@ -226,9 +275,9 @@ class Allocator:
         tokens = op.append_token_ids
         if tokens is not None and len(tokens) == 1:
             tokens = tokens[0]
-        status, message, new, start, num_new = self._schedule(
-            pool, tenant, key, req, op.num_computed_tokens, op.num_new_tokens, tokens, op.append_block_hashes,
-            op.num_append_tokens, op.num_lookahead_tokens, op.delay_cache_blocks)
+        status, message, new, start, num_new, transfer = self._schedule(
+            pool, session, key, req, op.num_computed_tokens, op.num_new_tokens, tokens, op.append_block_hashes,
+            op.num_append_tokens, op.num_lookahead_tokens, op.delay_cache_blocks, op.allow_transfer)
         if new is None:
             return OpResult(request_id, status, message, (), start, num_new, req.num_tokens)
         groups = new.blocks
@@ -236,7 +285,8 @@ class Allocator:
             ids = ([b.block_id for b in groups[0]],) if groups[0] else ([],)
         else:
             ids = tuple([b.block_id for b in g] for g in groups)
-        return OpResult(request_id, OpStatus.OK, "", ids, start, num_new, req.num_tokens, replaced=new.replaced)
+        return OpResult(request_id, OpStatus.OK, "", ids, start, num_new, req.num_tokens,
+                        transfer.order() if transfer is not None else None, replaced=new.replaced)
 
     def _decode_batch(self, pool: Pool, session: Session, op: DecodeBatchOp) -> OpResult:
         """Entry i is exactly the AllocateOp it stands for; outcomes are packed."""
@@ -256,9 +306,9 @@ class Allocator:
                 failure = self._missing(pool, key, request_id)
                 status, new, start, num_new = failure.status, None, 0, 0
             else:
-                status, message, new, start, num_new = self._schedule(
-                    pool, tenant, key, req, op.num_computed_tokens[i], budget,
-                    None if tokens is None else tokens[i], None, 0, lookahead, False)
+                status, message, new, start, num_new, _ = self._schedule(
+                    pool, session, key, req, op.num_computed_tokens[i], budget,
+                    None if tokens is None else tokens[i], None, 0, lookahead, False, False)
                 if new is None:
                     failure = OpResult(request_id, status, message, (), start, num_new, req.num_tokens)
             if new is None:
@@ -278,65 +328,81 @@ class Allocator:
                                   replaced)
         return OpResult("", OpStatus.OK, "", (), 0, 0, 0, None, batch)
 
-    def _schedule(self, pool: Pool, tenant: str, key: str, req: Request, num_computed_tokens: int,
+    def _schedule(self, pool: Pool, session: Session, key: str, req: Request, num_computed_tokens: int,
                   num_new_tokens: int, append_tokens, append_hashes, num_append: int, num_lookahead: int,
-                  delay_cache_blocks: bool):
-        """Appends, then schedules up to `num_new_tokens`; all or nothing.
+                  delay_cache_blocks: bool, allow_transfer: bool):
+        """Appends, then schedules up to `num_new_tokens`; all or nothing. An admission may adopt a prefix
+        cached on another pool (`allow_transfer`): its tokens count as computed once the copy ran.
 
         Returns:
-            (status, message, new blocks or None, where the new tokens start, how many were scheduled).
+            (status, message, new blocks or None, where the new tokens start, how many were scheduled,
+            the transfer opened or None).
         """
+        tenant = session.tenant
         manager = pool.manager
+        pending = self.transfers.pending(pool.pool_id, key) if self.transfers.by_dst else None
+        if pending is not None:
+            return (OpStatus.FAILED_PRECONDITION, f"request {client_request_id(key)!r} waits for transfer "
+                    f"{pending}: commit or abort it first", None, 0, 0, None)
         num_tokens_before = req.num_tokens
         computed_before = req.num_computed_tokens
         if append_tokens is not None or num_append:
             failure = self._append(req, key, append_tokens, append_hashes, num_append)
             if failure is not None:
-                return OpStatus.FAILED_PRECONDITION, failure, None, 0, 0
+                return OpStatus.FAILED_PRECONDITION, failure, None, 0, 0, None
             if req.num_tokens > pool.spec.max_model_len:
                 num_tokens = req.num_tokens
                 req.truncate(num_tokens_before)
                 return (OpStatus.FAILED_PRECONDITION, f"request {client_request_id(key)!r} would hold {num_tokens} "
-                        f"tokens > max_model_len {pool.spec.max_model_len}", None, 0, 0)
+                        f"tokens > max_model_len {pool.spec.max_model_len}", None, 0, 0, None)
         running = key in manager.coordinator.managers[0].num_cached_block
         hits, num_hit = None, 0
         if running:
             if num_computed_tokens > req.num_tokens:
                 req.truncate(num_tokens_before)
                 return (OpStatus.FAILED_PRECONDITION, f"num_computed_tokens {num_computed_tokens} > the request's "
-                        f"{req.num_tokens} tokens", None, 0, 0)
+                        f"{req.num_tokens} tokens", None, 0, 0, None)
             req.num_computed_tokens = num_computed_tokens
         elif num_new_tokens:
             req.num_computed_tokens = 0
             hits, num_hit = manager.get_computed_blocks(req)
-        start = req.num_computed_tokens + num_hit
+        source = self.transfers.source(self.pools, pool, req, num_hit) if allow_transfer and not running else None
+        # Tokens copied from the source pool are scheduled like hits: computed before this step's tokens.
+        transferred = source[1] - num_hit if source is not None else 0
+        start = req.num_computed_tokens + num_hit + transferred
         if num_new_tokens == 0:
-            return OpStatus.OK, "", EMPTY_BLOCKS, start, 0
+            return OpStatus.OK, "", EMPTY_BLOCKS, start, 0, None
         num_new = min(num_new_tokens, req.num_tokens - start)
         if num_new <= 0:
             self._undo(req, num_tokens_before, computed_before)
             return (OpStatus.FAILED_PRECONDITION, f"request {client_request_id(key)!r} has no uncomputed tokens "
-                    f"(num_tokens {req.num_tokens}, num_computed_tokens {start}); append tokens first", None, start, 0)
+                    f"(num_tokens {req.num_tokens}, num_computed_tokens {start}); append tokens first", None, start,
+                    0, None)
         quota = self.usage.quotas.get(tenant) if self.usage.quotas else None
         if quota is not None:
-            needed = manager.num_blocks_needed(req, num_new, num_hit, hits, num_lookahead)
+            needed = manager.num_blocks_needed(req, transferred + num_new, num_hit, hits, num_lookahead)
             used = self.usage.used(tenant)
             if used + needed > quota:
                 self._undo(req, num_tokens_before, computed_before)
                 return (OpStatus.RESOURCE_EXHAUSTED, f"tenant {tenant!r} block quota: {used} held + {needed} "
-                        f"needed > quota {quota}", None, start, 0)
-        new = manager.allocate_slots(req, num_new, num_hit, hits, num_lookahead, delay_cache_blocks)
+                        f"needed > quota {quota}", None, start, 0, None)
+        new = manager.allocate_slots(req, transferred + num_new, num_hit, hits, num_lookahead,
+                                     delay_cache_blocks or transferred > 0)
         if new is None:
             self._undo(req, num_tokens_before, computed_before)
             return (OpStatus.NO_SPACE, f"pool {pool.pool_id!r} has {manager.block_pool.get_num_free_blocks()} free "
-                    f"blocks, not enough for {num_new} more tokens of {client_request_id(key)!r}", None, start, 0)
+                    f"blocks, not enough for {transferred + num_new} more tokens of {client_request_id(key)!r}", None,
+                    start, 0, None)
+        transfer = None
         if not running:
-            req.num_computed_tokens = num_hit
+            req.num_computed_tokens = num_hit + transferred
             # Admission: the engine has no row yet, so it gets the whole table (hits included).
             new = KVCacheBlocks(manager.coordinator.get_blocks(key), new.replaced)
+            if source is not None:
+                transfer = self.transfers.open(session.session_id, source[0], source[1], pool, key, req, num_hit)
         if quota is not None:
             self.usage.update(tenant, pool, key)
-        return OpStatus.OK, "", new, start, num_new
+        return OpStatus.OK, "", new, start, num_new, transfer
 
     @staticmethod
     def _append(req: Request, key: str, tokens, hashes, num_append: int) -> str | None:
@@ -372,6 +438,10 @@ class Allocator:
         if not pool.manager.coordinator.is_running(parent_key):
             return OpResult(op.child_request_id, OpStatus.FAILED_PRECONDITION,
                             f"parent {op.parent_request_id!r} holds no blocks yet: allocate it before forking")
+        pending = self.transfers.pending(pool.pool_id, parent_key)
+        if pending is not None:
+            return OpResult(op.child_request_id, OpStatus.FAILED_PRECONDITION,
+                            f"parent {op.parent_request_id!r} waits for transfer {pending}: commit it first")
         child = pool.manager.fork(parent, child_key)
         pool.requests[child_key] = child
         pool.owner[child_key] = session.session_id
@@ -391,6 +461,9 @@ class Allocator:
         return OpResult(op.request_id)
 
     def _free(self, pool: Pool, tenant: str, key: str) -> None:
+        pending = self.transfers.pending(pool.pool_id, key)
+        if pending is not None:  # its prefix will never be copied: drop the source pins
+            self.transfers.close(self.transfers.transfers[pending], self.pools, commit=False)
         req = pool.requests.pop(key)
         pool.manager.free(req)
         owner = self.sessions.sessions.get(pool.owner.pop(key, ""))
@@ -440,6 +513,7 @@ class Allocator:
         except InvariantError as exc:
             return str(exc)
         live = {req.request_id for req in pool.requests.values()}
+        live |= {t.holder for t in self.transfers.transfers.values() if t.src_pool == pool.pool_id}
         for manager in pool.manager.coordinator.managers:
             stray = set(manager.req_to_blocks) - live
             if stray:

@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--quota", type=_quota, action="append", default=[], metavar="TENANT=BLOCKS",
                        help="per-tenant block quota (repeatable)")
     serve.add_argument("--max-message-mb", type=int, default=64)
+    serve.add_argument("--min-transfer-tokens", type=int, default=64,
+                       help="propose a cross-pool prefix transfer only when it saves at least this many tokens")
     persist = serve.add_argument_group("persistence (DESIGN §6)")
     persist.add_argument("--redis-url", help="use this Redis (default: a private redis-server in --data-dir)")
     persist.add_argument("--no-persistence", action="store_true", help="memory only: a restart loses everything")
@@ -72,6 +74,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           hash_block_size=args.hash_block_size, hash_seed=args.hash_seed,
                           session_ttl_s=args.session_ttl, event_retention=args.event_retention,
                           quotas=dict(args.quota), max_message_bytes=args.max_message_mb << 20,
+                          min_transfer_tokens=args.min_transfer_tokens,
                           data_dir=args.data_dir, persistence=not args.no_persistence, redis_url=args.redis_url,
                           redis_namespace=args.redis_namespace, redis_fsync=args.redis_fsync,
                           require_persistence=args.require_persistence, snapshot_every=args.snapshot_every,

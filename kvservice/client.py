@@ -66,6 +66,7 @@ class PoolStats:
     evictions: int
     num_cached_blocks: int
     invariant_violation: str
+    num_pending_transfers: int = 0
 
 
 @dataclass(slots=True)
@@ -157,7 +158,8 @@ class _Messages:
     def stats(r: pb.GetStatsResponse) -> Stats:
         pools = {p.pool_id: PoolStats(p.pool_id, p.epoch, p.num_blocks, p.num_free_blocks, p.usage, p.num_requests,
                                       p.prefix_hit_rate, p.prefix_queries, p.prefix_hits, p.evictions,
-                                      p.num_cached_blocks, p.invariant_violation) for p in r.pools}
+                                      p.num_cached_blocks, p.invariant_violation, p.num_pending_transfers)
+                 for p in r.pools}
         return Stats(pools, r.num_sessions, r.persistence, r.event_sequence, r.lease_expiries, r.hash_fingerprint,
                      r.hash_block_size)
 
@@ -259,6 +261,11 @@ class KVServiceClient(_Messages):
         msg = pb.ForkRequest(pool_id=pool_id, parent_request_id=parent_request_id,
                              child_request_ids=list(child_request_ids))
         return decode_step_result(self._mutate(self.stub.Fork, msg))
+
+    def commit_transfer(self, pool_id: str, transfer_id: str, abort: bool = False) -> StepResult:
+        """After the workers copied a transfer order's blocks: commit (they become cached here) or abort."""
+        msg = pb.CommitTransferRequest(pool_id=pool_id, transfer_id=transfer_id, abort=abort)
+        return decode_step_result(self._mutate(self.stub.CommitTransfer, msg))
 
     def get_request(self, pool_id: str, request_id: str) -> RequestInfo:
         return self.request_info(self._call(self.stub.GetRequest,
@@ -384,6 +391,10 @@ class AsyncKVServiceClient(_Messages):
         msg = pb.ForkRequest(pool_id=pool_id, parent_request_id=parent_request_id,
                              child_request_ids=list(child_request_ids))
         return decode_step_result(await self._mutate(self.stub.Fork, msg))
+
+    async def commit_transfer(self, pool_id: str, transfer_id: str, abort: bool = False) -> StepResult:
+        msg = pb.CommitTransferRequest(pool_id=pool_id, transfer_id=transfer_id, abort=abort)
+        return decode_step_result(await self._mutate(self.stub.CommitTransfer, msg))
 
     async def get_request(self, pool_id: str, request_id: str) -> RequestInfo:
         return self.request_info(await self._call(self.stub.GetRequest,

@@ -152,18 +152,44 @@ class SessionState(_message.Message):
     request_keys: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., client_name: _Optional[str] = ..., last_sequence: _Optional[int] = ..., reply_kind: _Optional[str] = ..., reply: _Optional[bytes] = ..., request_pool_ids: _Optional[_Iterable[str]] = ..., request_keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class TransferState(_message.Message):
+    __slots__ = ("transfer_id", "session_id", "src_pool", "holder", "dst_pool", "dst_key", "src_block_ids", "dst_block_ids", "num_tokens")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SRC_POOL_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    DST_POOL_FIELD_NUMBER: _ClassVar[int]
+    DST_KEY_FIELD_NUMBER: _ClassVar[int]
+    SRC_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    session_id: str
+    src_pool: str
+    holder: str
+    dst_pool: str
+    dst_key: str
+    src_block_ids: bytes
+    dst_block_ids: bytes
+    num_tokens: int
+    def __init__(self, transfer_id: _Optional[str] = ..., session_id: _Optional[str] = ..., src_pool: _Optional[str] = ..., holder: _Optional[str] = ..., dst_pool: _Optional[str] = ..., dst_key: _Optional[str] = ..., src_block_ids: _Optional[bytes] = ..., dst_block_ids: _Optional[bytes] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
 class Snapshot(_message.Message):
-    __slots__ = ("hash_block_size", "hash_seed", "next_event_sequence", "lease_expiries", "pools", "sessions")
+    __slots__ = ("hash_block_size", "hash_seed", "next_event_sequence", "lease_expiries", "pools", "sessions", "transfers", "next_transfer")
     HASH_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     HASH_SEED_FIELD_NUMBER: _ClassVar[int]
     NEXT_EVENT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRIES_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     hash_block_size: int
     hash_seed: str
     next_event_sequence: int
     lease_expiries: int
     pools: _containers.RepeatedCompositeFieldContainer[PoolState]
     sessions: _containers.RepeatedCompositeFieldContainer[SessionState]
-    def __init__(self, hash_block_size: _Optional[int] = ..., hash_seed: _Optional[str] = ..., next_event_sequence: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolState, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionState, _Mapping]]] = ...) -> None: ...
+    transfers: _containers.RepeatedCompositeFieldContainer[TransferState]
+    next_transfer: int
+    def __init__(self, hash_block_size: _Optional[int] = ..., hash_seed: _Optional[str] = ..., next_event_sequence: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolState, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionState, _Mapping]]] = ..., transfers: _Optional[_Iterable[_Union[TransferState, _Mapping]]] = ..., next_transfer: _Optional[int] = ...) -> None: ...

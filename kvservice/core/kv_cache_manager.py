@@ -213,6 +213,20 @@ class KVCacheManager:
         """Drains pending copy-on-write copies (src, dst); their sources' pins drop now."""
         return self.coordinator.take_block_copies()
 
+    def hold(self, holder_id: str, blocks: KVCacheBlocks) -> None:
+        """Pins cached blocks under a table with no request behind it (e.g. the source of a cross-pool
+        transfer): they cannot be evicted or reallocated until `release(holder_id)`."""
+        if self.coordinator.is_running(holder_id) or holder_id in self.coordinator.managers[0].req_to_blocks:
+            raise ValueError(f"holder {holder_id!r} already exists")
+        self.block_pool.touch(blocks.blocks)
+        for manager, group in zip(self.coordinator.managers, blocks.blocks):
+            manager.req_to_blocks[holder_id] = list(group)
+            manager.num_cached_block[holder_id] = len(group)
+
+    def release(self, holder_id: str) -> None:
+        """Drops a holder's (or a request's) blocks, tail first."""
+        self.coordinator.free(holder_id)
+
     def free(self, request: Request) -> None:
         """Releases the request's blocks, tail first, so its tail is evicted first."""
         self.coordinator.free(request.request_id)

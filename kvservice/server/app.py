@@ -39,6 +39,7 @@ class ServerConfig:
     session_ttl_s: float = 30.0
     event_retention: int = 100_000
     quotas: dict[str, int] = field(default_factory=dict)
+    min_transfer_tokens: int = 64
     max_message_bytes: int = 64 * 1024 * 1024
     data_dir: str = "./kvservice-data"
     persistence: bool = True
@@ -58,7 +59,7 @@ class AllocatorServer:
     def __init__(self, config: ServerConfig, allocator: Allocator | None = None, journal=None) -> None:
         self.config = config
         self.allocator = allocator or Allocator(config.hash_block_size, config.hash_seed, config.session_ttl_s,
-                                                config.event_retention, config.quotas)
+                                                config.event_retention, config.quotas, config.min_transfer_tokens)
         tokens = load_token_file(config.token_file) if config.token_file else None
         self.auth = Authenticator(tokens)
         self.journal = journal or NullJournal()
@@ -171,7 +172,7 @@ class AllocatorServer:
 async def build_server(config: ServerConfig) -> AllocatorServer:
     """The allocator with its state recovered from Redis (unless persistence is off)."""
     allocator = Allocator(config.hash_block_size, config.hash_seed, config.session_ttl_s, config.event_retention,
-                          config.quotas)
+                          config.quotas, config.min_transfer_tokens)
     if not config.persistence:
         logger.warning("persistence is OFF (--no-persistence): a restart loses every allocation")
         return AllocatorServer(config, allocator)

@@ -19,7 +19,7 @@ import grpc
 from kvservice._proto import allocator_pb2 as pb
 from kvservice.allocator import Allocator, RegisterResult
 from kvservice.core import AllBlocksCleared, BlockRemoved, BlockStored
-from kvservice.errors import InvalidArgument, KVServiceError, Unimplemented
+from kvservice.errors import InvalidArgument, KVServiceError
 from kvservice.eventlog import LoggedEvent
 from kvservice.ops import StepResult
 from kvservice.pools import raw_hash
@@ -215,8 +215,18 @@ class AllocatorServicer:
 
     @rpc
     async def CommitTransfer(self, request: pb.CommitTransferRequest, context) -> pb.StepResponse:
-        self._session(context, request.session_id)
-        raise Unimplemented("cross-pool transfers are not implemented yet")
+        session = self._session(context, request.session_id)
+        self._check_sequence(request.sequence)
+        stored = self.allocator.sessions.check_sequence(session, request.sequence)
+        if stored is None:
+            pool = self.allocator.pool(check_id("pool_id", request.pool_id))
+            transfer_id = check_id("transfer_id", request.transfer_id)
+            self.journal.check_writable()
+            stored = self.allocator.commit_transfer(session, request.sequence, pool, transfer_id, request.abort)
+            await self.journal.record("commit_transfer", session_id=session.session_id, request=request)
+        if not isinstance(stored, StepResult):
+            raise InvalidArgument("sequence", request.sequence, "this sequence was applied by another RPC kind")
+        return encode_step_result(stored, pb.StepResponse())
 
     # ---- reads ---------------------------------------------------------------------------------
     @rpc
@@ -276,6 +286,8 @@ class AllocatorServicer:
                           num_requests=len(pool.requests), prefix_hit_rate=m.prefix_cache_totals.hit_rate,
                           prefix_queries=m.prefix_cache_totals.queries, prefix_hits=m.prefix_cache_totals.hits,
                           evictions=bp.num_evictions, num_cached_blocks=len(bp.cached_block_hash_to_block),
+                          num_pending_transfers=sum(1 for t in a.transfers.transfers.values()
+                                                    if pool.pool_id in (t.src_pool, t.dst_pool)),
                           invariant_violation=a.invariant_violation(pool) if request.check_invariants else "")
         return out
 

@@ -34,6 +34,11 @@ def apply_entry(allocator: Allocator, entry: st.WalEntry, now: float) -> None:
         session = allocator.sessions.sessions[entry.session_id]
         allocator.register_pool(session, request.sequence, decode_pool_spec(request, allocator.hash_block_size),
                                 request.hash_fingerprint)
+    elif kind == "commit_transfer":
+        request = pb.CommitTransferRequest.FromString(entry.request)
+        session = allocator.sessions.sessions[entry.session_id]
+        allocator.commit_transfer(session, request.sequence, allocator.pool(request.pool_id), request.transfer_id,
+                                  request.abort)
     elif kind == "expire":
         for session_id in entry.session_ids:
             if session_id in allocator.sessions.sessions:

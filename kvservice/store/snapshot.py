@@ -18,6 +18,7 @@ from kvservice.hashing import HASH_BYTES, MultiModalItem
 from kvservice.ops import StepResult
 from kvservice.pools import SEP, Pool
 from kvservice.sessions import Session
+from kvservice.transfers import Transfer
 from kvservice.wire import decode_pool_spec, decode_step_result, decode_tokens, encode_config, encode_step_result
 
 MAGIC = b"KVSNAP1\n"
@@ -43,6 +44,13 @@ def encode_state(allocator: Allocator) -> st.Snapshot:
         snap.pools.append(_encode_pool(allocator.pools[pool_id]))
     for session_id in sorted(allocator.sessions.sessions):
         snap.sessions.append(_encode_session(allocator.sessions.sessions[session_id]))
+    book = allocator.transfers
+    snap.next_transfer = book.next_id
+    for transfer_id in sorted(book.transfers):
+        t = book.transfers[transfer_id]
+        snap.transfers.add(transfer_id=t.transfer_id, session_id=t.session_id, src_pool=t.src_pool, holder=t.holder,
+                           dst_pool=t.dst_pool, dst_key=t.dst_key, src_block_ids=_u32(t.src_block_ids),
+                           dst_block_ids=_u32(t.dst_block_ids), num_tokens=t.num_tokens)
     return snap
 
 
@@ -145,6 +153,7 @@ def load(data: bytes, allocator: Allocator, now: float) -> None:
     allocator.sessions = staged.sessions
     allocator.events.next_sequence = staged.events.next_sequence
     allocator.usage = staged.usage
+    allocator.transfers = staged.transfers
     allocator.lease_expiries = staged.lease_expiries
 
 
@@ -195,6 +204,14 @@ def _decode_into(snap: st.Snapshot, allocator: Allocator, now: float) -> None:
                                                 r.num_requests_failed, r.scheduler_block_size)
         for pool_id, key in zip(ss.request_pool_ids, ss.request_keys):
             session.own(pool_id, key)
+    book = allocator.transfers
+    book.next_id = snap.next_transfer or 1
+    for ts in snap.transfers:
+        t = Transfer(ts.transfer_id, ts.session_id, ts.src_pool, ts.holder, ts.dst_pool, ts.dst_key,
+                     list(_from_u32(ts.src_block_ids, "src_block_ids")),
+                     list(_from_u32(ts.dst_block_ids, "dst_block_ids")), ts.num_tokens)
+        book.transfers[t.transfer_id] = t
+        book.by_dst[(t.dst_pool, t.dst_key)] = t.transfer_id
 
 
 def _decode_request(rs: st.RequestState) -> Request:
