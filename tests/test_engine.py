@@ -125,3 +125,24 @@ def test_through_the_triton_interpreter(server, model):
     eng.run()
     assert eng.workers.backend == "triton"
     check(model, eng)
+
+
+def test_prefix_transfer_between_pools_computes_only_the_suffix(server, model):
+    layout = "transfer-test-layout"
+    engines = {}
+    for pid in ("xfer-A", "xfer-B"):
+        cfg = EngineConfig(pool_id=pid, num_blocks=64, block_size=16, max_model_len=512, max_num_batched_tokens=256,
+                           allow_transfers=True, kv_layout=layout)
+        lay = PoolLayout(MODEL, 64, 16, cfg.max_num_rows, cfg.max_num_blocks_per_req, 256)
+        engines[pid] = Engine(server.client(client_name=pid), LocalWorkers(lay), cfg, record_logits=True)
+    a, b = engines["xfer-A"], engines["xfer-B"]
+    a.peers["xfer-B"], b.peers["xfer-A"] = b.workers, a.workers
+    prompt = prompts(1, 150, seed=31)[0]
+    a.add_request(prompt, SamplingParams(max_tokens=3))
+    a.run()
+    seq = b.add_request(prompt + [9, 9], SamplingParams(max_tokens=4))
+    b.run()
+    assert b.stats.transfers == 1 and seq.transferred_tokens == 144  # 9 blocks copied from A
+    assert seq.hit_tokens == 144 and b.stats.computed_tokens == (152 - 144) + 3  # B computed only the suffix
+    check(model, b)
+    check(model, a)

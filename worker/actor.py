@@ -117,6 +117,10 @@ class LocalWorkers:
         for r, d in zip(self.runners, data):
             r.write_blocks(block_ids, d)
 
+    def transfer_to(self, dst, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+        """Copies blocks of this pool into `dst` (same layout), rank r to rank r."""
+        dst.write_blocks(dst_block_ids, self.read_blocks(src_block_ids))
+
 
 # ---- Ray actors ------------------------------------------------------------------------------------
 class RankWorker:
@@ -194,6 +198,16 @@ class RayWorkers:
     def write_blocks(self, block_ids: list[int], data) -> None:
         import ray
         ray.get([a.write_blocks.remote(block_ids, d) for a, d in zip(self.actors, data)])
+
+    def transfer_to(self, dst, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+        """Copies blocks into `dst` rank to rank through the Ray object store: each source rank's payload
+        goes straight to the matching destination rank (never through the driver)."""
+        import ray
+        if not isinstance(dst, RayWorkers):
+            dst.write_blocks(dst_block_ids, self.read_blocks(src_block_ids))
+            return
+        refs = [a.read_blocks.remote(src_block_ids) for a in self.actors]
+        ray.get([b.write_blocks.remote(dst_block_ids, ref) for b, ref in zip(dst.actors, refs)])
 
     def shutdown(self) -> None:
         import ray

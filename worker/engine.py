@@ -40,6 +40,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     epoch: int = 0
     enable_prefix_caching: bool = True
+    allow_transfers: bool = False  # adopt prefixes cached on other pools (needs their workers: `peers`)
+    kv_layout: str = ""  # pools exchange blocks only with equal layouts (PoolLayout.kv_layout)
 
     @property
     def max_num_rows(self) -> int:
@@ -68,6 +70,10 @@ class Sequence:
     num_generated: int = 0
     num_preemptions: int = 0
     hit_tokens: int = -1  # prefix-cache hit at first admission
+    transferred_tokens: int = 0  # of which copied from another pool
+    no_transfer: bool = False  # a transfer for it failed: recompute instead
+    admitted_at: float = 0.0
+    first_token_at: float = 0.0
     parent: Sequence | None = None
     children_pending: int = 0  # forks to issue once the prompt is computed
     logits_seen: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (position, logits) if recorded
@@ -87,6 +93,9 @@ class EngineStats:
     preemptions: int = 0
     copies: int = 0
     forks: int = 0
+    transfers: int = 0
+    transferred_tokens: int = 0
+    transfer_s: float = 0.0
     peak_blocks: int = 0
     peak_running: int = 0
     allocator_s: float = 0.0
@@ -100,10 +109,11 @@ class EngineStats:
 
 class Engine:
     def __init__(self, client: KVServiceClient, workers: Workers, config: EngineConfig,
-                 record_logits: bool = False) -> None:
+                 record_logits: bool = False, peers: dict[str, Workers] | None = None) -> None:
         self.client = client
         self.workers = workers
         self.config = config
+        self.peers = peers if peers is not None else {}  # other pools' workers, for transfers
         self.record_logits = record_logits
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -118,7 +128,27 @@ class Engine:
             config.pool_id, KVCacheConfig(config.num_blocks, [FullAttentionSpec(config.block_size)]),
             config.max_model_len, epoch=config.epoch, dcp_world_size=config.dcp_world_size,
             enable_caching=config.enable_prefix_caching,
-            kv_layout=f"block={config.block_size};dcp={config.dcp_world_size}")
+            kv_layout=config.kv_layout or f"block={config.block_size};dcp={config.dcp_world_size}")
+        self._transfers: list = []
+
+    def restart_pool(self, workers: Workers) -> None:
+        """The workers died (their KV memory is gone): register a new epoch with fresh workers. The
+        allocator fails the pool's requests; they are recomputed from their tokens."""
+        self.workers = workers
+        self.config.epoch += 1
+        cfg = self.config
+        self.registration = self.client.register_pool(
+            cfg.pool_id, KVCacheConfig(cfg.num_blocks, [FullAttentionSpec(cfg.block_size)]), cfg.max_model_len,
+            epoch=cfg.epoch, dcp_world_size=cfg.dcp_world_size, enable_caching=cfg.enable_prefix_caching,
+            kv_layout=cfg.kv_layout or f"block={cfg.block_size};dcp={cfg.dcp_world_size}")
+        orphans = [child for _, child in self._forks if not child.finished]
+        for seq in [*self.running, *orphans]:
+            seq.running, seq.added, seq.num_computed, seq.num_sent, seq.table, seq.row = False, False, 0, 0, [], None
+            seq.parent = None if seq in orphans else seq.parent
+            seq.num_preemptions += 1
+            self.waiting.appendleft(seq)
+        self.running, self._frees, self._forks, self._transfers, self._clear_rows = [], [], [], [], []
+        self._free_rows = list(range(cfg.max_num_rows - 1, -1, -1))
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt: list[int], params: SamplingParams | None = None,
@@ -154,9 +184,16 @@ class Engine:
         batch, scheduled = self._apply(result, plan)
         if batch is None:
             return
+        transfers, self._transfers = self._transfers, []
+        t0 = time.perf_counter()
+        for order in transfers:  # copied before this step writes any K/V
+            self.peers[order.src_pool_id].transfer_to(self.workers, order.src_block_ids, order.dst_block_ids)
+        self.stats.transfer_s += time.perf_counter() - t0
         t0 = time.perf_counter()
         logits = self.workers.execute(batch)
         self.stats.model_s += time.perf_counter() - t0
+        for order in transfers:
+            self.client.commit_transfer(self.config.pool_id, order.transfer_id)
         self._sample(scheduled, logits)
 
     def _schedule(self):
@@ -192,7 +229,8 @@ class Engine:
                 ops.append(AddRequestOp(seq.seq_id, token_ids=seq.tokens))
                 seq.added = True
                 seq.num_sent = len(seq.tokens)
-            ops.append(AllocateOp(seq.seq_id, num_computed_tokens=0, num_new_tokens=budget))
+            ops.append(AllocateOp(seq.seq_id, num_computed_tokens=0, num_new_tokens=budget,
+                                  allow_transfer=cfg.allow_transfers and not seq.no_transfer))
             plan["admits"].append(seq)
             budget -= min(budget, len(seq.tokens))
             num_running += 1
@@ -256,10 +294,22 @@ class Engine:
                 continue
             if r.status != OpStatus.OK:
                 raise RuntimeError(f"admission of {seq.seq_id} failed: {r.status.name} {r.message}")
+            if r.transfer is not None and r.transfer.src_pool_id not in self.peers:
+                # We cannot reach the source pool's workers: give the order back and recompute.
+                self.client.commit_transfer(self.config.pool_id, r.transfer.transfer_id, abort=True)
+                seq.added, seq.no_transfer = False, True
+                self.waiting.appendleft(seq)
+                continue
             seq.running = True
             seq.num_computed = r.num_computed_tokens
+            if r.transfer is not None:
+                self._transfers.append(r.transfer)
+                seq.transferred_tokens = len(r.transfer.dst_block_ids) * self._tokens_per_block
+                self.stats.transfers += 1
+                self.stats.transferred_tokens += seq.transferred_tokens
             if seq.hit_tokens < 0:
                 seq.hit_tokens = r.num_computed_tokens
+                seq.admitted_at = time.perf_counter()
                 self.stats.prompt_tokens += seq.num_prompt_tokens
                 self.stats.hit_tokens += r.num_computed_tokens
             seq.table = list(r.new_block_ids[0]) if r.new_block_ids else []
@@ -334,7 +384,13 @@ class Engine:
                 seq.children_pending = 0
             self._emit(seq, sample(row, seq.params.temperature, seq.seed, position))
 
+    @property
+    def _tokens_per_block(self) -> int:
+        return self.config.block_size * self.config.dcp_world_size
+
     def _emit(self, seq: Sequence, token: int) -> None:
+        if not seq.first_token_at:
+            seq.first_token_at = time.perf_counter()
         seq.tokens.append(token)
         seq.num_generated += 1
         self.stats.generated_tokens += 1
