@@ -496,8 +496,24 @@ class Allocator:
         pools = [self.pool(p) for p in pool_ids] if pool_ids else list(self.pools.values())
         hits = [PoolHit(p.pool_id, p.cached_prefix_tokens(hashes, num_tokens),
                         p.manager.block_pool.get_num_free_blocks()) for p in pools]
-        best = max(hits, key=lambda h: (h.num_cached_tokens, h.num_free_blocks), default=None)
-        return hits, best.pool_id if best else ""
+        return hits, self._place(pools, hits, raw)
+
+    @staticmethod
+    def _place(pools: list[Pool], hits: list[PoolHit], raw_hashes: Sequence[bytes]) -> str:
+        """Longest cached prefix; ties to the most free blocks that hold nothing cached (filling them
+        evicts no one's prefix); remaining ties by the prompt's first block hash, so a prompt family
+        keeps landing on the same pool instead of every cold prompt piling onto the first one."""
+        if not hits:
+            return ""
+        best = max(h.num_cached_tokens for h in hits)
+        tied = [(p, h) for p, h in zip(pools, hits) if h.num_cached_tokens == best]
+        empty = {p.pool_id: max(0, h.num_free_blocks - len(p.manager.block_pool.cached_block_hash_to_block))
+                 for p, h in tied}
+        most = max(empty.values())
+        tied = sorted(p.pool_id for p, _ in tied if empty[p.pool_id] == most)
+        if len(tied) == 1 or not raw_hashes:
+            return tied[0]
+        return tied[int.from_bytes(raw_hashes[0][:8], "big") % len(tied)]
 
     def reset_prefix_cache(self, pool_ids: Sequence[str] = ()) -> tuple[list[str], list[str]]:
         pools = [self.pool(p) for p in pool_ids] if pool_ids else list(self.pools.values())

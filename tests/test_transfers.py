@@ -162,3 +162,16 @@ def test_commit_transfer_rpc(server, abort):
         assert c.lookup(prompt + [1], pool_ids=[b]).tokens(b) == 96
         c.free(b, "r")
     c.close()
+
+
+def test_kv_aware_placement():
+    a, s = allocator_with_pools()
+    prompt = list(range(30))
+    step(a, s, "B", [AddRequestOp("r", token_ids=prompt), AllocateOp("r", num_new_tokens=30), FreeOp("r")])
+    hits, best = a.lookup("", token_ids=prompt + [1])
+    assert best == "B" and {h.pool_id: h.num_cached_tokens for h in hits} == {"A": 0, "B": 28, "C": 0}
+    # Cold prompts: the same prompt always lands on the same pool, different ones spread out (and never on
+    # B, whose free blocks hold someone's cached prefix).
+    picks = [a.lookup("", token_ids=[1000 + i] * 9)[1] for i in range(32)]
+    assert picks == [a.lookup("", token_ids=[1000 + i] * 9)[1] for i in range(32)]
+    assert set(picks) == {"A", "C"}
