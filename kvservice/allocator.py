@@ -57,7 +57,8 @@ class PoolHit:
 class Allocator:
     def __init__(self, hash_block_size: int = DEFAULT_HASH_BLOCK_SIZE, hash_seed: str = DEFAULT_HASH_SEED,
                  session_ttl_s: float = 30.0, event_retention: int = 100_000,
-                 quotas: dict[str, int] | None = None, min_transfer_tokens: int = 64) -> None:
+                 quotas: dict[str, int] | None = None, min_transfer_tokens: int = 64,
+                 max_requests_per_session: int = 1_000_000) -> None:
         self.hash_block_size = hash_block_size
         self.hash_seed = hash_seed
         self.fingerprint = spec_fingerprint(hash_seed, hash_block_size)
@@ -66,6 +67,7 @@ class Allocator:
         self.events = EventLog(event_retention)
         self.usage = TenantUsage(quotas or {})
         self.transfers = TransferBook(min_transfer_tokens)
+        self.max_requests_per_session = max_requests_per_session
         self.lease_expiries = 0
 
     # ---- sessions ------------------------------------------------------------------------------
@@ -246,12 +248,23 @@ class Allocator:
             return OpResult(request_id, OpStatus.EPOCH_CHANGED, reason)
         return OpResult(request_id, OpStatus.NOT_FOUND, f"request {request_id!r} not found in pool {pool.pool_id!r}")
 
+    def _session_full(self, session: Session, request_id: str) -> OpResult | None:
+        held = sum(len(keys) for keys in session.requests.values())
+        if held < self.max_requests_per_session:
+            return None
+        return OpResult(request_id, OpStatus.RESOURCE_EXHAUSTED,
+                        f"session {session.session_id!r} holds {held} requests, the limit is "
+                        f"{self.max_requests_per_session}; free some first")
+
     def _add(self, pool: Pool, session: Session, op: AddRequestOp) -> OpResult:
         tenant = session.tenant
         key = request_key(tenant, op.request_id)
         if key in pool.requests:
             return OpResult(op.request_id, OpStatus.ALREADY_EXISTS,
                             f"request {op.request_id!r} already exists in pool {pool.pool_id!r}")
+        full = self._session_full(session, op.request_id)
+        if full is not None:
+            return full
         ns = namespace(tenant)
         if op.block_hashes is not None:
             req = Request.from_block_hashes(key, op.block_hashes, op.num_tokens, pool.hash_block_size,
@@ -438,6 +451,9 @@ class Allocator:
         if not pool.manager.coordinator.is_running(parent_key):
             return OpResult(op.child_request_id, OpStatus.FAILED_PRECONDITION,
                             f"parent {op.parent_request_id!r} holds no blocks yet: allocate it before forking")
+        full = self._session_full(session, op.child_request_id)
+        if full is not None:
+            return full
         pending = self.transfers.pending(pool.pool_id, parent_key)
         if pending is not None:
             return OpResult(op.child_request_id, OpStatus.FAILED_PRECONDITION,

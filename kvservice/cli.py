@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--quota", type=_quota, action="append", default=[], metavar="TENANT=BLOCKS",
                        help="per-tenant block quota (repeatable)")
     serve.add_argument("--max-message-mb", type=int, default=64)
+    serve.add_argument("--max-requests-per-session", type=int, default=1_000_000,
+                       help="live requests one session may hold (more: RESOURCE_EXHAUSTED per op)")
     serve.add_argument("--min-transfer-tokens", type=int, default=64,
                        help="propose a cross-pool prefix transfer only when it saves at least this many tokens")
     persist = serve.add_argument_group("persistence (DESIGN §6)")
@@ -75,6 +77,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           session_ttl_s=args.session_ttl, event_retention=args.event_retention,
                           quotas=dict(args.quota), max_message_bytes=args.max_message_mb << 20,
                           min_transfer_tokens=args.min_transfer_tokens,
+                          max_requests_per_session=args.max_requests_per_session,
                           data_dir=args.data_dir, persistence=not args.no_persistence, redis_url=args.redis_url,
                           redis_namespace=args.redis_namespace, redis_fsync=args.redis_fsync,
                           require_persistence=args.require_persistence, snapshot_every=args.snapshot_every,

@@ -205,3 +205,36 @@ def test_mutual_tls_requires_a_client_certificate(pki):
             bad.close()
     finally:
         proc.stop()
+
+
+def test_requests_per_session_limit(tmp_path):
+    proc = start_server("--max-requests-per-session", "3", log_dir=tmp_path)
+    try:
+        c = proc.client()
+        c.register_pool("limited", small_config(64, 16), max_model_len=512)
+        r = c.step("limited", [AddRequestOp(f"r{i}", token_ids=[1, 2, 3]) for i in range(4)])
+        assert [x.status for x in r.results] == [OpStatus.OK] * 3 + [OpStatus.RESOURCE_EXHAUSTED]
+        assert "holds 3 requests, the limit is 3" in r[3].message
+        c.free("limited", "r0")
+        assert c.step("limited", [AddRequestOp("r3", token_ids=[1])])[0].status == OpStatus.OK
+    finally:
+        proc.stop()
+
+
+def test_every_rpc_requires_a_token(secured):
+    """Not just a few: every method of the service answers UNAUTHENTICATED without a valid token."""
+    from kvservice._proto import allocator_pb2 as pb
+    with grpc.insecure_channel(secured.target) as channel:
+        for method in pb.DESCRIPTOR.services_by_name["Allocator"].methods:
+            request = method.input_type._concrete_class().SerializeToString()
+            path = f"/kvservice.v1.Allocator/{method.name}"
+            for metadata in ((), (("authorization", "Bearer wrong"),)):
+                if method.server_streaming:
+                    call = channel.unary_stream(path)
+                    with pytest.raises(grpc.RpcError) as info:
+                        next(iter(call(request, metadata=metadata, timeout=5)))
+                else:
+                    call = channel.unary_unary(path)
+                    with pytest.raises(grpc.RpcError) as info:
+                        call(request, metadata=metadata, timeout=5)
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, method.name

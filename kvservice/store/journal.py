@@ -26,7 +26,8 @@ from kvservice.store.redis_store import FencedError, RedisStore, write_pending_s
 from kvservice.store.snapshot import dump
 
 logger = logging.getLogger(__name__)
-REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+# An unreachable Redis, or one refusing writes (e.g. MISCONF: its disk is full and the AOF cannot grow).
+REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.ResponseError, OSError)
 
 
 class PersistentJournal:

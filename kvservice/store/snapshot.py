@@ -141,7 +141,8 @@ def load(data: bytes, allocator: Allocator, now: float) -> None:
     try:
         snap = st.Snapshot.FromString(payload)
         staged = Allocator(allocator.hash_block_size, allocator.hash_seed, allocator.sessions.ttl_s,
-                           allocator.events.retained, allocator.usage.quotas)
+                           allocator.events.retained, allocator.usage.quotas, allocator.transfers.min_tokens,
+                           allocator.max_requests_per_session)
         with gc_paused():
             _decode_into(snap, staged, now)
     except SnapshotError:
