@@ -1,0 +1,146 @@
+"""`kvservice deploy` on a two-node Ray cluster on this machine (ray.cluster_utils.Cluster): the allocator actor
+on the head node, one pool per node, KV-aware routing, outputs equal to the dense model, scale-out, teardown."""
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from worker import deploy
+from worker.engine import Sequence
+from worker.model import ModelConfig, TinyTransformer
+from worker.sampling import SamplingParams
+from worker.verify import verify
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = ModelConfig()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"head_node": 1},
+                                                       "include_dashboard": False})
+    c.add_node(num_cpus=1, resources={"second_node": 1})
+    try:
+        ray.init(address=c.address, namespace=deploy.NAMESPACE, log_to_driver=False, configure_logging=False)
+        c.wait_for_nodes()
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    return deploy.DeployConfig(pools=2, num_blocks=32, block_size=16, max_model_len=256, max_num_batched_tokens=128,
+                               max_num_seqs=8, backend="torch", rank_cpus=0.25, port=0,
+                               data_dir=str(tmp_path_factory.mktemp("allocator")))
+
+
+@pytest.fixture(scope="module")
+def up(cluster, config):
+    try:
+        yield deploy.deploy(config)
+    finally:
+        deploy.teardown()
+
+
+def node_of(name: str) -> str:
+    return ray.get(ray.get_actor(name, namespace=deploy.NAMESPACE).where.remote())
+
+
+def assert_dense(prompts: list[list[int]], outputs: list[list[int]], max_tokens: int) -> None:
+    """Greedy outputs equal the dense reference model's (no cache)."""
+    assert [len(o) for o in outputs] == [max_tokens] * len(prompts)
+    seqs = [Sequence(f"r{i}", p + o, len(p), SamplingParams(max_tokens=max_tokens), 0)
+            for i, (p, o) in enumerate(zip(prompts, outputs))]
+    result = verify(TinyTransformer(MODEL), seqs)
+    assert result.ok, result.mismatches
+
+
+def test_allocator_on_the_head_and_one_pool_per_node(cluster, up):
+    head = cluster.head_node.node_id
+    assert ray.get(up.allocator.health.remote()) == "SERVING"
+    assert ray.get(up.allocator.where.remote()) == head
+    assert list(up.engines) == ["p0", "p1"] and up.created == ["p0", "p1"]
+    nodes = [node_of(deploy.rank_name(p, 0)) for p in up.engines]
+    assert len(set(nodes)) == 2  # pools spread over both nodes
+    assert [node_of(deploy.engine_name(p)) for p in up.engines] == nodes  # engines beside their ranks
+
+
+def test_router_is_kv_aware_and_outputs_match_the_dense_model(up):
+    rng = random.Random(5)
+    prompts = [[rng.randrange(MODEL.vocab_size) for _ in range(40)] for _ in range(3)]
+    router = up.router()
+    assert router.route(prompts[0]) == deploy.Route("p0", 0)  # nothing cached: round-robin
+    outputs = router.generate(prompts, max_tokens=6)  # p1, p0, p1
+    assert_dense(prompts, outputs, 6)
+    assert dict(router.routed) == {"p0": 1, "p1": 2}
+    # The same prompt again goes where its two full blocks are cached, and hits them there.
+    assert router.route(prompts[1]) == deploy.Route("p0", 32)
+    again = router.generate([prompts[1], prompts[2]], max_tokens=6)
+    assert again == [outputs[1], outputs[2]]
+    assert dict(router.routed_by_prefix) == {"p0": 1, "p1": 1}
+    stats = {s["pool_id"]: s for s in ray.get([e.stats.remote() for e in up.engines.values()])}
+    assert stats["p0"]["hit_tokens"] == 32 and stats["p1"]["hit_tokens"] == 32
+    assert stats["p0"]["requests"] == 2 and stats["p1"]["requests"] == 3 and stats["p0"]["backend"] == "torch"
+
+
+def test_deploy_again_reuses_pools_and_adds_new_ones(up, config):
+    config.add_pools = 1
+    more = deploy.deploy(config)
+    assert more.target == up.target and more.created == ["p2"] and list(more.engines) == ["p0", "p1", "p2"]
+    assert all(more.engines[p]._actor_id == up.engines[p]._actor_id for p in ("p0", "p1"))
+    router = more.router()
+    prompt = [7] * 20
+    assert_dense([prompt], router.generate([prompt], 3), 3)
+    up.engines["p2"] = more.engines["p2"]  # not detached: a pool lives while its driver holds its engine
+
+
+def test_teardown_removes_every_named_actor(up):
+    names = deploy.teardown()
+    assert deploy.ALLOCATOR_NAME in names and deploy.rank_name("p2", 0) in names and len(names) == 7
+    assert deploy._named_actors() == []
+    groups = [g for g in ray.util.placement_group_table().values() if g["name"].startswith("kvservice-pool-")]
+    assert groups and all(g["state"] == "REMOVED" for g in groups)
+
+
+def test_cli_routes_deploy_to_worker_deploy():
+    out = subprocess.run([sys.executable, "-m", "kvservice.cli", "deploy", "--help"], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--add-pools" in out.stdout and "--teardown" in out.stdout
+
+
+def test_deploy_configs_parse():
+    """No cluster or kubectl server here: Ray's launcher schema for ray-cluster.yaml, YAML for the rest."""
+    import yaml
+    from ray.autoscaler._private.util import prepare_config, validate_config
+    validate_config(prepare_config(yaml.safe_load((REPO / "deploy" / "ray-cluster.yaml").read_text())))
+    docs = {}
+    for path in sorted((REPO / "deploy" / "kuberay").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            docs[doc["kind"], doc["metadata"]["name"]] = doc
+    assert {("RayCluster", "kvservice"), ("RayJob", "kvservice-pools"), ("Deployment", "kvservice-redis"),
+            ("Service", "kvservice-redis"), ("PersistentVolumeClaim", "kvservice-redis"),
+            ("Deployment", "kvservice-allocator"), ("Service", "kvservice-allocator")} <= set(docs)
+    allocator = docs["Deployment", "kvservice-allocator"]["spec"]["template"]["spec"]["containers"][0]
+    assert allocator["readinessProbe"]["grpc"]["port"] == 50051
+    assert "redis://kvservice-redis:6379/0" in allocator["command"] and "--token-file" in allocator["command"]
+    redis = docs["Deployment", "kvservice-redis"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert redis[:4] == ["--appendonly", "yes", "--appendfsync", "everysec"]
+
+
+@pytest.mark.slow
+def test_deploy_local_smoke(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "worker.deploy", "--local", "--pools", "2", "--num-blocks", "64",
+                          "--rank-cpus", "0.25", "--port", "0", "--data-dir", str(tmp_path), "--smoke", "8"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "smoke: 8 requests" in out.stdout and "(SERVING)" in out.stdout
+    assert "dense reference: 8/8 outputs identical" in out.stdout
