@@ -182,6 +182,13 @@ class RayWorkers:
         self.actors = [actor_cls.remote(layout, rank, port, name) for rank in range(layout.dcp_world_size)]
         ray.get([a.backend.remote() for a in self.actors])  # wait until every rank is up
 
+    @classmethod
+    def attach(cls, layout: PoolLayout, actors: list) -> RayWorkers:
+        """A handle on ranks that already run (another pool's, e.g. as a transfer source)."""
+        workers = cls.__new__(cls)
+        workers.layout, workers.actors = layout, list(actors)
+        return workers
+
     @property
     def backend(self) -> str:
         return self.layout.backend

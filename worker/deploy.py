@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -207,7 +208,7 @@ class EngineActor:
         self.workers = PoolWorkers(layout, pg, config.pool_id, num_cpus=rank_cpus, use_gpus=use_gpus,
                                    detached=detached)
         self.client = KVServiceClient(target, token, client_name=f"engine-{config.pool_id}")
-        self.engine = Engine(self.client, self.workers, config)
+        self.engine = Engine(self.client, self.workers, config, peers=NamedPeers(layout))
         self.num_requests = 0
         self._last_call = time.monotonic()
 
@@ -237,6 +238,39 @@ class EngineActor:
 
     def shutdown(self) -> None:
         self.workers.shutdown()
+
+
+class NamedPeers(Mapping):
+    """Other pools' ranks, found by their actor names when a transfer order names them (pools of one
+    deployment share a KV layout, so the allocator may order copies between any two of them)."""
+
+    def __init__(self, layout: PoolLayout) -> None:
+        self.layout = layout
+        self._cache: dict[str, RayWorkers] = {}
+
+    def __getitem__(self, pool_id: str) -> RayWorkers:
+        if pool_id not in self._cache:
+            import ray
+            try:
+                actors = [ray.get_actor(rank_name(pool_id, r), namespace=NAMESPACE)
+                          for r in range(self.layout.dcp_world_size)]
+            except ValueError:
+                raise KeyError(pool_id) from None
+            self._cache[pool_id] = RayWorkers.attach(self.layout, actors)
+        return self._cache[pool_id]
+
+    def __contains__(self, pool_id: object) -> bool:
+        try:
+            self[pool_id]  # type: ignore[index]
+        except KeyError:
+            return False
+        return True
+
+    def __iter__(self):
+        return iter(self._cache)
+
+    def __len__(self) -> int:
+        return len(self._cache)
 
 
 def _pool_index(pool_id: str) -> int:
@@ -327,6 +361,8 @@ def ensure_pools(cfg: DeployConfig, target: str) -> tuple[dict[str, object], lis
                             epoch=epoch)
         layout = PoolLayout(ModelConfig(), ecfg.num_blocks, ecfg.block_size, ecfg.max_num_rows,
                             ecfg.max_num_blocks_per_req, ecfg.max_num_batched_tokens, cfg.dcp, backend=backend)
+        # Pools of one deployment share a layout: a prefix cached on one can be copied to another.
+        ecfg.allow_transfers, ecfg.kv_layout = True, layout.kv_layout
         options = {"name": engine_name(pool_id), "namespace": NAMESPACE, "num_cpus": 0,
                    "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)}
         if cfg.detached:
