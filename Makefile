@@ -59,7 +59,7 @@ gpu-check:
 	PYTHONPATH=. python3 worker/gpu_check.py
 
 soak:
-	$(PY) -m tests.soak --scale 1.0
+	$(PY) -m tests.soak --scale 4.0
 	$(PY) -m pytest -q -m soak -p no:cacheprovider $(PYTEST_FLAGS)
 
 clean:

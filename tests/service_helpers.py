@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,7 +57,10 @@ def start_server(*args: str, log_dir: Path | None = None, timeout_s: float = 30.
     log = (log_dir / f"server-{time.monotonic_ns()}.log") if log_dir else None
     stderr = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=REPO,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, preexec_fn=_die_with_parent)
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                            # The parent-death signal fires when the spawning *thread* exits: only from main.
+                            preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread()
+                            else None)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
