@@ -40,6 +40,7 @@ MAX_NAME_BYTES = 256
 MAX_OPS_PER_STEP = 16_384
 MAX_BLOCKS = 1 << 31
 MAX_MODEL_LEN = 1 << 24
+MAX_EPOCH = (1 << 63) - 1  # the allocator bumps epochs (stale recovery): keep them inside the uint64 on the wire
 _LITTLE = sys.byteorder == "little"
 
 
@@ -139,6 +140,8 @@ def decode_config(msg: pb.KVCacheConfig, field: str = "config") -> tuple[KVCache
 
 def decode_pool_spec(msg: pb.RegisterPoolRequest, hash_block_size: int) -> PoolSpec:
     pool_id = check_id("pool_id", msg.pool_id)
+    if msg.epoch > MAX_EPOCH:
+        raise InvalidArgument("epoch", msg.epoch, f"exceeds the limit {MAX_EPOCH}; count engine restarts from 0")
     config, max_model_len, dcp = decode_config(msg.config)
     for i, spec in enumerate(config.groups):
         size = spec.block_size * (dcp if isinstance(spec, FullAttentionSpec) else 1)
