@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from kvservice.core import AllBlocksCleared, KVCacheBlocks, Request
 from kvservice.core.invariants import InvariantError, check_invariants
-from kvservice.errors import FailedPrecondition, NotFound
+from kvservice.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from kvservice.eventlog import EventLog
 from kvservice.hashing import DEFAULT_HASH_BLOCK_SIZE, DEFAULT_HASH_SEED, hash_prompt, spec_fingerprint
 from kvservice.ops import (
@@ -58,7 +58,7 @@ class Allocator:
     def __init__(self, hash_block_size: int = DEFAULT_HASH_BLOCK_SIZE, hash_seed: str = DEFAULT_HASH_SEED,
                  session_ttl_s: float = 30.0, event_retention: int = 100_000,
                  quotas: dict[str, int] | None = None, min_transfer_tokens: int = 64,
-                 max_requests_per_session: int = 1_000_000) -> None:
+                 max_requests_per_session: int = 1_000_000, max_pool_blocks: int = 1 << 22) -> None:
         self.hash_block_size = hash_block_size
         self.hash_seed = hash_seed
         self.fingerprint = spec_fingerprint(hash_seed, hash_block_size)
@@ -68,6 +68,7 @@ class Allocator:
         self.usage = TenantUsage(quotas or {})
         self.transfers = TransferBook(min_transfer_tokens)
         self.max_requests_per_session = max_requests_per_session
+        self.max_pool_blocks = max_pool_blocks
         self.lease_expiries = 0
 
     # ---- sessions ------------------------------------------------------------------------------
@@ -145,10 +146,21 @@ class Allocator:
             self._drain(dst)
 
     # ---- pools ---------------------------------------------------------------------------------
-    def register_pool(self, session: Session, sequence: int, spec: PoolSpec, fingerprint: str) -> RegisterResult:
+    def register_pool(self, session: Session, sequence: int, spec: PoolSpec, fingerprint: str,
+                      admin: bool = True) -> RegisterResult:
+        """Registers (or re-registers) a pool. A pool belongs to the tenant that registered it: only that
+        tenant or an admin may start a new epoch of it (which drops its memory)."""
         stored = self.sessions.check_sequence(session, sequence)
         if stored is not None:
             return stored  # type: ignore[return-value]
+        if spec.config.num_blocks > self.max_pool_blocks:
+            raise InvalidArgument("config.num_blocks", spec.config.num_blocks,
+                                  f"exceeds this allocator's limit of {self.max_pool_blocks} blocks per pool "
+                                  f"(kvservice serve --max-pool-blocks)")
+        existing = self.pools.get(spec.pool_id)
+        if existing is not None and not admin and existing.owner_tenant != session.tenant:
+            raise PermissionDenied(f"pool {spec.pool_id!r} belongs to another tenant; only it or an admin may "
+                                   f"re-register it")
         if fingerprint != self.fingerprint:
             raise FailedPrecondition(
                 f"hash_fingerprint {fingerprint!r} does not match the allocator's {self.fingerprint!r} "
@@ -164,6 +176,7 @@ class Allocator:
             result = self._register_result(current, False, 0)
         else:
             pool = Pool(spec, self.hash_block_size, self.hash_seed)  # validates the config
+            pool.owner_tenant = current.owner_tenant if current is not None else session.tenant
             failed = self._retire(current, pool) if current is not None else 0
             self.pools[spec.pool_id] = pool
             result = self._register_result(pool, True, failed)
@@ -201,6 +214,7 @@ class Allocator:
         spec = PoolSpec(**{f: getattr(old.spec, f) for f in PoolSpec.__slots__})
         spec.epoch = old.epoch + 1
         pool = Pool(spec, self.hash_block_size, self.hash_seed)
+        pool.owner_tenant = old.owner_tenant
         self._retire(old, pool)
         self.pools[pool_id] = pool
 

@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-message-mb", type=int, default=64)
     serve.add_argument("--max-requests-per-session", type=int, default=1_000_000,
                        help="live requests one session may hold (more: RESOURCE_EXHAUSTED per op)")
+    serve.add_argument("--max-pool-blocks", type=int, default=1 << 22,
+                       help="largest pool RegisterPool accepts (blocks; each costs ~150 bytes of allocator memory)")
     serve.add_argument("--min-transfer-tokens", type=int, default=64,
                        help="propose a cross-pool prefix transfer only when it saves at least this many tokens")
     persist = serve.add_argument_group("persistence (DESIGN §6)")
@@ -81,6 +83,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           quotas=dict(args.quota), max_message_bytes=args.max_message_mb << 20,
                           min_transfer_tokens=args.min_transfer_tokens,
                           max_requests_per_session=args.max_requests_per_session,
+                          max_pool_blocks=args.max_pool_blocks,
                           data_dir=args.data_dir, persistence=not args.no_persistence, redis_url=args.redis_url,
                           redis_namespace=args.redis_namespace, redis_fsync=args.redis_fsync,
                           require_persistence=args.require_persistence, snapshot_every=args.snapshot_every,

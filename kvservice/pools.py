@@ -65,6 +65,7 @@ class Pool:
                                       dcp_world_size=spec.dcp_world_size, hash_block_size=hash_block_size)
         self.requests: dict[str, Request] = {}
         self.owner: dict[str, str] = {}  # request key -> session id
+        self.owner_tenant = ""  # the tenant that registered the pool
         # Requests failed by an epoch change: ops on them answer EPOCH_CHANGED (bounded, oldest dropped).
         self.tombstones: OrderedDict[str, str] = OrderedDict()
 

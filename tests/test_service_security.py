@@ -10,7 +10,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from kvservice.errors import KVServiceError, PermissionDenied, Unauthenticated, Unavailable
+from kvservice.errors import InvalidArgument, KVServiceError, PermissionDenied, Unauthenticated, Unavailable
 from kvservice.ops import AddRequestOp, AllocateOp, OpStatus
 from tests.service_helpers import small_config, start_server
 
@@ -238,3 +238,33 @@ def test_every_rpc_requires_a_token(secured):
                     with pytest.raises(grpc.RpcError) as info:
                         call(request, metadata=metadata, timeout=5)
                 assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, method.name
+
+
+def test_pools_belong_to_the_tenant_that_registered_them(secured):
+    a, b, admin = secured.client("tok-a"), secured.client("tok-b"), secured.client("tok-admin")
+    a.register_pool("owned", small_config(64, 16), max_model_len=512, epoch=1)
+    a.step("owned", [AddRequestOp("r", token_ids=list(range(40))), AllocateOp("r", num_new_tokens=40)])
+    with pytest.raises(PermissionDenied, match="belongs to another tenant"):
+        b.register_pool("owned", small_config(64, 16), max_model_len=512, epoch=2)
+    # A stale resume by another tenant naming the pool does not wipe it.
+    b.session_id, b.next_sequence = "no-such-session", 1
+    from kvservice._proto import allocator_pb2 as pb
+    reply = b.stub.OpenSession(pb.OpenSessionRequest(resume_session_id="no-such-session", last_acked_sequence=9,
+                                                     resume_pool_ids=["owned"]), metadata=b.metadata, timeout=5)
+    assert list(reply.pools_failed) == []
+    assert a.get_request("owned", "r").num_tokens == 40 and a.get_stats().pools["owned"].epoch == 1
+    # An admin may start a new epoch of anyone's pool.
+    assert admin.register_pool("owned", small_config(64, 16), max_model_len=512, epoch=2).new_epoch
+    for c in (a, b, admin):
+        c.close()
+
+
+def test_pool_size_limit(tmp_path):
+    proc = start_server("--max-pool-blocks", "1000", log_dir=tmp_path)
+    try:
+        c = proc.client()
+        with pytest.raises(InvalidArgument, match=r"config.num_blocks = 1001: exceeds this allocator's limit of 1000"):
+            c.register_pool("huge", small_config(1001, 16), max_model_len=512)
+        c.register_pool("fine", small_config(1000, 16), max_model_len=512)
+    finally:
+        proc.stop()

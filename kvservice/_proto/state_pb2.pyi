@@ -115,7 +115,7 @@ class ManagerState(_message.Message):
     def __init__(self, ref_cnts: _Optional[bytes] = ..., free_order: _Optional[bytes] = ..., index_keys: _Optional[bytes] = ..., index_key_lengths: _Optional[bytes] = ..., index_block_ids: _Optional[bytes] = ..., groups: _Optional[_Iterable[_Union[GroupState, _Mapping]]] = ..., copy_src: _Optional[bytes] = ..., copy_dst: _Optional[bytes] = ..., evictions: _Optional[int] = ..., total_queries: _Optional[int] = ..., total_hits: _Optional[int] = ..., total_requests: _Optional[int] = ..., interval_stats: _Optional[_Iterable[int]] = ..., interval_reset: _Optional[bool] = ...) -> None: ...
 
 class PoolState(_message.Message):
-    __slots__ = ("register_request", "pool_id", "epoch", "manager", "requests", "tombstone_keys", "tombstone_reasons")
+    __slots__ = ("register_request", "pool_id", "epoch", "manager", "requests", "tombstone_keys", "tombstone_reasons", "owner_tenant")
     REGISTER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class PoolState(_message.Message):
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     TOMBSTONE_KEYS_FIELD_NUMBER: _ClassVar[int]
     TOMBSTONE_REASONS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_TENANT_FIELD_NUMBER: _ClassVar[int]
     register_request: bytes
     pool_id: str
     epoch: int
@@ -130,7 +131,8 @@ class PoolState(_message.Message):
     requests: _containers.RepeatedCompositeFieldContainer[RequestState]
     tombstone_keys: _containers.RepeatedScalarFieldContainer[str]
     tombstone_reasons: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, register_request: _Optional[bytes] = ..., pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., manager: _Optional[_Union[ManagerState, _Mapping]] = ..., requests: _Optional[_Iterable[_Union[RequestState, _Mapping]]] = ..., tombstone_keys: _Optional[_Iterable[str]] = ..., tombstone_reasons: _Optional[_Iterable[str]] = ...) -> None: ...
+    owner_tenant: str
+    def __init__(self, register_request: _Optional[bytes] = ..., pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., manager: _Optional[_Union[ManagerState, _Mapping]] = ..., requests: _Optional[_Iterable[_Union[RequestState, _Mapping]]] = ..., tombstone_keys: _Optional[_Iterable[str]] = ..., tombstone_reasons: _Optional[_Iterable[str]] = ..., owner_tenant: _Optional[str] = ...) -> None: ...
 
 class SessionState(_message.Message):
     __slots__ = ("session_id", "tenant", "client_name", "last_sequence", "reply_kind", "reply", "request_pool_ids", "request_keys")

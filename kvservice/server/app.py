@@ -41,6 +41,7 @@ class ServerConfig:
     quotas: dict[str, int] = field(default_factory=dict)
     min_transfer_tokens: int = 64
     max_requests_per_session: int = 1_000_000
+    max_pool_blocks: int = 1 << 22
     max_message_bytes: int = 64 * 1024 * 1024
     data_dir: str = "./kvservice-data"
     persistence: bool = True
@@ -61,7 +62,7 @@ class AllocatorServer:
         self.config = config
         self.allocator = allocator or Allocator(config.hash_block_size, config.hash_seed, config.session_ttl_s,
                                                 config.event_retention, config.quotas, config.min_transfer_tokens,
-                                                config.max_requests_per_session)
+                                                config.max_requests_per_session, config.max_pool_blocks)
         tokens = load_token_file(config.token_file) if config.token_file else None
         self.auth = Authenticator(tokens)
         self.journal = journal or NullJournal()
@@ -174,7 +175,8 @@ class AllocatorServer:
 async def build_server(config: ServerConfig) -> AllocatorServer:
     """The allocator with its state recovered from Redis (unless persistence is off)."""
     allocator = Allocator(config.hash_block_size, config.hash_seed, config.session_ttl_s, config.event_retention,
-                          config.quotas, config.min_transfer_tokens, config.max_requests_per_session)
+                          config.quotas, config.min_transfer_tokens, config.max_requests_per_session,
+                          config.max_pool_blocks)
     if not config.persistence:
         logger.warning("persistence is OFF (--no-persistence): a restart loses every allocation")
         return AllocatorServer(config, allocator)

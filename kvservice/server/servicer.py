@@ -136,7 +136,10 @@ class AllocatorServicer:
                 # The recovered state is behind what this client saw acknowledged (DESIGN §6): its pools'
                 # blocks may have been handed out since, so they start a new epoch.
                 used = set(pool_ids) | (set(session.requests) if session is not None else set())
-                failed = sorted(p for p in used if p in self.allocator.pools)
+                pools = self.allocator.pools
+                # Only the caller's own pools (an admin: any): a stale resume must not wipe anyone else's.
+                failed = sorted(p for p in used if p in pools
+                                and (principal.admin or pools[p].owner_tenant == principal.tenant))
                 self.journal.check_writable()
                 for pool_id in failed:
                     self.allocator.bump_epoch(pool_id)
@@ -167,7 +170,8 @@ class AllocatorServicer:
         if stored is None:
             spec = decode_pool_spec(request, self.allocator.hash_block_size)
             self.journal.check_writable()
-            stored = self.allocator.register_pool(session, request.sequence, spec, request.hash_fingerprint)
+            stored = self.allocator.register_pool(session, request.sequence, spec, request.hash_fingerprint,
+                                                  admin=self.auth.of(context).admin)
             await self.journal.record("register_pool", session_id=session.session_id, request=request)
             if stored.new_epoch:
                 freeze_long_lived()

@@ -82,7 +82,7 @@ def _encode_pool(pool: Pool) -> st.PoolState:
                      running_keys=g.running_keys, num_cached_block=g.num_cached_block.tobytes())
     out = st.PoolState(register_request=reg.SerializeToString(deterministic=True), pool_id=pool.pool_id,
                        epoch=pool.epoch, manager=m, tombstone_keys=list(pool.tombstones),
-                       tombstone_reasons=list(pool.tombstones.values()))
+                       tombstone_reasons=list(pool.tombstones.values()), owner_tenant=pool.owner_tenant)
     for key in sorted(pool.requests):
         out.requests.append(_encode_request(pool.requests[key], pool.owner.get(key, "")))
     return out
@@ -142,7 +142,7 @@ def load(data: bytes, allocator: Allocator, now: float) -> None:
         snap = st.Snapshot.FromString(payload)
         staged = Allocator(allocator.hash_block_size, allocator.hash_seed, allocator.sessions.ttl_s,
                            allocator.events.retained, allocator.usage.quotas, allocator.transfers.min_tokens,
-                           allocator.max_requests_per_session)
+                           allocator.max_requests_per_session, allocator.max_pool_blocks)
         with gc_paused():
             _decode_into(snap, staged, now)
     except SnapshotError:
@@ -166,6 +166,7 @@ def _decode_into(snap: st.Snapshot, allocator: Allocator, now: float) -> None:
     for ps in snap.pools:
         spec = decode_pool_spec(pb.RegisterPoolRequest.FromString(ps.register_request), allocator.hash_block_size)
         pool = Pool(spec, allocator.hash_block_size, allocator.hash_seed)
+        pool.owner_tenant = ps.owner_tenant
         m = ps.manager
         lengths = _from_u32(m.index_key_lengths, "index_key_lengths")
         raw_keys = m.index_keys  # bind once: each protobuf field access copies the bytes
