@@ -98,11 +98,34 @@ def channel_credentials(tls_ca: str | None, tls_cert: str | None, tls_key: str |
 
 
 class _Messages:
-    """Request builders and reply decoders shared by both clients."""
+    """Channel set-up, request builders and reply decoders shared by both clients."""
 
     client_name: str
     session_id: str
     next_sequence: int
+
+    def _setup(self, grpc_module, target: str, token: str | None, *, client_name: str = "",
+               tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+               timeout_s: float = 10.0, retries: int = 4, hash_seed: str = DEFAULT_HASH_SEED,
+               hash_block_size: int = DEFAULT_HASH_BLOCK_SIZE, max_message_bytes: int = 64 * 1024 * 1024) -> None:
+        """`grpc_module` is grpc (blocking) or grpc.aio."""
+        options = [("grpc.max_receive_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", max_message_bytes)]
+        if tls_ca or tls_cert:
+            creds = channel_credentials(tls_ca, tls_cert, tls_key)
+            self.channel = grpc_module.secure_channel(target, creds, options)
+        else:
+            self.channel = grpc_module.insecure_channel(target, options)
+        self.stub = pb_grpc.AllocatorStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.client_name = client_name
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.hash_seed = hash_seed
+        self.hash_block_size = hash_block_size
+        self.session_id = ""
+        self.next_sequence = 1
+        self.tenant = ""
 
     @staticmethod
     def register_msg(pool_id, config: KVCacheConfig, max_model_len, epoch, dcp_world_size, enable_caching,
@@ -178,27 +201,10 @@ class _Messages:
 class KVServiceClient(_Messages):
     """Blocking client. One session per client; not for concurrent use from several threads."""
 
-    def __init__(self, target: str = "127.0.0.1:50051", token: str | None = None, *, client_name: str = "",
-                 tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-                 timeout_s: float = 10.0, retries: int = 4, hash_seed: str = DEFAULT_HASH_SEED,
-                 hash_block_size: int = DEFAULT_HASH_BLOCK_SIZE,
-                 max_message_bytes: int = 64 * 1024 * 1024) -> None:
-        options = [("grpc.max_receive_message_length", max_message_bytes),
-                   ("grpc.max_send_message_length", max_message_bytes)]
-        if tls_ca or tls_cert:
-            self.channel = grpc.secure_channel(target, channel_credentials(tls_ca, tls_cert, tls_key), options)
-        else:
-            self.channel = grpc.insecure_channel(target, options)
-        self.stub = pb_grpc.AllocatorStub(self.channel)
-        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self.client_name = client_name
-        self.timeout_s = timeout_s
-        self.retries = retries
-        self.hash_seed = hash_seed
-        self.hash_block_size = hash_block_size
-        self.session_id = ""
-        self.next_sequence = 1
-        self.tenant = ""
+    def __init__(self, target: str = "127.0.0.1:50051", token: str | None = None, **options) -> None:
+        """Options: client_name, tls_ca / tls_cert / tls_key (TLS, mutual with a cert), timeout_s (10),
+        retries (4), hash_seed, hash_block_size (the server's hash spec), max_message_bytes."""
+        self._setup(grpc, target, token, **options)
 
     def __enter__(self) -> KVServiceClient:
         return self
@@ -307,27 +313,8 @@ class KVServiceClient(_Messages):
 class AsyncKVServiceClient(_Messages):
     """asyncio client; same API as KVServiceClient with `await`."""
 
-    def __init__(self, target: str = "127.0.0.1:50051", token: str | None = None, *, client_name: str = "",
-                 tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-                 timeout_s: float = 10.0, retries: int = 4, hash_seed: str = DEFAULT_HASH_SEED,
-                 hash_block_size: int = DEFAULT_HASH_BLOCK_SIZE,
-                 max_message_bytes: int = 64 * 1024 * 1024) -> None:
-        options = [("grpc.max_receive_message_length", max_message_bytes),
-                   ("grpc.max_send_message_length", max_message_bytes)]
-        if tls_ca or tls_cert:
-            self.channel = grpc.aio.secure_channel(target, channel_credentials(tls_ca, tls_cert, tls_key), options)
-        else:
-            self.channel = grpc.aio.insecure_channel(target, options)
-        self.stub = pb_grpc.AllocatorStub(self.channel)
-        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self.client_name = client_name
-        self.timeout_s = timeout_s
-        self.retries = retries
-        self.hash_seed = hash_seed
-        self.hash_block_size = hash_block_size
-        self.session_id = ""
-        self.next_sequence = 1
-        self.tenant = ""
+    def __init__(self, target: str = "127.0.0.1:50051", token: str | None = None, **options) -> None:
+        self._setup(grpc.aio, target, token, **options)
         self._lock = asyncio.Lock()
 
     async def __aenter__(self) -> AsyncKVServiceClient:

@@ -188,6 +188,7 @@ class PersistentJournal:
             code = 1
             gc.disable()  # never traverse objects other (now absent) threads were mutating
             try:
+                os.nice(10)  # serializing must not take CPU time from serving
                 start = time.perf_counter()
                 data = dump(self.allocator)
                 write_pending_snapshot_sync(self.store.url, self.store.namespace, self.store.epoch, data)
