@@ -124,12 +124,16 @@ class Engine:
         self._clear_rows: list[int] = []
         self._ids = itertools.count()
         self.stats = EngineStats()
-        self.registration = client.register_pool(
-            config.pool_id, KVCacheConfig(config.num_blocks, [FullAttentionSpec(config.block_size)]),
-            config.max_model_len, epoch=config.epoch, dcp_world_size=config.dcp_world_size,
-            enable_caching=config.enable_prefix_caching,
-            kv_layout=config.kv_layout or f"block={config.block_size};dcp={config.dcp_world_size}")
         self._transfers: list = []
+        self.registration = self._register()
+
+    def _register(self):
+        """Registers the pool at the configured epoch (its config, hash spec and KV layout)."""
+        cfg = self.config
+        return self.client.register_pool(
+            cfg.pool_id, KVCacheConfig(cfg.num_blocks, [FullAttentionSpec(cfg.block_size)]), cfg.max_model_len,
+            epoch=cfg.epoch, dcp_world_size=cfg.dcp_world_size, enable_caching=cfg.enable_prefix_caching,
+            kv_layout=cfg.kv_layout or f"block={cfg.block_size};dcp={cfg.dcp_world_size}")
 
     def restart_pool(self, workers: Workers) -> None:
         """The workers died (their KV memory is gone): register a new epoch with fresh workers. The
@@ -137,10 +141,7 @@ class Engine:
         self.workers = workers
         self.config.epoch += 1
         cfg = self.config
-        self.registration = self.client.register_pool(
-            cfg.pool_id, KVCacheConfig(cfg.num_blocks, [FullAttentionSpec(cfg.block_size)]), cfg.max_model_len,
-            epoch=cfg.epoch, dcp_world_size=cfg.dcp_world_size, enable_caching=cfg.enable_prefix_caching,
-            kv_layout=cfg.kv_layout or f"block={cfg.block_size};dcp={cfg.dcp_world_size}")
+        self.registration = self._register()
         orphans = [child for _, child in self._forks if not child.finished]
         for seq in [*self.running, *orphans]:
             seq.running, seq.added, seq.num_computed, seq.num_sent, seq.table, seq.row = False, False, 0, 0, [], None
