@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     persist.add_argument("--redis-namespace", default="kvservice")
     persist.add_argument("--snapshot-every", type=int, default=50_000, help="snapshot after this many WAL entries")
     persist.add_argument("--snapshot-interval", type=float, default=60.0, help="...or this many seconds")
+    persist.add_argument("--snapshot-mode", choices=["standby", "fork"], default="standby",
+                         help="standby: a process that replays the WAL writes snapshots (serving never pauses); "
+                              "fork: a forked child serializes this process's memory")
     persist.add_argument("--reset-state", action="store_true", help="delete the stored state and start empty")
 
     status = sub.add_parser("status", help="print pools, usage and hit rate")
@@ -87,7 +90,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           data_dir=args.data_dir, persistence=not args.no_persistence, redis_url=args.redis_url,
                           redis_namespace=args.redis_namespace, redis_fsync=args.redis_fsync,
                           require_persistence=args.require_persistence, snapshot_every=args.snapshot_every,
-                          snapshot_interval_s=args.snapshot_interval, reset_state=args.reset_state)
+                          snapshot_interval_s=args.snapshot_interval, snapshot_mode=args.snapshot_mode,
+                          reset_state=args.reset_state)
     try:
         return asyncio.run(serve(config))
     except (ConnectionError, ValueError) as exc:

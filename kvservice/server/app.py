@@ -51,6 +51,7 @@ class ServerConfig:
     require_persistence: bool = False
     snapshot_every: int = 50_000
     snapshot_interval_s: float = 60.0
+    snapshot_mode: str = "standby"  # standby: a WAL-replaying process writes snapshots; fork: a forked child
     reset_state: bool = False
     redis_wait_s: float = 30.0
 
@@ -183,6 +184,7 @@ async def build_server(config: ServerConfig) -> AllocatorServer:
     from kvservice.store.journal import PersistentJournal
     from kvservice.store.recovery import recover
     from kvservice.store.redis_store import RedisStore
+    from kvservice.store.snapshotter import AllocatorOptions
     embedded = None
     url = config.redis_url
     if not url:
@@ -209,8 +211,11 @@ async def build_server(config: ServerConfig) -> AllocatorServer:
         info = recover(allocator, snapshot, entries)
         logger.info("recovered as leader epoch %d: snapshot %d bytes (WAL id %s) + %d WAL entries in %.3f s",
                     epoch, info["snapshot_bytes"], covered, info["replayed"], info["seconds"])
+        options = AllocatorOptions(config.hash_block_size, config.hash_seed, config.quotas,
+                                   config.min_transfer_tokens, config.max_requests_per_session, config.max_pool_blocks)
         journal = PersistentJournal(store, allocator, config.require_persistence, config.snapshot_every,
-                                    config.snapshot_interval_s)
+                                    config.snapshot_interval_s, snapshot_mode=config.snapshot_mode,
+                                    standby_options=options.argv())
     except BaseException:
         if embedded is not None:
             embedded.stop()

@@ -1,6 +1,11 @@
-"""The persistent journal: WAL appends before replies (group commit), periodic snapshots taken in a
-forked child (a consistent point-in-time copy that costs the event loop one fork), fencing, and the
-Redis-outage policy (DESIGN §6).
+"""The persistent journal: WAL appends before replies (group commit), periodic snapshots, fencing, and
+the Redis-outage policy (DESIGN §6).
+
+Periodic snapshots are written by a standby process that replays the WAL (`kvservice.store.snapshotter`:
+the serving process never stops for them); with `snapshot_mode="fork"` they are taken in a forked child
+instead (a consistent point-in-time copy that costs the event loop one fork and the copy-on-write that
+follows). A resync after a Redis outage always forks: the mutations acknowledged meanwhile exist only in
+this process's memory.
 
 States: "ok" (every mutation is in the WAL before its reply), "degraded" (Redis is down: mutations are
 acknowledged from memory; a fresh snapshot is written as soon as Redis answers), "down" (Redis is
@@ -14,6 +19,8 @@ import contextlib
 import gc
 import logging
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -30,10 +37,21 @@ logger = logging.getLogger(__name__)
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.ResponseError, OSError)
 
 
+def _die_with_parent() -> None:
+    """The standby exits when the allocator dies, even by SIGKILL (Linux parent-death signal)."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+        import signal
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+
+
 class PersistentJournal:
     def __init__(self, store: RedisStore, allocator: Allocator, require_persistence: bool = False,
                  snapshot_every: int = 50_000, snapshot_interval_s: float = 60.0,
-                 on_fenced: Callable[[str], None] | None = None) -> None:
+                 on_fenced: Callable[[str], None] | None = None, snapshot_mode: str = "standby",
+                 standby_options: list[str] | None = None) -> None:
+        if snapshot_mode not in ("standby", "fork"):
+            raise ValueError(f"snapshot_mode must be 'standby' or 'fork', got {snapshot_mode!r}")
         self.store = store
         self.allocator = allocator
         self.require_persistence = require_persistence
@@ -47,13 +65,33 @@ class PersistentJournal:
         self._since_snapshot = 0
         self._last_snapshot = time.monotonic()
         self._snapshot_task: asyncio.Task | None = None
+        self.snapshot_mode = snapshot_mode
+        self.standby_options = standby_options or []
+        self._standby: subprocess.Popen | None = None
+        self._snapshots_at_start: int | None = None
         self.stats = {"entries": 0, "bytes": 0, "batches": 0, "snapshots": 0, "snapshot_failures": 0,
                       "last_snapshot_bytes": 0, "last_snapshot_s": 0.0, "wal_lag": 0}
 
     def start(self) -> None:
+        """Starts the WAL writer and the health watch (and the standby snapshotter). Call from the main
+        thread: the standby gets the parent-death signal, which fires when the spawning thread exits."""
         self._tasks = [asyncio.create_task(self._writer()), asyncio.create_task(self._watch())]
+        if self.snapshot_mode == "standby":
+            self._start_standby()
+
+    def _start_standby(self) -> None:
+        cmd = [sys.executable, "-m", "kvservice.store.snapshotter", "--redis-url", self.store.url,
+               "--namespace", self.store.namespace, "--epoch", str(self.store.epoch),
+               "--every", str(self.snapshot_every), "--interval", str(self.snapshot_interval_s),
+               "--log-level", logging.getLevelName(logging.getLogger("kvservice").getEffectiveLevel()),
+               *self.standby_options]
+        self._standby = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
 
     async def stop(self) -> None:
+        if self._standby is not None and self._standby.poll() is None:
+            self._standby.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._standby.wait(5)
         for task in self._tasks:
             task.cancel()
         if self._snapshot_task is not None:
@@ -111,7 +149,8 @@ class PersistentJournal:
                 for (_, future), entry_id in zip(batch, ids):
                     if future is not None and not future.done():
                         future.set_result(entry_id)
-            if self._since_snapshot >= self.snapshot_every and self._snapshot_task is None:
+            if (self.snapshot_mode == "fork" and self._since_snapshot >= self.snapshot_every
+                    and self._snapshot_task is None):
                 self.snapshot()
 
     def _outage(self, exc: BaseException, batch) -> None:
@@ -162,9 +201,22 @@ class PersistentJournal:
             if self.state in ("degraded", "down") and self._snapshot_task is None:
                 logger.warning("Redis is back: writing a fresh snapshot to resync")
                 self.snapshot(resync=True)
-            elif (self.state == "ok" and self._since_snapshot and self._snapshot_task is None
-                  and time.monotonic() - self._last_snapshot >= self.snapshot_interval_s):
-                self.snapshot()
+            elif self.snapshot_mode == "fork":
+                if (self.state == "ok" and self._since_snapshot and self._snapshot_task is None
+                        and time.monotonic() - self._last_snapshot >= self.snapshot_interval_s):
+                    self.snapshot()
+            else:
+                await self._watch_standby()
+
+    async def _watch_standby(self) -> None:
+        with contextlib.suppress(*REDIS_ERRORS):
+            committed = await self.store.snapshots_committed()  # by the standby and by resyncs alike
+            if self._snapshots_at_start is None:
+                self._snapshots_at_start = committed
+            self.stats["snapshots"] = committed - self._snapshots_at_start
+        if self._standby is not None and self._standby.poll() is not None and self.state != "fenced":
+            logger.warning("the standby snapshotter exited with %s: restarting it", self._standby.returncode)
+            self._start_standby()
 
     def snapshot(self, resync: bool = False) -> asyncio.Task:
         """Starts a snapshot: a barrier entry marks the WAL position, a forked child serializes the
@@ -206,8 +258,9 @@ class PersistentJournal:
             wal_id = await barrier
             if os.waitstatus_to_exitcode(status) != 0 or wal_id is None:
                 raise RuntimeError(f"snapshot child exited with {os.waitstatus_to_exitcode(status)}")
-            self.stats["wal_lag"] = await self.store.commit_snapshot(wal_id)
-            self.stats["snapshots"] += 1
+            self.stats["wal_lag"] = await self.store.commit_snapshot(wal_id, "fork")
+            if self.snapshot_mode == "fork":
+                self.stats["snapshots"] += 1
             self.stats["last_snapshot_s"] = time.perf_counter() - start
             usage = await self.store.usage()
             self.stats["last_snapshot_bytes"] = usage["snapshot_bytes"]

@@ -6,7 +6,8 @@ Keys under a namespace `ns`:
     ns:wal               the write-ahead log (a stream; one entry per mutating batch)
     ns:snapshot          the latest full snapshot (bytes)
     ns:snapshot:wal_id   the WAL id the snapshot covers (entries after it are replayed)
-    ns:snapshot:pending  a snapshot being written (renamed into place when complete)
+    ns:snapshot:pending:W  a snapshot being written by writer W (renamed into place when complete)
+    ns:snapshot:count    snapshots committed
 
 Every write goes through a Lua script that first checks `ns:leader` against the writer's epoch, so
 an old allocator that lives on after a new one started can never write (fencing).
@@ -35,8 +36,20 @@ redis.call('SET', KEYS[2], ARGV[2])
 return 1
 """
 COMMIT_SNAPSHOT = _CHECK + """
+local function newer(a, b)  -- stream ids 'ms-seq': is a after b?
+  if not b then return true end
+  local am, as = string.match(a, '(%d+)-(%d+)')
+  local bm, bs = string.match(b, '(%d+)-(%d+)')
+  am, as, bm, bs = tonumber(am), tonumber(as), tonumber(bm), tonumber(bs)
+  return am > bm or (am == bm and as > bs)
+end
+if not newer(ARGV[2], redis.call('GET', KEYS[4])) then
+  redis.call('DEL', KEYS[2])  -- a newer snapshot is already in place
+  return -1
+end
 redis.call('RENAME', KEYS[2], KEYS[3])
 redis.call('SET', KEYS[4], ARGV[2])
+redis.call('INCR', KEYS[6])
 redis.call('XTRIM', KEYS[5], 'MINID', ARGV[2])
 return redis.call('XLEN', KEYS[5])
 """
@@ -57,12 +70,13 @@ class RedisStore:
         self.socket_timeout_s = socket_timeout_s
         ns = namespace
         self.k_epoch, self.k_leader, self.k_wal = f"{ns}:epoch", f"{ns}:leader", f"{ns}:wal"
-        self.k_snapshot, self.k_snapshot_id, self.k_pending = f"{ns}:snapshot", f"{ns}:snapshot:wal_id", \
-            f"{ns}:snapshot:pending"
+        self.k_snapshot, self.k_snapshot_id = f"{ns}:snapshot", f"{ns}:snapshot:wal_id"
+        self.k_snapshot_count = f"{ns}:snapshot:count"
         self.redis = aioredis.Redis.from_url(url, socket_timeout=socket_timeout_s,
                                              socket_connect_timeout=socket_timeout_s)
         self._append = self.redis.register_script(APPEND)
         self._commit = self.redis.register_script(COMMIT_SNAPSHOT)
+        self._set_pending = self.redis.register_script(SET_PENDING)
         self.epoch = 0
 
     async def close(self) -> None:
@@ -83,28 +97,37 @@ class RedisStore:
 
     async def append(self, entries: list[bytes]) -> list[bytes]:
         """Appends entries in order, in one round trip, if this allocator still leads."""
-        try:
-            return await self._append(keys=[self.k_leader, self.k_wal], args=[self.epoch, *entries])
-        except redis.ResponseError as exc:
-            if is_fenced(exc):
-                raise FencedError(str(exc)) from None
-            raise
+        return await self._fenced(self._append, [self.k_leader, self.k_wal], [self.epoch, *entries])
 
-    async def commit_snapshot(self, wal_id: bytes) -> int:
-        """Makes the pending snapshot current (it covers WAL entries up to `wal_id`) and trims the WAL
-        behind it. Returns the WAL length left."""
+    def pending_key(self, writer: str) -> str:
+        return f"{self.namespace}:snapshot:pending:{writer}"
+
+    async def write_pending(self, writer: str, data: bytes) -> None:
+        await self._fenced(self._set_pending, [self.k_leader, self.pending_key(writer)], [self.epoch, data])
+
+    async def commit_snapshot(self, wal_id: bytes, writer: str = "fork") -> int:
+        """Makes `writer`'s pending snapshot current (it covers WAL entries up to `wal_id`) unless a newer
+        one is already in place, and trims the WAL behind it. Returns the WAL length left (-1: superseded)."""
+        return int(await self._fenced(self._commit, [self.k_leader, self.pending_key(writer), self.k_snapshot,
+                                                     self.k_snapshot_id, self.k_wal, self.k_snapshot_count],
+                                      [self.epoch, wal_id]))
+
+    async def snapshots_committed(self) -> int:
+        return int(await self.redis.get(self.k_snapshot_count) or 0)
+
+    async def _fenced(self, script, keys, args):
         try:
-            return int(await self._commit(keys=[self.k_leader, self.k_pending, self.k_snapshot, self.k_snapshot_id,
-                                                 self.k_wal], args=[self.epoch, wal_id]))
+            return await script(keys=keys, args=args)
         except redis.ResponseError as exc:
             if is_fenced(exc):
                 raise FencedError(str(exc)) from None
             raise
 
     async def load(self, batch: int = 10_000) -> tuple[bytes | None, bytes | None, list[tuple[bytes, bytes]]]:
-        """(snapshot, the WAL id it covers, the WAL entries after it as (id, entry))."""
-        snapshot = await self.redis.get(self.k_snapshot)
-        covered = await self.redis.get(self.k_snapshot_id)
+        """(snapshot, the WAL id it covers, the WAL entries after it as (id, entry)), read atomically with
+        respect to snapshot commits (a commit between the two reads would pair the wrong entries)."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            snapshot, covered = await pipe.get(self.k_snapshot).get(self.k_snapshot_id).execute()
         start = b"(" + covered if covered else b"-"
         entries: list[tuple[bytes, bytes]] = []
         while True:
@@ -122,13 +145,14 @@ class RedisStore:
 
     async def reset(self) -> None:
         """Deletes this namespace's state (operators only: `kvservice serve --reset-state`)."""
-        await self.redis.delete(self.k_wal, self.k_snapshot, self.k_snapshot_id, self.k_pending)
+        pending = [k async for k in self.redis.scan_iter(match=f"{self.namespace}:snapshot:pending:*")]
+        await self.redis.delete(self.k_wal, self.k_snapshot, self.k_snapshot_id, self.k_snapshot_count, *pending)
 
 
-def write_pending_snapshot_sync(url: str, namespace: str, epoch: int, data: bytes) -> None:
+def write_pending_snapshot_sync(url: str, namespace: str, epoch: int, data: bytes, writer: str = "fork") -> None:
     """Writes a snapshot as pending from a forked child (its own, blocking connection)."""
     client = redis.Redis.from_url(url, socket_timeout=60)
     try:
-        client.eval(SET_PENDING, 2, f"{namespace}:leader", f"{namespace}:snapshot:pending", epoch, data)
+        client.eval(SET_PENDING, 2, f"{namespace}:leader", f"{namespace}:snapshot:pending:{writer}", epoch, data)
     finally:
         client.close()
