@@ -6,13 +6,13 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvservice.client import KVServiceClient
 from kvservice.core import FullAttentionSpec, KVCacheConfig
+from kvservice.processes import parent_death_signal
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -37,15 +37,6 @@ class ServerProcess:
                 self.proc.wait(5)
 
 
-def _die_with_parent() -> None:
-    """A server outlives no test run, even a killed one (Linux: parent-death signal)."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def start_server(*args: str, log_dir: Path | None = None, timeout_s: float = 30.0, port: int = 0,
                  env: dict | None = None, persistence: bool = False) -> ServerProcess:
     """Starts `kvservice serve --port 0 ARGS` (memory-only unless `persistence`) and waits for its ready
@@ -58,9 +49,7 @@ def start_server(*args: str, log_dir: Path | None = None, timeout_s: float = 30.
     stderr = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=REPO,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                            # The parent-death signal fires when the spawning *thread* exits: only from main.
-                            preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread()
-                            else None)
+                            preexec_fn=parent_death_signal(signal.SIGKILL))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         line = proc.stdout.readline()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -171,8 +171,6 @@ class RayWorkers:
     def __init__(self, layout: PoolLayout, num_cpus: float = 0.5, resources: dict | None = None,
                  name: str = "pool") -> None:
         import ray
-        if layout.dcp_world_size > 1 and layout.backend == "triton" and not torch.cuda.is_available():
-            layout = replace(layout)  # each actor is its own process: the interpreter is fine there
         self.layout = layout
         options = {"num_gpus": 1} if torch.cuda.is_available() else {"num_cpus": num_cpus}
         if resources:

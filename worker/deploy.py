@@ -16,7 +16,6 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")  # the allocator actor sp
 import argparse
 import random
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -30,6 +29,7 @@ import torch
 
 from kvservice.client import KVServiceClient
 from kvservice.errors import KVServiceError
+from kvservice.processes import parent_death_signal
 from worker.actor import PoolLayout, RankWorker, RayWorkers, free_port
 from worker.engine import Engine, EngineConfig, Sequence
 from worker.model import ModelConfig, TinyTransformer
@@ -93,12 +93,6 @@ class DeployConfig:
 
 
 # ---- the allocator -------------------------------------------------------------------------------------
-def _die_with_parent() -> None:
-    # The server must not outlive its actor (ray.kill): Linux parent-death signal, set in the child.
-    import ctypes
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-
-
 class AllocatorActor:
     """Runs `kvservice serve ARGS` on its node (wrapped by `ray.remote` in `ensure_allocator`)."""
 
@@ -113,7 +107,7 @@ class AllocatorActor:
         # Spawned from the actor's main thread: the parent-death signal follows the thread that forked.
         self.proc = subprocess.Popen([sys.executable, "-m", "kvservice.cli", "--log-level", "WARNING", "serve", *args],
                                      stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env,
-                                     preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+                                     preexec_fn=parent_death_signal())
         deadline = time.monotonic() + timeout_s
         while True:
             line = self.proc.stdout.readline()

@@ -15,13 +15,11 @@ After a `kill -9` of its owner it must neither linger nor block the restart:
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +28,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from kvservice.processes import parent_death_signal
+
 log = logging.getLogger(__name__)
 
 APPENDFSYNC_POLICIES = ("everysec", "always", "no")
@@ -37,7 +37,6 @@ CONF_NAME, SOCKET_NAME, PID_NAME, LOG_NAME = "redis.conf", "redis.sock", "redis.
 AOF_NAME, RDB_NAME = "appendonly.aof", "dump.rdb"
 # sun_path is 108 bytes on Linux and 104 on macOS, including the trailing NUL.
 MAX_SOCKET_PATH = 103
-_PR_SET_PDEATHSIG = 1
 
 
 def redis_executable() -> str:
@@ -57,27 +56,15 @@ def config_text(settings: dict[str, str | int]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    # Runs in the forked child before exec. If the parent already died, the signal would never come.
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
-
 def spawn_redis_server(conf_path: Path, log_path: Path) -> subprocess.Popen:
     """Starts `redis-server CONF` in the conf's directory, in its own session, stdout/stderr into log_path.
 
     On Linux, and when called from the main thread, the server gets SIGTERM when this process dies.
     """
-    preexec: Callable[[], None] | None = None
-    if sys.platform.startswith("linux"):
-        if threading.current_thread() is threading.main_thread():
-            parent = os.getpid()
-            preexec = lambda: _die_with_parent(parent)
-        else:
-            log.warning("redis-server spawned off the main thread: no parent-death signal, so it would "
-                        "outlive a killed kvservice until the next start on %s", conf_path.parent)
+    preexec = parent_death_signal()
+    if preexec is None and sys.platform.startswith("linux"):
+        log.warning("redis-server spawned off the main thread: no parent-death signal, so it would "
+                    "outlive a killed kvservice until the next start on %s", conf_path.parent)
     with open(log_path, "ab") as out:  # early errors (bad config) go to stderr, before redis opens its log
         # Own session: a Ctrl-C on the terminal reaches kvservice only, which then stops redis in order.
         return subprocess.Popen([redis_executable(), str(conf_path)], cwd=conf_path.parent, stdin=subprocess.DEVNULL,

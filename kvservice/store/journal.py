@@ -29,20 +29,13 @@ import redis
 from kvservice._proto import state_pb2 as st
 from kvservice.allocator import Allocator
 from kvservice.errors import Unavailable
+from kvservice.processes import parent_death_signal
 from kvservice.store.redis_store import FencedError, RedisStore, write_pending_snapshot_sync
 from kvservice.store.snapshot import dump
 
 logger = logging.getLogger(__name__)
 # An unreachable Redis, or one refusing writes (e.g. MISCONF: its disk is full and the AOF cannot grow).
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.ResponseError, OSError)
-
-
-def _die_with_parent() -> None:
-    """The standby exits when the allocator dies, even by SIGKILL (Linux parent-death signal)."""
-    with contextlib.suppress(OSError, AttributeError):
-        import ctypes
-        import signal
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
 
 
 class PersistentJournal:
@@ -85,7 +78,7 @@ class PersistentJournal:
                "--every", str(self.snapshot_every), "--interval", str(self.snapshot_interval_s),
                "--log-level", logging.getLevelName(logging.getLogger("kvservice").getEffectiveLevel()),
                *self.standby_options]
-        self._standby = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
+        self._standby = subprocess.Popen(cmd, preexec_fn=parent_death_signal())
 
     async def stop(self) -> None:
         if self._standby is not None and self._standby.poll() is None:
