@@ -7,12 +7,12 @@ write-ahead log replays. No I/O and no clock of its own: times are arguments.
 from __future__ import annotations
 
 import logging
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvservice.core import AllBlocksCleared, KVCacheBlocks, Request
 from kvservice.core.invariants import InvariantError, check_invariants
+from kvservice.core.kv_cache_manager import DecodeBatchOutput
 from kvservice.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from kvservice.eventlog import EventLog
 from kvservice.hashing import DEFAULT_HASH_BLOCK_SIZE, DEFAULT_HASH_SEED, hash_prompt, spec_fingerprint
@@ -302,6 +302,15 @@ class Allocator:
         tokens = op.append_token_ids
         if tokens is not None and len(tokens) == 1:
             tokens = tokens[0]
+        if (op.num_new_tokens and (tokens is None or isinstance(tokens, int)) and op.append_block_hashes is None
+                and not op.num_append_tokens and not op.delay_cache_blocks):
+            running = self._running_path(pool, session.tenant, key)
+            new_blocks = running(req, op.num_computed_tokens, tokens, op.num_new_tokens,
+                                 op.num_lookahead_tokens) if running is not None else None
+            if new_blocks is not None:
+                computed = op.num_computed_tokens
+                return OpResult(request_id, OpStatus.OK, "", ([b.block_id for b in new_blocks],), computed,
+                                min(op.num_new_tokens, req.num_tokens - computed), req.num_tokens)
         status, message, new, start, num_new, transfer = self._schedule(
             pool, session, key, req, op.num_computed_tokens, op.num_new_tokens, tokens, op.append_block_hashes,
             op.num_append_tokens, op.num_lookahead_tokens, op.delay_cache_blocks, op.allow_transfer)
@@ -316,44 +325,73 @@ class Allocator:
                         transfer.order() if transfer is not None else None, replaced=new.replaced)
 
     def _decode_batch(self, pool: Pool, session: Session, op: DecodeBatchOp) -> OpResult:
-        """Entry i is exactly the AllocateOp it stands for; outcomes are packed."""
+        """Entry i is exactly the AllocateOp it stands for; outcomes are packed. Runs of common entries
+        (running, nothing shared, room in the pool) go through the core's batch decode path; the
+        general path decides the rest, in order."""
         tenant = session.tenant
         requests = pool.requests
-        statuses = bytearray(len(op.request_ids))
-        counts, ids, computed_out, scheduled_out = array("I"), array("I"), array("I"), array("I")
+        n = len(op.request_ids)
+        statuses = bytearray(n)
+        out = DecodeBatchOutput()
         failures: list[OpResult] = []
         replaced: list[tuple[int, int, int, int]] = []
         num_groups = len(pool.spec.config.groups)
-        tokens = op.append_token_ids
+        tokens, computed = op.append_token_ids, op.num_computed_tokens
         budget, lookahead = op.num_new_tokens or 1, op.num_lookahead_tokens
-        for i, request_id in enumerate(op.request_ids):
-            key = f"{tenant}{SEP}{request_id}" if tenant else request_id
-            req = requests.get(key)
+        keys = [f"{tenant}{SEP}{r}" for r in op.request_ids] if tenant else op.request_ids
+        reqs = [requests.get(key) for key in keys]
+        batch, batch_reqs = self._batch_path(pool, tenant, keys, reqs)
+        i = 0
+        while i < n:
+            if batch is not None:
+                i = batch(batch_reqs, computed, tokens, budget, lookahead, i, out)
+                if i == n:
+                    break
+            request_id, key, req = op.request_ids[i], keys[i], reqs[i]
             if req is None:
                 failure = self._missing(pool, key, request_id)
                 status, new, start, num_new = failure.status, None, 0, 0
             else:
                 status, message, new, start, num_new, _ = self._schedule(
-                    pool, session, key, req, op.num_computed_tokens[i], budget,
-                    None if tokens is None else tokens[i], None, 0, lookahead, False, False)
+                    pool, session, key, req, computed[i], budget, None if tokens is None else tokens[i], None, 0,
+                    lookahead, False, False)
                 if new is None:
                     failure = OpResult(request_id, status, message, (), start, num_new, req.num_tokens)
             if new is None:
                 statuses[i] = status
                 failures.append(failure)
-                counts.extend([0] * num_groups)
+                out.num_new_blocks.extend([0] * num_groups)
             else:
                 for group in new.blocks:
-                    counts.append(len(group))
+                    out.num_new_blocks.append(len(group))
                     for block in group:
-                        ids.append(block.block_id)
+                        out.new_block_ids.append(block.block_id)
                 for g, index, block_id in new.replaced:
                     replaced.append((i, g, index, block_id))
-            computed_out.append(start)
-            scheduled_out.append(num_new)
-        batch = DecodeBatchResult(bytes(statuses), counts, ids, computed_out, scheduled_out, failures, num_groups,
-                                  replaced)
-        return OpResult("", OpStatus.OK, "", (), 0, 0, 0, None, batch)
+            out.num_computed.append(start)
+            out.num_scheduled.append(num_new)
+            i += 1
+        result = DecodeBatchResult(bytes(statuses), out.num_new_blocks, out.new_block_ids, out.num_computed,
+                                   out.num_scheduled, failures, num_groups, replaced)
+        return OpResult("", OpStatus.OK, "", (), 0, 0, 0, None, result)
+
+    def _batch_path(self, pool: Pool, tenant: str, keys: Sequence[str], reqs: list[Request | None]):
+        """The core's batch decode path and the requests it may take (None: the general path decides),
+        unless something of the service's own is in the way: a tenant quota needs per-allocation
+        accounting, a request waiting for a transfer must not run."""
+        if self.usage.quotas and tenant in self.usage.quotas:
+            return None, reqs
+        if self.transfers.by_dst:
+            pending = self.transfers.by_dst
+            reqs = [None if (pool.pool_id, key) in pending else req for key, req in zip(keys, reqs)]
+        return pool.manager.allocate_running_batch, reqs
+
+    def _running_path(self, pool: Pool, tenant: str, key: str):
+        """The core's one-call decode step for one request, unless the service's own rules apply (see
+        `_batch_path`)."""
+        if (self.usage.quotas and tenant in self.usage.quotas) or (pool.pool_id, key) in self.transfers.by_dst:
+            return None
+        return pool.manager.allocate_running
 
     def _schedule(self, pool: Pool, session: Session, key: str, req: Request, num_computed_tokens: int,
                   num_new_tokens: int, append_tokens, append_hashes, num_append: int, num_lookahead: int,

@@ -58,6 +58,25 @@ def test_full_shared_blocks_are_never_copied():
     assert m.get_block_ids("p") == ([1, 2, 3],) and m.get_block_ids("c") == ([1, 2, 4],)
 
 
+def test_a_shared_full_block_cached_by_one_sibling_is_not_cached_again_by_the_other():
+    # Both hold block 2 (tokens 4..7, full, not computed yet, so not cached). The parent caches it;
+    # the child, reaching the same point, finds it cached under the same hash and leaves it.
+    m = full_manager(20, block_size=4, enable_events=True)
+    p = Request("p", tokens(0, 8), 4)
+    admit(m, p, 6)
+    m.take_events()
+    c = m.fork(p, "c")
+    for r, t in ((p, 100), (c, 200)):
+        r.append_output_token_ids(t)
+        r.num_computed_tokens = 8
+        assert m.allocate_slots(r, 1) is not None
+    assert m.get_block_ids("p") == ([1, 2, 3],) and m.get_block_ids("c") == ([1, 2, 4],)
+    assert m.coordinator.managers[0].num_cached_block == {"p": 2, "c": 2}
+    stored = m.take_events()
+    assert [e.block_ids for e in stored] == [[2]]  # stored once, by the parent
+    check_invariants(m)
+
+
 def test_copy_source_stays_pinned_after_its_last_holder_leaves():
     m = full_manager(20, block_size=4)
     p = Request("p", tokens(0, 6), 4)

@@ -145,6 +145,7 @@ class BlockPool:
                                f"{num_full_blocks} needed to cache its full blocks")
         suffix = kv_cache_group_id.to_bytes(4, "big")
         insert = self.cached_block_hash_to_block.insert
+        run_start = num_cached_blocks  # events: one BlockStored per run of newly cached blocks
         stored: list[BlockHash] = []
         stored_ids: list[int] = []
         for i in range(num_cached_blocks, num_full_blocks):
@@ -153,13 +154,29 @@ class BlockPool:
                 continue
             block_hash = block_hashes[i]
             key = BlockHashWithGroupId(block_hash + suffix)
+            if block._block_hash is not None:
+                # Already cached by another table holding it (a fork's sibling): same tokens, same hash.
+                if block._block_hash != key:
+                    raise RuntimeError(f"block {block.block_id} is cached under another hash than "
+                                       f"request {request.request_id!r}'s block {i}")
+                self._stored_event(request, stored, stored_ids, block_hashes, run_start, i, block_size,
+                                   kv_cache_group_id)
+                stored, stored_ids, run_start = [], [], i + 1
+                continue
             block.block_hash = key
             insert(key, block)
             stored.append(block_hash)
             stored_ids.append(block.block_id)
+        self._stored_event(request, stored, stored_ids, block_hashes, run_start, num_full_blocks, block_size,
+                           kv_cache_group_id)
+
+    def _stored_event(self, request: Request, stored: list[BlockHash], stored_ids: list[int],
+                      block_hashes: Sequence[BlockHash], start: int, end: int, block_size: int,
+                      kv_cache_group_id: int) -> None:
+        """One BlockStored for blocks start..end of the request, when events are on and any were stored."""
         if self.enable_events and stored:
-            parent = block_hashes[num_cached_blocks - 1] if num_cached_blocks > 0 else None
-            token_ids = request.token_ids_between(num_cached_blocks * block_size, num_full_blocks * block_size)
+            parent = block_hashes[start - 1] if start > 0 else None
+            token_ids = request.token_ids_between(start * block_size, end * block_size)
             self.kv_event_queue.append(BlockStored(
                 block_hashes=stored, parent_block_hash=parent, token_ids=token_ids, block_size=block_size,
                 group_idx=kv_cache_group_id, lora_name=request.lora_name, block_ids=stored_ids))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -11,7 +12,8 @@ from kvservice.core.block_pool import BlockPool
 from kvservice.core.coordinator import KVCacheCoordinator
 from kvservice.core.events import KVCacheEvent
 from kvservice.core.request import Request
-from kvservice.core.specs import KVCacheConfig, effective_block_size, gcd_block_size
+from kvservice.core.specs import FullAttentionSpec, KVCacheConfig, effective_block_size, gcd_block_size
+from kvservice.hashing import MAX_TOKEN_ID
 
 
 @dataclass(slots=True)
@@ -31,6 +33,16 @@ class KVCacheBlocks:
 
     def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
         return KVCacheBlocks(tuple(list(a) + list(b) for a, b in zip(self.blocks, other.blocks)))
+
+
+@dataclass(slots=True)
+class DecodeBatchOutput:
+    """Rows `allocate_running_batch` appends, one per entry taken (a single group: one count each)."""
+
+    num_new_blocks: array = field(default_factory=lambda: array("I"))
+    new_block_ids: array = field(default_factory=lambda: array("I"))
+    num_computed: array = field(default_factory=lambda: array("I"))
+    num_scheduled: array = field(default_factory=lambda: array("I"))
 
 
 @dataclass(slots=True)
@@ -114,6 +126,9 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
         self.prefix_cache_totals = PrefixCacheTotals()
         self._empty = tuple(() for _ in config.groups)
+        # allocate_running's fast path: one full-attention group (no skipped blocks, no alignment).
+        managers = self.coordinator.managers
+        self._single_full = managers[0] if len(managers) == 1 and type(config.groups[0]) is FullAttentionSpec else None
 
     @property
     def usage(self) -> float:
@@ -192,6 +207,103 @@ class KVCacheManager:
             # Lookahead (draft) tokens may be rejected: cache only up to the main-model tokens.
             coordinator.cache_blocks(request, min(num_tokens_main, request.num_tokens))
         return KVCacheBlocks(new_blocks, replaced)
+
+    def allocate_running(self, request: Request, num_computed_tokens: int, token: int | None = None,
+                         num_new_tokens: int = 1, num_lookahead_tokens: int = 0) -> list[KVCacheBlock] | None:
+        """One decode step of a running request in a single full-attention pool, in one call: appends
+        `token` (None: nothing), sets `num_computed_tokens`, then does exactly what
+        `allocate_slots(request, min(num_new_tokens, uncomputed), 0, None, num_lookahead_tokens)`
+        would. The scheduler's (or the service's) decode step without the general path's cost.
+
+        Returns:
+            The new blocks (possibly none), or None when this is not the simple case (another layout,
+            a request not running, a written block shared with another table, not enough free blocks,
+            past max_model_len, nothing left to compute, a bad token): then nothing changed and
+            `allocate_slots` decides, with its reasons.
+        """
+        out = DecodeBatchOutput()
+        if not self.allocate_running_batch((request,), (num_computed_tokens,), None if token is None else (token,),
+                                           num_new_tokens, num_lookahead_tokens, 0, out):
+            return None
+        num_new = out.num_new_blocks[0]
+        return self.coordinator.managers[0].req_to_blocks[request.request_id][-num_new:] if num_new else []
+
+    def allocate_running_batch(self, requests: Sequence[Request | None], num_computed_tokens: Sequence[int],
+                               token_ids: Sequence[int] | None, num_new_tokens: int, num_lookahead_tokens: int,
+                               start: int, out: DecodeBatchOutput) -> int:
+        """`allocate_running` over requests[start:] in order, with one token each from `token_ids`
+        (None: no tokens), stopping at the first entry it does not take (None entries included).
+
+        Returns:
+            The index of that entry (len(requests) when all were taken); `out` got one row per
+            entry taken. The caller decides the stopped entry (e.g. with `allocate_slots`), then
+            resumes after it, so every entry sees the pool as its predecessors left it.
+        """
+        manager = self._single_full
+        if manager is None or num_new_tokens < 1 or num_lookahead_tokens < 0:
+            return start
+        req_to_blocks, num_cached, cache_blocks = manager.req_to_blocks, manager.num_cached_block, manager.cache_blocks
+        bs, hash_bs, max_len = manager.block_size, self.hash_block_size, self.max_model_len
+        free_queue, get_new_blocks = self.block_pool.free_block_queue, self.block_pool.get_new_blocks
+        caching = self.enable_caching
+        counts, ids = out.num_new_blocks, out.new_block_ids
+        computed_out, scheduled_out = out.num_computed, out.num_scheduled
+        token = None
+        for i in range(start, len(requests)):
+            req = requests[i]
+            if req is None or req.block_size != hash_bs:
+                return i
+            request_id = req.request_id
+            blocks = req_to_blocks.get(request_id)
+            if blocks is None or request_id not in num_cached:
+                return i
+            computed = num_computed_tokens[i]
+            num_tokens = req._num_tokens
+            if token_ids is not None:
+                token = token_ids[i]
+                if req._token_ids is None or not 0 <= token <= MAX_TOKEN_ID:
+                    return i
+                num_tokens += 1
+            if not 0 <= computed < num_tokens or num_tokens > max_len:
+                return i
+            scheduled = num_tokens - computed
+            if scheduled > num_new_tokens:
+                scheduled = num_new_tokens
+            num_main = computed + scheduled
+            num_need = num_main + num_lookahead_tokens
+            if num_need > max_len:
+                num_need = max_len
+            num_required = -(-num_need // bs)
+            num_held = len(blocks)
+            j, last = computed // bs, (num_held if num_held < num_required else num_required)
+            while j < last:
+                if blocks[j].ref_cnt > 1:  # shared (or pinned): copy-on-write decides
+                    return i
+                j += 1
+            num_new = num_required - num_held
+            if num_new > free_queue.num_free_blocks:
+                return i
+            if token is not None:
+                req._token_ids.append(token)
+                req._num_tokens = num_tokens
+                if num_tokens % hash_bs == 0:
+                    req.hash_full_blocks()
+            req.num_computed_tokens = computed
+            if num_new > 0:
+                new_blocks = get_new_blocks(num_new)
+                blocks.extend(new_blocks)
+                counts.append(num_new)
+                for block in new_blocks:
+                    ids.append(block.block_id)
+            else:
+                counts.append(0)
+            computed_out.append(computed)
+            scheduled_out.append(scheduled)
+            if caching:
+                num_cacheable = num_main if num_main < num_tokens else num_tokens
+                if num_cached[request_id] < num_cacheable // bs:
+                    cache_blocks(req, num_cacheable)
+        return len(requests)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Caches full blocks up to `num_computed_tokens` (after a delayed allocation)."""

@@ -120,6 +120,10 @@ class Request:
         else:
             self._token_ids.extend(token_array(token_ids, "output_token_ids"))  # validated first
         self._num_tokens = len(self._token_ids)
+        self.hash_full_blocks()
+
+    def hash_full_blocks(self) -> None:
+        """Hashes every full block of tokens not hashed yet."""
         num_full = self._num_tokens // self.block_size
         first = len(self.block_hashes)
         if num_full > first:
