@@ -6,6 +6,7 @@ gRPC echo of the same message sizes (all in one run).
 Workloads: (decode) one Step carrying 256 running requests, each appending one token (about 1 in 16
 needs a new block); (admission) one Step adding 32 new 1,024-token prompts whose first half is a
 shared prefix. Target: Step p50 <= echo p50 + 1.2 x in-process p50; >= 50k block allocations/s.
+The in-process core, the RPCs and the echoes are sampled in turn in one loop (the machine is noisy).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from bench.common import bar_plot, median, percentile, table, write_json  # noqa
 from kvservice._proto import allocator_pb2 as pb  # noqa: E402
 from kvservice.client import KVServiceClient  # noqa: E402
 from kvservice.core import FullAttentionSpec, KVCacheConfig, KVCacheManager, Request  # noqa: E402
+from kvservice.core.kv_cache_manager import DecodeBatchOutput  # noqa: E402
 from kvservice.ops import AddRequestOp, AllocateOp, DecodeBatchOp  # noqa: E402
 
 BS = 16
@@ -68,193 +70,231 @@ def admit_prompts(rng: random.Random, prefix: list[int], round_: int) -> list[li
     return [prefix + [rng.randrange(32000) for _ in range(half)] for _ in range(ADMIT_REQS)]
 
 
+def new_manager() -> KVCacheManager:
+    return KVCacheManager(KVCacheConfig(NUM_BLOCKS, [FullAttentionSpec(BS)]), MAX_LEN, enable_events=True)
+
+
 # ---- in-process core: the same ops ---------------------------------------------------------------
-def inprocess_decode(prompts, steps: int, rng) -> list[float]:
-    m = KVCacheManager(KVCacheConfig(NUM_BLOCKS, [FullAttentionSpec(BS)]), MAX_LEN, enable_events=True)
-    reqs = []
-    for i, p in enumerate(prompts):
-        r = Request(f"d{i}", p, BS)
-        m.allocate_slots(r, len(p))
-        r.num_computed_tokens = len(p)
-        reqs.append(r)
-    times = []
-    for _ in range(steps):
-        tokens = [rng.randrange(32000) for _ in reqs]
+class CoreDecode:
+    """256 running requests in an in-process core; `step` times one decode step of all of them, either
+    as a scheduler calling `allocate_slots` per request or through the core's batch decode path."""
+
+    def __init__(self, prompts, batch: bool) -> None:
+        self.m, self.batch, self.reqs = new_manager(), batch, []
+        for i, p in enumerate(prompts):
+            r = Request(f"d{i}", p, BS)
+            self.m.allocate_slots(r, len(p))
+            r.num_computed_tokens = len(p)
+            self.reqs.append(r)
+
+    def step(self, tokens: list[int]) -> float:
+        m, reqs = self.m, self.reqs
         t0 = time.perf_counter()
-        for r, t in zip(reqs, tokens):
-            r.append_output_token_ids([t])
-            m.allocate_slots(r, 1)
-            r.num_computed_tokens += 1
+        if self.batch:
+            computed = [r.num_tokens for r in reqs]
+            assert m.allocate_running_batch(reqs, computed, tokens, 1, 0, 0, DecodeBatchOutput()) == len(reqs)
+        else:
+            for r, t in zip(reqs, tokens):
+                r.append_output_token_ids([t])
+                m.allocate_slots(r, 1)
+                r.num_computed_tokens += 1
         m.take_block_copies()
         m.take_events()
-        times.append(time.perf_counter() - t0)
-    return times
+        return time.perf_counter() - t0
 
 
-def inprocess_admit(prefix, steps: int, rng) -> tuple[list[float], int]:
-    m = KVCacheManager(KVCacheConfig(NUM_BLOCKS, [FullAttentionSpec(BS)]), MAX_LEN, enable_events=True)
-    times, blocks = [], 0
-    for s in range(steps):
-        prompts = admit_prompts(rng, prefix, s)
-        t0 = time.perf_counter()
-        reqs = []
-        for i, p in enumerate(prompts):
-            r = Request(f"a{s}-{i}", p, BS)
-            hits, n = m.get_computed_blocks(r)
-            new = m.allocate_slots(r, len(p) - n, n, hits)
-            blocks += len(new.blocks[0])
-            reqs.append(r)
-        m.take_events()
-        times.append(time.perf_counter() - t0)
-        for r in reqs:
-            m.free(r)
-        m.take_events()
-    return times, blocks
+def core_admit(m: KVCacheManager, prompts, s: int) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    reqs, blocks = [], 0
+    for i, p in enumerate(prompts):
+        r = Request(f"a{s}-{i}", p, BS)
+        hits, n = m.get_computed_blocks(r)
+        new = m.allocate_slots(r, len(p) - n, n, hits)
+        blocks += len(new.blocks[0])
+        reqs.append(r)
+    m.take_events()
+    elapsed = time.perf_counter() - t0
+    for r in reqs:
+        m.free(r)
+    m.take_events()
+    return elapsed, blocks
 
 
 # ---- over gRPC -----------------------------------------------------------------------------------
-def rpc_decode(client: KVServiceClient, prompts, steps: int, rng, packed: bool) -> tuple[list[float], int, int]:
-    pid = "decode-packed" if packed else "decode-ops"
-    client.register_pool(pid, KVCacheConfig(NUM_BLOCKS, [FullAttentionSpec(BS)]), MAX_LEN)
-    ops = []
-    for i, p in enumerate(prompts):
-        ops += [AddRequestOp(f"d{i}", token_ids=p), AllocateOp(f"d{i}", num_new_tokens=len(p))]
-    client.step(pid, ops)
-    computed = [len(p) for p in prompts]
-    times, req_bytes, resp_bytes = [], 0, 0
-    progress = Progress(f"decode steps over gRPC ({'packed' if packed else 'one op per request'})", steps)
-    for s in range(steps):
-        tokens = [rng.randrange(32000) for _ in prompts]
-        if packed:
-            ops = [DecodeBatchOp([f"d{i}" for i in range(len(prompts))], computed, tokens)]
-        else:
-            ops = [AllocateOp(f"d{i}", num_computed_tokens=computed[i], num_new_tokens=1, append_token_ids=[tokens[i]])
-                   for i in range(len(prompts))]
-        msg = client.step_msg(pid, ops)
-        msg.session_id, msg.sequence = client.session_id, client.next_sequence
-        t0 = time.perf_counter()
-        reply = client.stub.Step(msg, timeout=30)
-        times.append(time.perf_counter() - t0)
-        client.next_sequence += 1
-        assert all(r.status == pb.OK for r in reply.results), reply.results[0]
-        assert not packed or reply.results[0].batch.statuses == bytes(len(prompts))
-        computed = [c + 1 for c in computed]
-        req_bytes, resp_bytes = msg.ByteSize(), reply.ByteSize()
-        progress(s + 1)
-    return times, req_bytes, resp_bytes
+def timed_step(client: KVServiceClient, msg: pb.StepRequest) -> tuple[float, pb.StepResponse]:
+    msg.session_id, msg.sequence = client.session_id, client.next_sequence
+    t0 = time.perf_counter()
+    reply = client.stub.Step(msg, timeout=30)
+    elapsed = time.perf_counter() - t0
+    client.next_sequence += 1
+    return elapsed, reply
 
 
-def rpc_admit(client: KVServiceClient, prefix, steps: int, rng) -> tuple[list[float], int, int, int]:
-    pid = "admit"
-    client.register_pool(pid, KVCacheConfig(NUM_BLOCKS, [FullAttentionSpec(BS)]), MAX_LEN)
-    times, blocks, req_bytes, resp_bytes = [], 0, 0, 0
-    progress = Progress("admission steps over gRPC", steps)
-    for s in range(steps):
-        prompts = admit_prompts(rng, prefix, s)
+class RpcDecode:
+    """The same 256 requests in a pool of the server, advanced one token per step, packed in one
+    DecodeBatchOp or as 256 AllocateOps."""
+
+    def __init__(self, client: KVServiceClient, prompts, packed: bool) -> None:
+        self.client, self.packed = client, packed
+        self.pool_id = "decode-packed" if packed else "decode-ops"
+        client.register_pool(self.pool_id, KVCacheConfig(NUM_BLOCKS, [FullAttentionSpec(BS)]), MAX_LEN)
         ops = []
         for i, p in enumerate(prompts):
-            ops += [AddRequestOp(f"a{s}-{i}", token_ids=p), AllocateOp(f"a{s}-{i}", num_new_tokens=len(p))]
-        msg = client.step_msg(pid, ops)
-        msg.session_id, msg.sequence = client.session_id, client.next_sequence
-        t0 = time.perf_counter()
-        reply = client.stub.Step(msg, timeout=30)
-        times.append(time.perf_counter() - t0)
-        client.next_sequence += 1
-        blocks += sum(len(g.block_ids) for r in reply.results for g in r.new_blocks)
-        req_bytes, resp_bytes = msg.ByteSize(), reply.ByteSize()
-        client.free(pid, *[f"a{s}-{i}" for i in range(len(prompts))])
-        progress(s + 1)
-    return times, blocks, req_bytes, resp_bytes
+            ops += [AddRequestOp(f"d{i}", token_ids=p), AllocateOp(f"d{i}", num_new_tokens=len(p))]
+        client.step(self.pool_id, ops)
+        self.ids = [f"d{i}" for i in range(len(prompts))]
+        self.computed = [len(p) for p in prompts]
+        self.sizes = (0, 0)
+
+    def step(self, tokens: list[int]) -> float:
+        if self.packed:
+            ops = [DecodeBatchOp(self.ids, self.computed, tokens)]
+        else:
+            ops = [AllocateOp(rid, num_computed_tokens=c, num_new_tokens=1, append_token_ids=[t])
+                   for rid, c, t in zip(self.ids, self.computed, tokens)]
+        msg = self.client.step_msg(self.pool_id, ops)
+        elapsed, reply = timed_step(self.client, msg)
+        assert all(r.status == pb.OK for r in reply.results), reply.results[0]
+        assert not self.packed or reply.results[0].batch.statuses == bytes(len(self.ids))
+        self.computed = [c + 1 for c in self.computed]
+        self.sizes = (msg.ByteSize(), reply.ByteSize())
+        return elapsed
 
 
-def echo_times(target: str, req_bytes: int, resp_bytes: int, steps: int, busy_s: float = 0.0) -> list[float]:
-    """A bare echo of the same sizes; with `busy_s`, the echo handler also burns that much CPU."""
-    with grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 << 20),
-                                                ("grpc.max_send_message_length", 64 << 20)]) as ch:
-        call = ch.unary_unary("/bench.Echo/Echo")
+def rpc_admit(client: KVServiceClient, prompts, s: int) -> tuple[float, int, tuple[int, int]]:
+    ops = []
+    for i, p in enumerate(prompts):
+        ops += [AddRequestOp(f"a{s}-{i}", token_ids=p), AllocateOp(f"a{s}-{i}", num_new_tokens=len(p))]
+    msg = client.step_msg("admit", ops)
+    elapsed, reply = timed_step(client, msg)
+    blocks = sum(len(g.block_ids) for r in reply.results for g in r.new_blocks)
+    client.free("admit", *[f"a{s}-{i}" for i in range(len(prompts))])
+    return elapsed, blocks, (msg.ByteSize(), reply.ByteSize())
+
+
+class Echo:
+    """A bare grpc echo of given sizes; with `busy_s`, its handler also burns that much CPU."""
+
+    def __init__(self, target: str) -> None:
+        self.channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 << 20),
+                                                              ("grpc.max_send_message_length", 64 << 20)])
+        self.call = self.channel.unary_unary("/bench.Echo/Echo")
+
+    def __call__(self, sizes: tuple[int, int], busy_s: float = 0.0) -> float:
+        req_bytes, resp_bytes = sizes
         payload = (resp_bytes.to_bytes(4, "little") + int(busy_s * 1e6).to_bytes(4, "little")
                    + bytes(max(0, req_bytes - 8)))
-        call(payload, timeout=30)
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            call(payload, timeout=30)
-            times.append(time.perf_counter() - t0)
-        return times
+        t0 = time.perf_counter()
+        self.call(payload, timeout=30)
+        return time.perf_counter() - t0
 
 
-def summarize(name: str, rpc: list[float], core: list[float], echo: list[float], busy: list[float],
-              extra: dict) -> dict:
-    p50, core50, echo50 = median(rpc), median(core), median(echo)
-    budget = echo50 + 1.2 * core50
-    return {"workload": name, "rpc_p50_ms": p50 * 1e3, "rpc_p99_ms": percentile(rpc, 99) * 1e3,
-            "inprocess_p50_ms": core50 * 1e3, "echo_p50_ms": echo50 * 1e3,
-            "busy_echo_p50_ms": median(busy) * 1e3, "ratio_rpc_over_busy_echo": p50 / median(busy),
-            "ratio_rpc_over_inprocess": p50 / core50, "ratio_rpc_over_echo": p50 / echo50,
-            "overhead_over_core": (p50 - echo50) / core50, "target_ms": budget * 1e3, "meets_target": p50 <= budget,
-            **extra}
+def summarize(name: str, t: dict[str, list[float]], extra: dict) -> dict:
+    """p50s of one workload's interleaved samples; the issue's target against the per-request core
+    and, for decode, against the core's batch path."""
+    p50 = {k: median(v) for k, v in t.items()}
+    rpc, echo = p50["rpc"], p50["echo"]
+    row = {"workload": name, "rpc_p50_ms": rpc * 1e3, "rpc_p99_ms": percentile(t["rpc"], 99) * 1e3,
+           "inprocess_p50_ms": p50["core"] * 1e3, "echo_p50_ms": echo * 1e3, "busy_echo_p50_ms": p50["busy"] * 1e3,
+           "ratio_rpc_over_inprocess": rpc / p50["core"], "overhead_over_core": (rpc - echo) / p50["core"],
+           "target_ms": (echo + 1.2 * p50["core"]) * 1e3, "meets_target": rpc <= echo + 1.2 * p50["core"], **extra}
+    if "batch" in p50:
+        row.update({"inprocess_batch_p50_ms": p50["batch"] * 1e3,
+                    "target_vs_batch_ms": (echo + 1.2 * p50["batch"]) * 1e3,
+                    "meets_target_vs_batch": rpc <= echo + 1.2 * p50["batch"]})
+    return row
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--server-args", default="", help="extra `kvservice serve` flags (e.g. persistence)")
+    parser.add_argument("--server-args", default="--no-persistence",
+                        help="`kvservice serve` flags (default: memory only; persistence is persist_bench's)")
     args = parser.parse_args()
     rng = random.Random(0)
     prompts = decode_prompts(rng)
     prefix = [rng.randrange(32000) for _ in range(ADMIT_LEN // 2)]
-
-    print("in-process core ...", flush=True)
-    core_decode = inprocess_decode(prompts, args.steps, random.Random(1))
-    core_admit, core_blocks = inprocess_admit(prefix, max(20, args.steps // 4), random.Random(2))
+    admit_steps = max(20, args.steps // 4)
 
     server, target = start([sys.executable, "-m", "kvservice.cli", "--log-level", "ERROR", "serve", "--port", "0",
                             *args.server_args.split()], "kvservice serving on")
-    echo, echo_target = start([sys.executable, str(Path(__file__).with_name("echo_server.py"))], "echo serving on")
+    echo_server, echo_target = start([sys.executable, str(Path(__file__).with_name("echo_server.py"))],
+                                     "echo serving on")
     try:
         client = KVServiceClient(target, timeout_s=60)
-        rpc_dec, dec_req, dec_resp = rpc_decode(client, prompts, args.steps, random.Random(1), packed=True)
-        rpc_ops, ops_req, ops_resp = rpc_decode(client, prompts, args.steps, random.Random(1), packed=False)
-        rpc_adm, adm_blocks, adm_req, adm_resp = rpc_admit(client, prefix, max(20, args.steps // 4), random.Random(2))
-        print("echo baseline ...", flush=True)
-        echo_dec = echo_times(echo_target, dec_req, dec_resp, args.steps)
-        echo_ops = echo_times(echo_target, ops_req, ops_resp, args.steps)
-        echo_adm = echo_times(echo_target, adm_req, adm_resp, max(20, args.steps // 4))
-        busy_dec = echo_times(echo_target, dec_req, dec_resp, args.steps, median(core_decode))
-        busy_ops = echo_times(echo_target, ops_req, ops_resp, args.steps, median(core_decode))
-        busy_adm = echo_times(echo_target, adm_req, adm_resp, max(20, args.steps // 4), median(core_admit))
+        echo = Echo(echo_target)
+        # Decode: every sample of every series is taken in the same loop iteration, so a slow
+        # moment of this (shared, noisy) machine hits all of them alike.
+        per_request, batch = CoreDecode(prompts, batch=False), CoreDecode(prompts, batch=True)
+        packed, unpacked = RpcDecode(client, prompts, packed=True), RpcDecode(client, prompts, packed=False)
+        dec = {k: [] for k in ("core", "batch", "rpc", "echo", "busy")}
+        ops = {k: [] for k in ("core", "batch", "rpc", "echo", "busy")}
+        token_rng = random.Random(1)
+        progress = Progress("decode steps (in-process, batch path, packed and per-op RPCs, echoes)", args.steps)
+        for s in range(args.steps):
+            tokens = [token_rng.randrange(32000) for _ in prompts]
+            core_t, batch_t = per_request.step(tokens), batch.step(tokens)
+            for series in (dec, ops):
+                series["core"].append(core_t)
+                series["batch"].append(batch_t)
+            dec["rpc"].append(packed.step(tokens))
+            ops["rpc"].append(unpacked.step(tokens))
+            for series, rpc in ((dec, packed), (ops, unpacked)):
+                series["echo"].append(echo(rpc.sizes))
+                series["busy"].append(echo(rpc.sizes, core_t))
+            progress(s + 1)
+        client.register_pool("admit", KVCacheConfig(NUM_BLOCKS, [FullAttentionSpec(BS)]), MAX_LEN)
+        core_m = new_manager()
+        adm = {k: [] for k in ("core", "rpc", "echo", "busy")}
+        core_blocks = rpc_blocks = 0
+        progress = Progress("admission steps (in-process, RPC, echoes)", admit_steps)
+        prompt_rng = random.Random(2)
+        for s in range(admit_steps):
+            batch_prompts = admit_prompts(prompt_rng, prefix, s)
+            core_t, n = core_admit(core_m, batch_prompts, s)
+            core_blocks += n
+            rpc_t, n, sizes = rpc_admit(client, batch_prompts, s)
+            rpc_blocks += n
+            adm["core"].append(core_t)
+            adm["rpc"].append(rpc_t)
+            adm["echo"].append(echo(sizes))
+            adm["busy"].append(echo(sizes, core_t))
+            progress(s + 1)
         client.close()
     finally:
         server.terminate()
-        echo.terminate()
+        echo_server.terminate()
         server.wait(10)
-        echo.wait(10)
+        echo_server.wait(10)
 
     rows = [
-        summarize("decode: 256 requests x 1 token (DecodeBatchOp)", rpc_dec, core_decode, echo_dec, busy_dec,
-                  {"request_bytes": dec_req, "response_bytes": dec_resp}),
-        summarize("decode: 256 requests x 1 token (256 AllocateOps)", rpc_ops, core_decode, echo_ops, busy_ops,
-                  {"request_bytes": ops_req, "response_bytes": ops_resp}),
-        summarize("admission: 32 x 1,024-token prompts", rpc_adm, core_admit, echo_adm, busy_adm,
-                  {"request_bytes": adm_req, "response_bytes": adm_resp,
-                   "blocks_per_s": adm_blocks / sum(rpc_adm),
-                   "inprocess_blocks_per_s": core_blocks / sum(core_admit)}),
+        summarize("decode: 256 requests x 1 token (DecodeBatchOp)", dec,
+                  {"request_bytes": packed.sizes[0], "response_bytes": packed.sizes[1]}),
+        summarize("decode: 256 requests x 1 token (256 AllocateOps)", ops,
+                  {"request_bytes": unpacked.sizes[0], "response_bytes": unpacked.sizes[1]}),
+        summarize("admission: 32 x 1,024-token prompts", adm,
+                  {"blocks_per_s": rpc_blocks / sum(adm["rpc"]),
+                   "inprocess_blocks_per_s": core_blocks / sum(adm["core"])}),
     ]
     print()
-    print(table(["workload", "Step p50 ms", "p99 ms", "in-process ms", "echo ms", "(Step-echo)/core",
-                 "target ms", "met", "busy echo ms", "Step/busy echo"],
-                [[r["workload"], r["rpc_p50_ms"], r["rpc_p99_ms"], r["inprocess_p50_ms"], r["echo_p50_ms"],
-                  r["overhead_over_core"], r["target_ms"], "yes" if r["meets_target"] else "NO",
-                  r["busy_echo_p50_ms"], r["ratio_rpc_over_busy_echo"]] for r in rows]))
-    print("target: Step p50 <= echo p50 + 1.2 x in-process p50. busy echo: the same echo whose handler burns the "
-          "in-process time, i.e. the floor this transport allows for that much work.")
+    print(table(["workload", "Step p50 ms", "p99 ms", "in-process ms", "in-process batch ms", "echo ms",
+                 "busy echo ms", "target ms", "met", "target vs batch ms", "met"],
+                [[r["workload"], r["rpc_p50_ms"], r["rpc_p99_ms"], r["inprocess_p50_ms"],
+                  r.get("inprocess_batch_p50_ms", float("nan")), r["echo_p50_ms"], r["busy_echo_p50_ms"],
+                  r["target_ms"], "yes" if r["meets_target"] else "NO", r.get("target_vs_batch_ms", float("nan")),
+                  {True: "yes", False: "NO", None: "-"}[r.get("meets_target_vs_batch")]] for r in rows]))
+    print("target: Step p50 <= echo p50 + 1.2 x in-process p50 (in-process: a scheduler calling the core per "
+          "request; batch: the core's batch decode path). busy echo: the echo whose handler burns the in-process "
+          "time. Every series is sampled in the same loop iteration.")
     print(f"admission: {rows[2]['blocks_per_s']:,.0f} block allocations/s over gRPC "
           f"({rows[2]['inprocess_blocks_per_s']:,.0f}/s in-process)")
     path = write_json("rpc", {"steps": args.steps, "server_args": args.server_args, "rows": rows})
     bar_plot("rpc", "Step p50 latency (ms): gRPC vs in-process core vs bare echo", [r["workload"] for r in rows],
              {"Step over gRPC": [r["rpc_p50_ms"] for r in rows],
-              "in-process core": [r["inprocess_p50_ms"] for r in rows],
-              "bare echo": [r["echo_p50_ms"] for r in rows]}, "ms")
+              "in-process core (per request)": [r["inprocess_p50_ms"] for r in rows],
+              "in-process core (batch path)": [r.get("inprocess_batch_p50_ms", 0.0) for r in rows],
+              "bare echo": [r["echo_p50_ms"] for r in rows],
+              "target": [r["target_ms"] for r in rows]}, "ms")
     print(f"wrote {path}")
     return 0
 

@@ -1,5 +1,6 @@
 """Leases, the event stream (order, resume, retention) and Prometheus metrics on a real server."""
 
+import re
 import socket
 import threading
 import time
@@ -8,7 +9,7 @@ import urllib.request
 import pytest
 
 from kvservice.errors import NotFound, OutOfRange
-from kvservice.ops import AddRequestOp, AllocateOp
+from kvservice.ops import AddRequestOp, AllocateOp, DecodeBatchOp
 from tests.service_helpers import small_config, start_server
 
 
@@ -111,4 +112,17 @@ def test_prometheus_metrics(short):
     assert 'kvservice_rpc_latency_seconds_bucket{le="0.001",method="Step"}' in body
     assert "kvservice_lease_expiries_total" in body and "kvservice_pool_prefix_hit_rate" in body
     assert 'kvservice_persistence_state{state="off"} 1.0' in body
+
+    def outcomes():
+        text = urllib.request.urlopen(f"http://127.0.0.1:{short.metrics_port}/metrics", timeout=5).read().decode()
+        found = dict(re.findall(r'^kvservice_op_results_total\{status="(\w+)"\} (\S+)$', text, re.M))
+        return {k: float(v) for k, v in found.items()}
+
+    before = outcomes()
+    # A packed decode of three entries counts three outcomes: two OK, one NOT_FOUND.
+    c.step("metrics", [AddRequestOp("m2", token_ids=list(range(5))), AllocateOp("m2", num_new_tokens=5)])
+    c.step("metrics", [DecodeBatchOp(["m", "ghost", "m2"], [20, 0, 5], [1, 2, 3])])
+    after = outcomes()
+    assert after["OK"] - before.get("OK", 0) == 2 + 2
+    assert after["NOT_FOUND"] - before.get("NOT_FOUND", 0) == 1
     c.close()

@@ -85,7 +85,7 @@ class AllocatorServer:
                    ("grpc.so_reuseport", 0)]
         reject = lambda method, reason: self.metrics.rejected.labels(method.rsplit("/", 1)[-1], reason).inc()
         interceptor = AuthInterceptor(self.auth, reject)
-        self.server = grpc.aio.server(interceptors=[interceptor], options=options)
+        self.server = grpc.aio.server(interceptors=[interceptor] if self.auth.enabled else [], options=options)
         self.server.add_generic_rpc_handlers((method_handlers(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import collections
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
 from kvservice.allocator import Allocator
+from kvservice.ops import OpStatus
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
 
@@ -60,12 +63,27 @@ class Metrics:
                                       registry=self.registry)
         self.registry.register(_PoolCollector(allocator, persistence_state))
         self._latency_children: dict[str, object] = {}
+        self._outcome_children: dict[int, object] = {}
 
     def observe(self, method: str, seconds: float) -> None:
         child = self._latency_children.get(method)
         if child is None:
             child = self._latency_children[method] = self.rpc_latency.labels(method)
         child.observe(seconds)
+
+    def count_outcomes(self, results) -> None:
+        """Op outcomes of one Step by status (a DecodeBatchOp's entries count one each)."""
+        counts: collections.Counter[int] = collections.Counter()
+        for r in results:
+            if r.batch is not None:
+                counts.update(r.batch.statuses)
+            else:
+                counts[int(r.status)] += 1
+        for status, n in counts.items():
+            child = self._outcome_children.get(status)
+            if child is None:
+                child = self._outcome_children[status] = self.op_outcomes.labels(OpStatus(status).name)
+            child.inc(n)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         start_http_server(port, addr=host, registry=self.registry)

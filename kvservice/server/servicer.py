@@ -194,9 +194,7 @@ class AllocatorServicer:
             self.journal.check_writable()
             stored = self.allocator.step(session, request.sequence, pool, ops)
             await self.journal.record(kind, session_id=session.session_id, request=request)
-            counter = self.metrics.op_outcomes
-            for r in stored.results:
-                counter.labels(r.status.name).inc()
+            self.metrics.count_outcomes(stored.results)
         if not isinstance(stored, StepResult):
             raise InvalidArgument("sequence", request.sequence, "this sequence was applied by another RPC kind")
         return encode_step_result(stored, pb.StepResponse())
