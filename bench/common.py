@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import platform
 import statistics
@@ -14,13 +15,19 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def time_call(fn: Callable[[], object], setup: Callable[[], object] | None = None, reps: int = 5) -> list[float]:
     """Seconds per call over `reps` runs; `setup` (untimed) runs before each and its result is
-    passed to `fn` when not None."""
+    passed to `fn` when not None. As `timeit` does, the cyclic GC is off while a call is timed, so a
+    full collection over whatever else the process holds (torch, the other side's objects) does not
+    land on whichever workload happens to trigger it."""
     times = []
     for _ in range(reps):
         arg = setup() if setup is not None else None
-        start = time.perf_counter()
-        fn(arg) if setup is not None else fn()
-        times.append(time.perf_counter() - start)
+        gc.disable()
+        try:
+            start = time.perf_counter()
+            fn(arg) if setup is not None else fn()
+            times.append(time.perf_counter() - start)
+        finally:
+            gc.enable()
     return times
 
 

@@ -23,10 +23,12 @@ BS = 16
 HASH_TOKENS = 16 * 4096
 POOL_BLOCKS = 100_000
 NUM_REQS, PREFIX, SUFFIX = 200, 1024, 100
+DECODE_STEPS = 16  # every request crosses one block boundary
 
 
 def ours_side():
     from kvservice.core import BlockPool, FullAttentionSpec, KVCacheConfig, KVCacheManager, Request
+    from kvservice.core.kv_cache_manager import DecodeBatchOutput
 
     def hash_prompt(tokens):
         Request("h", tokens, BS)
@@ -40,7 +42,12 @@ def ours_side():
     def make_requests(prompts):
         return [Request(f"r{i}", p, BS) for i, p in enumerate(prompts)]
 
-    return hash_prompt, pool, manager, make_requests
+    def decode_batch(m, reqs, token):
+        out = DecodeBatchOutput()
+        assert m.allocate_running_batch(reqs, [r.num_tokens for r in reqs], [token] * len(reqs), 1, 0, 0,
+                                        out) == len(reqs)
+
+    return hash_prompt, pool, manager, make_requests, decode_batch
 
 
 def vllm_side(algo: str = "sha256"):
@@ -60,28 +67,22 @@ def vllm_side(algo: str = "sha256"):
     def make_requests(prompts):
         return [vc.request(f"r{i}", p, hasher) for i, p in enumerate(prompts)]
 
-    return hash_prompt, pool, manager, make_requests
+    return hash_prompt, pool, manager, make_requests, None
 
 
-def measure(side, reps: int, prompts, hash_tokens) -> dict[str, float]:
-    hash_prompt, make_pool, make_manager, make_requests = side
-    out = {}
-    out["hash"] = median(time_call(lambda: hash_prompt(hash_tokens), reps=reps))
+def workloads(side, prompts, hash_tokens) -> dict[str, tuple]:
+    """name -> (timed fn, untimed setup or None) for one side."""
+    hash_prompt, make_pool, make_manager, make_requests, decode_batch = side
 
     def alloc_free(pool):
         for _ in range(100):
             pool.free_blocks(reversed(pool.get_new_blocks(1000)))
-    out["alloc_free"] = median(time_call(alloc_free, setup=make_pool, reps=reps))
-
-    out["req_hash"] = median(time_call(lambda: make_requests(prompts), reps=reps))
 
     def lookup_allocate(state):
         m, reqs = state
         for r in reqs:
             hits, n = m.get_computed_blocks(r)[:2]
             m.allocate_slots(r, r.num_tokens - n, n, hits)
-    out["lookup_alloc"] = median(time_call(lookup_allocate, setup=lambda: (make_manager(), make_requests(prompts)),
-                                           reps=reps))
 
     def free_all(state):
         m, reqs = state
@@ -92,8 +93,49 @@ def measure(side, reps: int, prompts, hash_tokens) -> dict[str, float]:
         m, reqs = make_manager(), make_requests(prompts)
         lookup_allocate((m, reqs))
         return m, reqs
-    out["free"] = median(time_call(free_all, setup=allocated, reps=reps))
+
+    def running():
+        m, reqs = allocated()
+        for r in reqs:
+            r.num_computed_tokens = r.num_tokens
+        return m, reqs
+
+    def decode(state):  # a scheduler's decode steps: one token per request, per-request allocate_slots
+        m, reqs = state
+        for step in range(DECODE_STEPS):
+            for r in reqs:
+                r.append_output_token_ids(7 + step)
+                m.allocate_slots(r, 1)
+                r.num_computed_tokens += 1
+
+    out = {
+        "hash": (lambda: hash_prompt(hash_tokens), None),
+        "alloc_free": (alloc_free, make_pool),
+        "req_hash": (lambda: make_requests(prompts), None),
+        "lookup_alloc": (lookup_allocate, lambda: (make_manager(), make_requests(prompts))),
+        "free": (free_all, allocated),
+        "decode": (decode, running),
+    }
+    if decode_batch is not None:
+        def batched(state):
+            m, reqs = state
+            for step in range(DECODE_STEPS):
+                decode_batch(m, reqs, 7 + step)
+        out["decode_batch"] = (batched, running)
     return out
+
+
+def measure(sides: list[dict[str, tuple]], reps: int) -> list[dict[str, float]]:
+    """Median seconds per workload for each side, the sides taking turns rep by rep (one call each),
+    so the machine's slow moments fall on both alike."""
+    times: list[dict[str, list[float]]] = [{k: [] for k in side} for side in sides]
+    for _ in range(reps):
+        for side, out in zip(sides, times):
+            for name, (fn, setup) in side.items():
+                if setup is None:
+                    fn()  # untimed warm-up: the other side just ran, these caches are cold
+                out[name] += time_call(fn, setup, reps=1)
+    return [{k: median(v) for k, v in out.items()} for out in times]
 
 
 def main() -> int:
@@ -106,17 +148,18 @@ def main() -> int:
     prompts = [prefix + [rng.randrange(32000) for _ in range(SUFFIX)] for _ in range(NUM_REQS)]
     hash_tokens = [rng.randrange(32000) for _ in range(HASH_TOKENS)]
 
-    print(f"core benchmark: {args.reps} repetitions per row, medians", flush=True)
-    print("  ours ...", flush=True)
-    ours = measure(ours_side(), args.reps, prompts, hash_tokens)
-    theirs, theirs_xx = {}, {}
+    print(f"core benchmark: {args.reps} repetitions per row, medians, the sides taking turns", flush=True)
+    sides = [workloads(ours_side(), prompts, hash_tokens)]
     if reason is None:
-        print("  vLLM 0.33.0 (sha256, its default) ...", flush=True)
-        theirs = measure(vllm_side("sha256"), args.reps, prompts, hash_tokens)
-        print("  vLLM 0.33.0 (xxhash) ...", flush=True)
-        theirs_xx = {"hash": median(time_call(lambda: vllm_side("xxhash")[0](hash_tokens), reps=args.reps))}
+        sides.append(workloads(vllm_side("sha256"), prompts, hash_tokens))
+        sides.append({"hash": workloads(vllm_side("xxhash"), prompts, hash_tokens)["hash"]})
+        print("  ours, vLLM 0.33.0 (sha256, its default) and vLLM's xxhash path ...", flush=True)
     else:
         print(f"  vLLM side skipped: {reason}")
+    results = measure(sides, args.reps)
+    ours = results[0]
+    theirs = results[1] if reason is None else {}
+    theirs_xx = results[2] if reason is None else {}
 
     rows, data = [], {}
     specs = [
@@ -125,6 +168,8 @@ def main() -> int:
         ("req_hash", "200 x 1,124-token requests: hash", NUM_REQS * (PREFIX + SUFFIX), "tokens/s"),
         ("lookup_alloc", "200 requests: lookup + allocate", NUM_REQS, "requests/s"),
         ("free", "200 requests: free", NUM_REQS, "requests/s"),
+        ("decode", "200 running requests x 16 decode steps (allocate_slots each)", NUM_REQS * DECODE_STEPS,
+         "tokens/s"),
     ]
     for key, label, units, unit_name in specs:
         ratio = ours[key] / theirs[key] if key in theirs else float("nan")
@@ -133,6 +178,14 @@ def main() -> int:
         rows.append([label, f"{units / ours[key]:,.0f} {unit_name}", ours[key] * 1e3,
                      theirs[key] * 1e3 if key in theirs else float("nan"), ratio])
         data[key] = row
+    # Ours only: the same decode steps through the core's batch path, against vLLM's per-request path.
+    ratio = ours["decode_batch"] / theirs["decode"] if "decode" in theirs else float("nan")
+    rows.append(["the same through allocate_running_batch (ours only)",
+                 f"{NUM_REQS * DECODE_STEPS / ours['decode_batch']:,.0f} tokens/s", ours["decode_batch"] * 1e3,
+                 theirs["decode"] * 1e3 if "decode" in theirs else float("nan"), ratio])
+    data["decode_batch"] = {"ours_s": ours["decode_batch"], "vllm_s": theirs.get("decode"),
+                            "ratio_ours_over_vllm": ratio, "ours_rate": NUM_REQS * DECODE_STEPS / ours["decode_batch"],
+                            "unit": "tokens/s", "vllm_path": "allocate_slots per request"}
     if theirs_xx:
         data["hash"]["vllm_xxhash_s"] = theirs_xx["hash"]
         data["hash"]["ratio_ours_over_vllm_xxhash"] = ours["hash"] / theirs_xx["hash"]
