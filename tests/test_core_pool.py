@@ -79,7 +79,7 @@ def test_touch_rescues_free_cached_block_and_reallocation_evicts():
     stored = m.take_events()
     assert len(stored) == 1 and isinstance(stored[0], BlockStored)
     assert stored[0].block_hashes == a.block_hashes[:2] and stored[0].parent_block_hash is None
-    assert stored[0].token_ids == tokens(0, 8) and stored[0].block_ids == [1, 2]
+    assert stored[0].token_ids.tolist() == tokens(0, 8) and stored[0].block_ids == [1, 2]
     m.free(a)
     assert free_ids(m) == [3, 4, 2, 1]
     # A new request with another prompt takes 3, 4, then the LRU cached block 2 (evicting its hash).

@@ -80,6 +80,9 @@ class Crashy:
                 assert exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), exc
                 assert self.proc.proc.wait(10) is not None  # only the kill makes calls fail
                 self.proc = self.spawn(self.port)
+                # The channel may still be backing off from the refused reconnects during the restart
+                # (it would fail the next call with the stale error): go on once it is connected again.
+                grpc.channel_ready_future(self.client.channel).result(timeout=30)
                 self.restarts += 1
                 self.retried_steps += step
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 from kvservice.hashing import BlockHash
@@ -13,7 +14,7 @@ class BlockStored:
 
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None
-    token_ids: list[int]  # empty when the request was added by hashes (token ids unknown)
+    token_ids: array  # uint32 (vLLM: a list); empty when the request was added by hashes (token ids unknown)
     block_size: int
     group_idx: int
     lora_name: str | None = None

@@ -104,8 +104,10 @@ class Request:
             raise ValueError(f"request {self.request_id!r} was added by block hashes; its token ids are unknown")
         return self._token_ids
 
-    def token_ids_between(self, start: int, end: int) -> list[int]:
-        return [] if self._token_ids is None else self._token_ids[start:end].tolist()
+    def token_ids_between(self, start: int, end: int) -> array:
+        """Tokens start..end as uint32 (empty when added by hashes): compact, no int object per token,
+        since the service keeps a window of events that carry them."""
+        return array("I") if self._token_ids is None else self._token_ids[start:end]
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
         """Appends generated tokens and hashes any block they complete."""
