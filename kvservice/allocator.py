@@ -263,7 +263,7 @@ class Allocator:
         return OpResult(request_id, OpStatus.NOT_FOUND, f"request {request_id!r} not found in pool {pool.pool_id!r}")
 
     def _session_full(self, session: Session, request_id: str) -> OpResult | None:
-        held = sum(len(keys) for keys in session.requests.values())
+        held = sum(map(len, session.requests.values()))
         if held < self.max_requests_per_session:
             return None
         return OpResult(request_id, OpStatus.RESOURCE_EXHAUSTED,
@@ -272,14 +272,14 @@ class Allocator:
 
     def _add(self, pool: Pool, session: Session, op: AddRequestOp) -> OpResult:
         tenant = session.tenant
-        key = request_key(tenant, op.request_id)
+        key = f"{tenant}{SEP}{op.request_id}" if tenant else op.request_id  # request_key, inline: per op
         if key in pool.requests:
             return OpResult(op.request_id, OpStatus.ALREADY_EXISTS,
                             f"request {op.request_id!r} already exists in pool {pool.pool_id!r}")
         full = self._session_full(session, op.request_id)
         if full is not None:
             return full
-        ns = namespace(tenant)
+        ns = namespace(tenant) if tenant else b""
         if op.block_hashes is not None:
             req = Request.from_block_hashes(key, op.block_hashes, op.num_tokens, pool.hash_block_size,
                                             lora_name=op.lora_name, namespace=ns)
@@ -339,7 +339,7 @@ class Allocator:
         tokens, computed = op.append_token_ids, op.num_computed_tokens
         budget, lookahead = op.num_new_tokens or 1, op.num_lookahead_tokens
         keys = [f"{tenant}{SEP}{r}" for r in op.request_ids] if tenant else op.request_ids
-        reqs = [requests.get(key) for key in keys]
+        reqs = list(map(requests.get, keys))
         batch, batch_reqs = self._batch_path(pool, tenant, keys, reqs)
         i = 0
         while i < n:

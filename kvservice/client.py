@@ -27,9 +27,18 @@ from kvservice.core import KVCacheConfig
 from kvservice.errors import KVServiceError, from_rpc_error
 from kvservice.hashing import DEFAULT_HASH_BLOCK_SIZE, DEFAULT_HASH_SEED, hash_prompt, spec_fingerprint
 from kvservice.ops import AddRequestOp, AllocateOp, ForkOp, FreeOp, Op, StepResult
-from kvservice.wire import decode_step_result, decode_tokens, encode_add, encode_config, encode_op, encode_tokens
+from kvservice.wire import (
+    decode_step_result,
+    decode_tokens,
+    encode_add,
+    encode_config,
+    encode_op,
+    encode_tokens,
+    serialize_step,
+)
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Allocator"].full_name
 
 
 @dataclass(slots=True)
@@ -117,6 +126,9 @@ class _Messages:
         else:
             self.channel = grpc_module.insecure_channel(target, options)
         self.stub = pb_grpc.AllocatorStub(self.channel)
+        # Step with the op-by-op serializer (see serialize_step): the same bytes, faster for big steps.
+        self.stub.Step = self.channel.unary_unary(f"/{SERVICE_NAME}/Step", request_serializer=serialize_step,
+                                                  response_deserializer=pb.StepResponse.FromString)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.client_name = client_name
         self.timeout_s = timeout_s

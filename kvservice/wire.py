@@ -10,6 +10,8 @@ import sys
 from array import array
 from collections.abc import Sequence
 
+import numpy as np
+
 from kvservice._proto import allocator_pb2 as pb
 from kvservice.core import (
     ChunkedLocalAttentionSpec,
@@ -63,6 +65,11 @@ def check_name(field: str, value: str) -> str | None:
     return value
 
 
+def max_u32(values: array) -> int:
+    """max() of a non-empty uint32 array; numpy's for long ones (no int object per element)."""
+    return int(np.frombuffer(values, dtype=np.uint32).max()) if len(values) >= 32 else max(values)
+
+
 def decode_tokens(field: str, data: bytes, vocab_size: int = 0) -> array:
     if len(data) % 4:
         raise InvalidArgument(field, f"<{len(data)} bytes>", "token ids are little-endian uint32: the length must "
@@ -71,7 +78,7 @@ def decode_tokens(field: str, data: bytes, vocab_size: int = 0) -> array:
     tokens.frombytes(data)
     if not _LITTLE:
         tokens.byteswap()
-    if vocab_size and tokens and max(tokens) >= vocab_size:
+    if vocab_size and tokens and max_u32(tokens) >= vocab_size:
         bad = next(i for i, t in enumerate(tokens) if t >= vocab_size)
         raise InvalidArgument(f"{field}[{bad}]", tokens[bad], f"token id out of range for vocab_size {vocab_size}")
     return tokens
@@ -184,7 +191,7 @@ def decode_ops(ops: Sequence[pb.Op], spec: PoolSpec, hash_block_size: int, field
         if kind == "allocate":
             append(decode_allocate(op.allocate, max_len, vocab, field, i))
         elif kind == "add":
-            append(decode_add(op.add, max_len, vocab, hash_block_size, f"{field}[{i}].add"))
+            append(decode_add(op.add, max_len, vocab, hash_block_size, field, i))
         elif kind == "decode":
             append(decode_batch(op.decode, max_len, vocab, f"{field}[{i}].decode"))
         elif kind == "free":
@@ -205,7 +212,7 @@ def ops_from_request(kind: str, request, spec: PoolSpec, hash_block_size: int) -
     if kind == "allocate":
         ops: list[Op] = []
         if request.HasField("add"):
-            ops.append(decode_add(request.add, spec.max_model_len, spec.vocab_size, hash_block_size, "add"))
+            ops.append(decode_add(request.add, spec.max_model_len, spec.vocab_size, hash_block_size, "add", None))
         if not request.HasField("allocate"):
             raise InvalidArgument("allocate", None, "required")
         ops.append(decode_allocate(request.allocate, spec.max_model_len, spec.vocab_size, "allocate"))
@@ -222,7 +229,27 @@ def ops_from_request(kind: str, request, spec: PoolSpec, hash_block_size: int) -
     raise ValueError(f"not a step kind: {kind!r}")
 
 
-def decode_add(a: pb.AddRequestOp, max_len: int, vocab: int, hash_block_size: int, field: str) -> AddRequestOp:
+def decode_add(a: pb.AddRequestOp, max_len: int, vocab: int, hash_block_size: int, field: str,
+               index: int | None) -> AddRequestOp:
+    """Validates one add op; `field` (with `index`: `field[index].add`) names it in errors, formatted only
+    then. The common case (token ids, short plain id and names, nothing multimodal) is checked inline;
+    anything else goes through `_decode_add_slow`, which decides with the full checks."""
+    request_id, data, salt, lora = a.request_id, a.token_ids, a.cache_salt, a.lora_name
+    num_tokens = len(data) >> 2
+    if (request_id and len(request_id) <= MAX_ID_BYTES // 4 and request_id.isprintable() and not len(data) & 3
+            and 0 < num_tokens <= max_len and a.num_tokens in (0, num_tokens) and not a.block_hashes
+            and not a.mm_items and len(salt) <= MAX_NAME_BYTES // 4 and len(lora) <= MAX_NAME_BYTES // 4):
+        tokens = array("I")
+        tokens.frombytes(data)
+        if not _LITTLE:
+            tokens.byteswap()
+        if not vocab or max_u32(tokens) < vocab:
+            return AddRequestOp(request_id, tokens, None, num_tokens, salt or None, lora or None)
+    return _decode_add_slow(a, max_len, vocab, hash_block_size, field if index is None else f"{field}[{index}].add")
+
+
+def _decode_add_slow(a: pb.AddRequestOp, max_len: int, vocab: int, hash_block_size: int,
+                     field: str) -> AddRequestOp:
     request_id = check_id(f"{field}.request_id", a.request_id)
     mm = tuple(MultiModalItem(check_id(f"{field}.mm_items[{j}].identifier", m.identifier), m.offset, m.length)
                for j, m in enumerate(a.mm_items))
@@ -273,7 +300,7 @@ def decode_allocate(a: pb.AllocateOp, max_len: int, vocab: int, field: str, inde
         tokens.frombytes(append_tokens)
         if not _LITTLE:
             tokens.byteswap()
-        if vocab and max(tokens) >= vocab:
+        if vocab and max_u32(tokens) >= vocab:
             return _decode_allocate_slow(a, max_len, vocab, field if index is None else f"{field}[{index}].allocate")
     return AllocateOp(request_id, computed, budget, tokens, None, 0, lookahead, a.delay_cache_blocks, a.allow_transfer)
 
@@ -308,14 +335,17 @@ def decode_batch(d: pb.DecodeBatchOp, max_len: int, vocab: int, field: str) -> D
     request_ids = list(d.request_ids)
     n = len(request_ids)
     check_count(f"{field}.request_ids", n, MAX_OPS_PER_STEP)
-    for j, rid in enumerate(request_ids):
-        if not rid or len(rid) > MAX_ID_BYTES // 4 or not rid.isprintable():
-            check_id(f"{field}.request_ids[{j}]", rid)
+    # Whole-list checks in C first; the loop (which names the bad entry) only when one fails.
+    if n and (not "".join(request_ids).isprintable() or "" in request_ids
+              or max(map(len, request_ids)) > MAX_ID_BYTES // 4):
+        for j, rid in enumerate(request_ids):
+            if not rid or len(rid) > MAX_ID_BYTES // 4 or not rid.isprintable():
+                check_id(f"{field}.request_ids[{j}]", rid)
     computed = decode_tokens(f"{field}.num_computed_tokens", d.num_computed_tokens)
     if len(computed) != n:
         raise InvalidArgument(f"{field}.num_computed_tokens", f"<{len(computed)} values>",
                               f"needs one uint32 per request ({n})")
-    if computed and max(computed) > max_len:
+    if computed and max_u32(computed) > max_len:
         j = next(j for j, c in enumerate(computed) if c > max_len)
         raise InvalidArgument(f"{field}.num_computed_tokens[{j}]", computed[j], f"exceeds max_model_len {max_len}")
     tokens = None
@@ -329,7 +359,9 @@ def decode_batch(d: pb.DecodeBatchOp, max_len: int, vocab: int, field: str) -> D
     if d.num_lookahead_tokens > max_len:
         raise InvalidArgument(f"{field}.num_lookahead_tokens", d.num_lookahead_tokens,
                               f"exceeds max_model_len {max_len}")
-    return DecodeBatchOp(request_ids, computed, tokens, d.num_new_tokens or 1, d.num_lookahead_tokens)
+    # Lists: the allocator reads every entry, and a list hands out its int objects, an array makes them.
+    return DecodeBatchOp(request_ids, computed.tolist(), None if tokens is None else tokens.tolist(),
+                         d.num_new_tokens or 1, d.num_lookahead_tokens)
 
 
 def encode_op(op: Op, msg: pb.Op) -> None:
@@ -379,21 +411,59 @@ def encode_add(op: AddRequestOp, a: pb.AddRequestOp) -> None:
         a.mm_items.add(identifier=m.identifier, offset=m.offset, length=m.length)
 
 
+_STEP_OPS_TAG = bytes([pb.StepRequest.DESCRIPTOR.fields_by_name["ops"].number << 3 | 2])  # length-delimited
+if [f.name for f in pb.StepRequest.DESCRIPTOR.fields] != ["session_id", "sequence", "pool_id", "ops"]:
+    raise RuntimeError("StepRequest changed: update serialize_step")  # it writes these fields itself
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def serialize_step(msg: pb.StepRequest) -> bytes:
+    """`msg.SerializeToString()`, byte for byte, assembled op by op: upb serializes a message past
+    ~128 KiB (an admission of 32 long prompts) ~10x slower than its parts, because its encode buffer
+    grows through glibc's heap top, which is trimmed and faulted in again on every call."""
+    ops = msg.ops
+    if len(ops) < 16:
+        return msg.SerializeToString()
+    parts = [pb.StepRequest(session_id=msg.session_id, sequence=msg.sequence, pool_id=msg.pool_id).SerializeToString()]
+    append = parts.append
+    for op in ops:
+        data = op.SerializeToString()
+        append(_STEP_OPS_TAG + _varint(len(data)) + data)
+    return b"".join(parts)
+
+
 # ---- results -------------------------------------------------------------------------------------
 def encode_step_result(result: StepResult, msg: pb.StepResponse) -> pb.StepResponse:
     """Groups' new block ids are sent only when some group got a block (decode steps mostly don't)."""
     msg.sequence = result.sequence
     add = msg.results.add
     for r in result.results:
-        m = add(status=r.status, request_id=r.request_id, num_computed_tokens=r.num_computed_tokens,
-                num_scheduled_tokens=r.num_scheduled_tokens, num_tokens=r.num_tokens)
+        # Fields one by one, zeros left unset (proto3: the same bytes): cheaper than keyword construction.
+        m = add()
+        m.request_id = r.request_id
+        if r.status:
+            m.status = r.status
         if r.message:
             m.message = r.message
+        if r.num_computed_tokens:
+            m.num_computed_tokens = r.num_computed_tokens
+        if r.num_scheduled_tokens:
+            m.num_scheduled_tokens = r.num_scheduled_tokens
+        if r.num_tokens:
+            m.num_tokens = r.num_tokens
         groups = r.new_block_ids
         if groups and (len(groups) > 1 or groups[0]):
             group_add = m.new_blocks.add
             for ids in groups:
-                group_add(block_ids=ids)
+                group_add().block_ids.extend(ids)
         for g, index, block_id in r.replaced:
             m.replaced.add(group=g, index=index, block_id=block_id)
         if r.transfer is not None:

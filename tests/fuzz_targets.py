@@ -19,6 +19,7 @@ calls since the last rebuild, so `history()` lists them and `replay` re-runs the
 
 from __future__ import annotations
 
+import inspect
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -122,7 +123,11 @@ def _auth(token: str | None) -> _Context:
 
 def call(servicer: AllocatorServicer, method: str, request, context: _Context):
     """The servicer's method body, driven to completion (with the null journal nothing awaits)."""
-    coro = getattr(AllocatorServicer, method).__wrapped__(servicer, request, context)
+    body = getattr(AllocatorServicer, method).__wrapped__
+    args = (servicer, request, context)
+    if "raw" in inspect.signature(body).parameters:  # a mutation: it also gets the bytes the WAL keeps
+        args += (request.SerializeToString(),)
+    coro = body(*args)
     try:
         coro.send(None)
     except StopIteration as stop:

@@ -128,6 +128,8 @@ class KVCacheCoordinator:
             m.free(request_id)
 
     def take_block_copies(self) -> list[tuple[int, int]]:
+        if not self.cow.pairs:  # the common step: nothing copied, nothing pinned
+            return []
         pairs, self.cow.pairs = self.cow.pairs, []
         self.cow.pins.clear()
         # The pins drop only now: a source whose holders all left returns to the free queue.

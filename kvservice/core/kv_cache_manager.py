@@ -221,12 +221,15 @@ class KVCacheManager:
             past max_model_len, nothing left to compute, a bad token): then nothing changed and
             `allocate_slots` decides, with its reasons.
         """
+        manager = self._single_full
+        if manager is None or request.request_id not in manager.num_cached_block:
+            return None  # not running (e.g. an admission): the general path, without building rows
         out = DecodeBatchOutput()
         if not self.allocate_running_batch((request,), (num_computed_tokens,), None if token is None else (token,),
                                            num_new_tokens, num_lookahead_tokens, 0, out):
             return None
         num_new = out.num_new_blocks[0]
-        return self.coordinator.managers[0].req_to_blocks[request.request_id][-num_new:] if num_new else []
+        return manager.req_to_blocks[request.request_id][-num_new:] if num_new else []
 
     def allocate_running_batch(self, requests: Sequence[Request | None], num_computed_tokens: Sequence[int],
                                token_ids: Sequence[int] | None, num_new_tokens: int, num_lookahead_tokens: int,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
+import inspect
 import logging
 import time
 import uuid
@@ -52,12 +53,13 @@ class NullJournal:
 
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Allocator"]
+_REQUEST_TYPES = {m.name: m.input_type._concrete_class for m in SERVICE.methods}
 
 
 def parse(name: str, raw: bytes):
     """Requests arrive as bytes (kept for the WAL) and are parsed here, so that undecodable input is an
     INVALID_ARGUMENT rather than gRPC's generic UNKNOWN."""
-    cls = SERVICE.methods_by_name[name].input_type._concrete_class
+    cls = _REQUEST_TYPES[name]
     try:
         return cls.FromString(raw)
     except Exception:
@@ -75,13 +77,16 @@ def freeze_long_lived() -> None:
 
 def rpc(method: Callable) -> Callable:
     """Parses the request, maps domain errors to gRPC statuses, times the call, and never lets a bug
-    crash the server."""
+    crash the server. A method with a `raw` parameter also gets the request's bytes (what the WAL keeps)."""
     name = method.__name__
+    takes_raw = "raw" in inspect.signature(method).parameters
 
     @functools.wraps(method)
     async def wrapper(self: AllocatorServicer, raw: bytes, context: grpc.aio.ServicerContext):
         start = time.perf_counter()
         try:
+            if takes_raw:
+                return await method(self, parse(name, raw), context, raw)
             return await method(self, parse(name, raw), context)
         except KVServiceError as exc:
             self.metrics.rejected.labels(name, exc.code.name).inc()
@@ -163,7 +168,7 @@ class AllocatorServicer:
 
     # ---- pools ---------------------------------------------------------------------------------
     @rpc
-    async def RegisterPool(self, request: pb.RegisterPoolRequest, context) -> pb.RegisterPoolResponse:
+    async def RegisterPool(self, request: pb.RegisterPoolRequest, context, raw: bytes) -> pb.RegisterPoolResponse:
         session = self._session(context, request.session_id)
         self._check_sequence(request.sequence)
         stored = self.allocator.sessions.check_sequence(session, request.sequence)
@@ -172,7 +177,7 @@ class AllocatorServicer:
             self.journal.check_writable()
             stored = self.allocator.register_pool(session, request.sequence, spec, request.hash_fingerprint,
                                                   admin=self.auth.of(context).admin)
-            await self.journal.record("register_pool", session_id=session.session_id, request=request)
+            await self.journal.record("register_pool", session_id=session.session_id, request=raw)
             if stored.new_epoch:
                 freeze_long_lived()
         if not isinstance(stored, RegisterResult):
@@ -184,7 +189,7 @@ class AllocatorServicer:
                                        scheduler_block_size=r.scheduler_block_size)
 
     # ---- steps ---------------------------------------------------------------------------------
-    async def _apply(self, context, request, kind: str) -> pb.StepResponse:
+    async def _apply(self, context, request, raw: bytes, kind: str) -> pb.StepResponse:
         session = self._session(context, request.session_id)
         self._check_sequence(request.sequence)
         stored = self.allocator.sessions.check_sequence(session, request.sequence)
@@ -193,30 +198,30 @@ class AllocatorServicer:
             ops = ops_from_request(kind, request, pool.spec, self.allocator.hash_block_size)
             self.journal.check_writable()
             stored = self.allocator.step(session, request.sequence, pool, ops)
-            await self.journal.record(kind, session_id=session.session_id, request=request)
+            await self.journal.record(kind, session_id=session.session_id, request=raw)
             self.metrics.count_outcomes(stored.results)
         if not isinstance(stored, StepResult):
             raise InvalidArgument("sequence", request.sequence, "this sequence was applied by another RPC kind")
         return encode_step_result(stored, pb.StepResponse())
 
     @rpc
-    async def Step(self, request: pb.StepRequest, context) -> pb.StepResponse:
-        return await self._apply(context, request, "step")
+    async def Step(self, request: pb.StepRequest, context, raw: bytes) -> pb.StepResponse:
+        return await self._apply(context, request, raw, "step")
 
     @rpc
-    async def Allocate(self, request: pb.AllocateRequest, context) -> pb.StepResponse:
-        return await self._apply(context, request, "allocate")
+    async def Allocate(self, request: pb.AllocateRequest, context, raw: bytes) -> pb.StepResponse:
+        return await self._apply(context, request, raw, "allocate")
 
     @rpc
-    async def Free(self, request: pb.FreeRequest, context) -> pb.StepResponse:
-        return await self._apply(context, request, "free")
+    async def Free(self, request: pb.FreeRequest, context, raw: bytes) -> pb.StepResponse:
+        return await self._apply(context, request, raw, "free")
 
     @rpc
-    async def Fork(self, request: pb.ForkRequest, context) -> pb.StepResponse:
-        return await self._apply(context, request, "fork")
+    async def Fork(self, request: pb.ForkRequest, context, raw: bytes) -> pb.StepResponse:
+        return await self._apply(context, request, raw, "fork")
 
     @rpc
-    async def CommitTransfer(self, request: pb.CommitTransferRequest, context) -> pb.StepResponse:
+    async def CommitTransfer(self, request: pb.CommitTransferRequest, context, raw: bytes) -> pb.StepResponse:
         session = self._session(context, request.session_id)
         self._check_sequence(request.sequence)
         stored = self.allocator.sessions.check_sequence(session, request.sequence)
@@ -225,7 +230,7 @@ class AllocatorServicer:
             transfer_id = check_id("transfer_id", request.transfer_id)
             self.journal.check_writable()
             stored = self.allocator.commit_transfer(session, request.sequence, pool, transfer_id, request.abort)
-            await self.journal.record("commit_transfer", session_id=session.session_id, request=request)
+            await self.journal.record("commit_transfer", session_id=session.session_id, request=raw)
         if not isinstance(stored, StepResult):
             raise InvalidArgument("sequence", request.sequence, "this sequence was applied by another RPC kind")
         return encode_step_result(stored, pb.StepResponse())

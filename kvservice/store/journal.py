@@ -102,14 +102,13 @@ class PersistentJournal:
             raise Unavailable("persistence is unavailable (Redis is down) and --require-persistence is set; "
                               "retry when it is back")
 
-    async def record(self, kind: str, *, session_id: str = "", request=None, tenant: str = "",
+    async def record(self, kind: str, *, session_id: str = "", request: bytes = b"", tenant: str = "",
                      client_name: str = "", session_ids=(), pool_ids=()) -> None:
-        """Logs one applied mutation; returns once it is in Redis (or, degraded, at once). Must be
-        called right after the mutation, before any await, so the WAL order is the apply order."""
+        """Logs one applied mutation (`request`: the RPC's request as it arrived); returns once it is in
+        Redis (or, degraded, at once). Must be called right after the mutation, before any await, so the
+        WAL order is the apply order."""
         entry = st.WalEntry(kind=kind, session_id=session_id, tenant=tenant, client_name=client_name,
-                            session_ids=session_ids, pool_ids=pool_ids)
-        if request is not None:
-            entry.request = request.SerializeToString()
+                            session_ids=session_ids, pool_ids=pool_ids, request=request)
         raw = entry.SerializeToString()
         if self.state == "degraded":
             return  # acknowledged from memory; the resync snapshot will cover it

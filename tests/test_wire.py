@@ -1,0 +1,120 @@
+"""Protobuf <-> domain translation: the hot paths equal their plain definitions.
+
+`serialize_step` must give `SerializeToString()`'s bytes; the inline checks of `decode_add` and
+`decode_batch` must accept, reject and name exactly what the full checks do.
+"""
+
+from array import array
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvservice._proto import allocator_pb2 as pb
+from kvservice.errors import InvalidArgument
+from kvservice.ops import AddRequestOp, AllocateOp, DecodeBatchOp, ForkOp, FreeOp
+from kvservice.wire import _decode_add_slow, check_id, decode_add, decode_batch, encode_op, serialize_step
+
+MAX_LEN, VOCAB, HASH_BS = 64, 1000, 16
+
+
+def outcome(fn, *args):
+    try:
+        return fn(*args)
+    except InvalidArgument as exc:
+        return ("InvalidArgument", str(exc))
+
+
+@given(st.lists(st.sampled_from(["add", "allocate", "decode", "free", "fork"]), max_size=40),
+       st.integers(1, 9000), st.text(max_size=5), st.integers(0, 2**64 - 1))
+def test_serialize_step_equals_serialize_to_string(kinds, prompt_len, pool_id, sequence):
+    msg = pb.StepRequest(session_id="s" * 32, sequence=sequence, pool_id=pool_id)
+    for i, kind in enumerate(kinds):
+        op = {"add": AddRequestOp(f"r{i}", token_ids=list(range(prompt_len))),
+              "allocate": AllocateOp(f"r{i}", num_computed_tokens=i, num_new_tokens=prompt_len),
+              "decode": DecodeBatchOp([f"r{j}" for j in range(i)], list(range(i)), list(range(i))),
+              "free": FreeOp(f"r{i}"), "fork": ForkOp(f"r{i}", f"c{i}")}[kind]
+        encode_op(op, msg.ops.add())
+    assert serialize_step(msg) == msg.SerializeToString()
+
+
+def test_serialize_step_of_a_large_admission():
+    msg = pb.StepRequest(session_id="s", sequence=300, pool_id="p")
+    for i in range(32):  # 32 x 1,024 tokens: past the 128 KiB where upb's own serializer slows down
+        encode_op(AddRequestOp(f"a{i}", token_ids=list(range(i, i + 1024))), msg.ops.add())
+        encode_op(AllocateOp(f"a{i}", num_new_tokens=1024), msg.ops.add())
+    data = serialize_step(msg)
+    assert len(data) > 128 * 1024 and data == msg.SerializeToString()
+    assert pb.StepRequest.FromString(data) == msg
+
+
+EDGE_IDS = ["", "r", "x" * 64, "x" * 65, "x" * 257, "a\x00b", "a\x1fb", "\n", "é" * 64, "é" * 100, "é" * 129,
+            "🙂" * 64, "🙂" * 65]
+EDGE_NAMES = ["", "s", "é" * 64, "é" * 65, "é" * 129, "x" * 257, "🙂" * 64, "🙂" * 65]
+IDS = st.one_of(st.sampled_from(EDGE_IDS), st.text(max_size=8))
+NAMES = st.one_of(st.sampled_from(EDGE_NAMES), st.text(max_size=4))
+TOKENS = st.one_of(st.lists(st.integers(0, 1200), min_size=1, max_size=70).map(lambda t: array("I", t).tobytes()),
+                   st.sampled_from([b"", b"\x01", b"\x01\x00\x00\x00\x02"]))
+
+
+def check_add(a: pb.AddRequestOp, vocab: int) -> None:
+    fast = outcome(decode_add, a, MAX_LEN, vocab, HASH_BS, "ops", 3)
+    assert fast == outcome(_decode_add_slow, a, MAX_LEN, vocab, HASH_BS, "ops[3].add")
+    if isinstance(fast, AddRequestOp) and fast.token_ids is not None:
+        assert fast.token_ids.tolist() == array("I", a.token_ids).tolist()
+
+
+@given(IDS, TOKENS, NAMES, NAMES, st.sampled_from([0, 0, 0, 5, 16, 80, None]), st.sampled_from([False] * 3 + [True]),
+       st.sampled_from([False] * 3 + [True]), st.sampled_from([0, VOCAB]))
+def test_decode_add_inline_checks_equal_the_full_checks(request_id, tokens, salt, lora, num_tokens, with_hashes,
+                                                        with_mm, vocab):
+    n = len(tokens) // 4 if num_tokens is None else num_tokens  # None: the matching count
+    a = pb.AddRequestOp(request_id=request_id, token_ids=tokens, cache_salt=salt, lora_name=lora, num_tokens=n)
+    if with_hashes:
+        a.block_hashes = bytes(16 * (n // HASH_BS))
+    if with_mm:
+        a.mm_items.add(identifier="img", offset=0, length=2)
+    check_add(a, vocab)
+
+
+def test_decode_add_edge_ids_and_names():
+    tokens = array("I", range(20)).tobytes()
+    for request_id in EDGE_IDS:
+        for salt in EDGE_NAMES:
+            check_add(pb.AddRequestOp(request_id=request_id, token_ids=tokens, cache_salt=salt), VOCAB)
+            check_add(pb.AddRequestOp(request_id=request_id, token_ids=tokens, lora_name=salt), 0)
+    for num_tokens in (0, 19, 20, 21, 64, 65):
+        for n in (19, 20, 64, 65):
+            tokens = array("I", range(n)).tobytes()
+            check_add(pb.AddRequestOp(request_id="r", token_ids=tokens, num_tokens=num_tokens), 0)
+    for bad in ((1000,), (999, 1000), (2**32 - 1,)):
+        check_add(pb.AddRequestOp(request_id="r", token_ids=array("I", [1] * 40 + list(bad)).tobytes()), VOCAB)
+
+
+@given(st.lists(IDS, max_size=40))
+def test_decode_batch_rejects_the_first_bad_id_by_name(request_ids):
+    d = pb.DecodeBatchOp(request_ids=request_ids, num_computed_tokens=array("I", [1] * len(request_ids)).tobytes())
+    expected = None
+    for j, rid in enumerate(request_ids):
+        try:
+            check_id(f"ops[0].decode.request_ids[{j}]", rid)
+        except InvalidArgument as exc:
+            expected = ("InvalidArgument", str(exc))
+            break
+    got = outcome(decode_batch, d, MAX_LEN, 0, "ops[0].decode")
+    if expected is not None:
+        assert got == expected
+    else:
+        assert isinstance(got, DecodeBatchOp) and got.request_ids == request_ids
+
+
+@pytest.mark.parametrize("values", [[5] * 31 + [65], [5] * 40 + [65], [65] + [5] * 40, [64] * 50])
+def test_decode_batch_bounds_num_computed_tokens(values):
+    d = pb.DecodeBatchOp(request_ids=[f"r{i}" for i in range(len(values))],
+                         num_computed_tokens=array("I", values).tobytes())
+    got = outcome(decode_batch, d, MAX_LEN, 0, "f")
+    if max(values) > MAX_LEN:
+        j = next(j for j, v in enumerate(values) if v > MAX_LEN)
+        assert got == ("InvalidArgument", f"f.num_computed_tokens[{j}] = 65: exceeds max_model_len {MAX_LEN}")
+    else:
+        assert got.num_computed_tokens == values
