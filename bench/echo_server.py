@@ -9,9 +9,9 @@ bytes.
 Step and applies its ops straight to in-process `KVCacheManager`s (one per pool id), through the same core
 entry points the allocator uses (the batch decode path for a DecodeBatchOp, `allocate_running` then
 `allocate_slots` for an allocate op, `get_computed_blocks` + `allocate_slots` + the whole table for an
-admission), and replies with `response_size` bytes. None of the service's own work (validation, sessions,
-leases, tenancy, the event log, metrics, reply encoding): the difference between a Step and this is
-what the service adds, measured in a server process like the Step itself.
+admission, an AdmitBatchOp's entries included), and replies with `response_size` bytes. None of the
+service's own work (validation, sessions, leases, tenancy, the event log, metrics, reply encoding): the
+difference between a Step and this is what the service adds, measured in a server process like the Step.
 """
 
 from __future__ import annotations
@@ -65,6 +65,14 @@ class BareCore:
                 batch = [reqs[r] for r in d.request_ids]
                 computed, tokens = tokens_of(d.num_computed_tokens).tolist(), tokens_of(d.append_token_ids).tolist()
                 m.allocate_running_batch(batch, computed, tokens, d.num_new_tokens or 1, 0, 0, DecodeBatchOutput())
+            elif kind == "admit":
+                a, start = op.admit, 0
+                tokens, lengths = tokens_of(a.token_ids), tokens_of(a.num_prompt_tokens)
+                budgets = tokens_of(a.num_new_tokens) if a.num_new_tokens else lengths
+                for rid, length, budget in zip(a.request_ids, lengths, budgets):
+                    r = reqs[rid] = Request(rid, tokens[start:start + length], self.block_size)
+                    start += length
+                    self.admit(m, r, budget)
             elif kind == "free":
                 m.free(reqs.pop(op.free.request_id))
         m.take_block_copies()
@@ -80,8 +88,12 @@ class BareCore:
                 r.num_computed_tokens = a.num_computed_tokens
                 m.allocate_slots(r, min(a.num_new_tokens, r.num_tokens - a.num_computed_tokens))
             return
+        BareCore.admit(m, r, a.num_new_tokens)
+
+    @staticmethod
+    def admit(m: KVCacheManager, r: Request, budget: int) -> None:
         hits, num_hit = m.get_computed_blocks(r)
-        m.allocate_slots(r, min(a.num_new_tokens, r.num_tokens - num_hit), num_hit, hits)
+        m.allocate_slots(r, min(budget, r.num_tokens - num_hit), num_hit, hits)
         r.num_computed_tokens = num_hit
         m.get_block_ids(r.request_id)  # an admission answers with the whole table
 

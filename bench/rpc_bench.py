@@ -37,8 +37,8 @@ from kvservice._proto import allocator_pb2 as pb  # noqa: E402
 from kvservice.client import KVServiceClient  # noqa: E402
 from kvservice.core import FullAttentionSpec, KVCacheConfig, KVCacheManager, Request  # noqa: E402
 from kvservice.core.kv_cache_manager import DecodeBatchOutput  # noqa: E402
-from kvservice.ops import AddRequestOp, AllocateOp, DecodeBatchOp, FreeOp  # noqa: E402
-from kvservice.wire import serialize_step  # noqa: E402
+from kvservice.ops import AddRequestOp, AdmitBatchOp, AllocateOp, DecodeBatchOp, FreeOp  # noqa: E402
+from kvservice.wire import decode_tokens, serialize_step  # noqa: E402
 
 BS = 16
 DECODE_REQS = 256
@@ -176,16 +176,27 @@ class RpcDecode:
         return self.bare(self.msg, self.sizes[1])
 
 
-def rpc_admit(client: KVServiceClient, bare: BareCore, prompts, s: int) -> tuple[float, float, int, tuple[int, int]]:
-    """(Step seconds, bare core seconds, blocks allocated, message sizes) of one admission, then frees."""
-    ops = []
-    for i, p in enumerate(prompts):
-        ops += [AddRequestOp(f"a{s}-{i}", token_ids=p), AllocateOp(f"a{s}-{i}", num_new_tokens=len(p))]
-    msg = client.step_msg("admit", ops)
+def rpc_admit(client: KVServiceClient, bare: BareCore, prompts, s: int,
+              packed: bool) -> tuple[float, float, int, tuple[int, int]]:
+    """(Step seconds, bare core seconds, blocks allocated, message sizes) of one admission, as 32
+    AddRequestOp + AllocateOp pairs or one AdmitBatchOp (each in a pool of its own), then frees."""
+    pool_id, ids = ("admit-packed", [f"p{s}-{i}" for i in range(len(prompts))]) if packed else \
+        ("admit", [f"a{s}-{i}" for i in range(len(prompts))])
+    if packed:
+        ops = [AdmitBatchOp(ids, prompts)]
+    else:
+        ops = [op for rid, p in zip(ids, prompts) for op in (AddRequestOp(rid, token_ids=p),
+                                                             AllocateOp(rid, num_new_tokens=len(p)))]
+    msg = client.step_msg(pool_id, ops)
     elapsed, reply = timed_step(client, msg)
     # An admission's reply holds the whole table: the blocks it allocated are those past the hit.
-    blocks = sum(len(g.block_ids) - r.num_computed_tokens // BS for r in reply.results for g in r.new_blocks)
-    free = client.step_msg("admit", [FreeOp(f"a{s}-{i}") for i in range(len(prompts))])
+    if packed:
+        b = reply.results[0].batch
+        assert b.statuses == bytes(len(ids)), b
+        blocks = len(b.new_block_ids) // 4 - sum(decode_tokens("c", b.num_computed_tokens)) // BS
+    else:
+        blocks = sum(len(g.block_ids) - r.num_computed_tokens // BS for r in reply.results for g in r.new_blocks)
+    free = client.step_msg(pool_id, [FreeOp(rid) for rid in ids])
     timed_step(client, free)
     sizes = (len(serialize_step(msg)), reply.ByteSize())
     bare_elapsed = bare(msg, sizes[1])
@@ -284,22 +295,25 @@ def main() -> int:
                 series["bare"].append(rpc.bare_step())
                 series["echo"].append(echo(rpc.sizes))
             progress(s + 1)
-        client.register_pool("admit", KVCacheConfig(NUM_BLOCKS, [FullAttentionSpec(BS)]), MAX_LEN)
+        for pool_id in ("admit", "admit-packed"):
+            client.register_pool(pool_id, KVCacheConfig(NUM_BLOCKS, [FullAttentionSpec(BS)]), MAX_LEN)
         core_m = new_manager()
-        adm = {k: [] for k in ("core", "rpc", "echo", "bare")}
+        adm, adm_packed = {k: [] for k in ("core", "rpc", "echo", "bare")}, {k: [] for k in ("core", "rpc", "echo",
+                                                                                               "bare")}
         core_blocks = rpc_blocks = 0
-        progress = Progress("admission steps (in-process, RPC, echo, bare core)", admit_steps)
+        progress = Progress("admission steps (in-process, RPC as pairs and packed, echoes, bare core)", admit_steps)
         prompt_rng = random.Random(2)
         for s in range(admit_steps):
             batch_prompts = admit_prompts(prompt_rng, prefix, s)
             core_t, n = core_admit(core_m, batch_prompts, s)
             core_blocks += n
-            rpc_t, bare_t, n, sizes = rpc_admit(client, bare, batch_prompts, s)
-            rpc_blocks += n
-            adm["core"].append(core_t)
-            adm["rpc"].append(rpc_t)
-            adm["bare"].append(bare_t)
-            adm["echo"].append(echo(sizes))
+            for series, packed_op in ((adm, False), (adm_packed, True)):
+                rpc_t, bare_t, n, sizes = rpc_admit(client, bare, batch_prompts, s, packed_op)
+                rpc_blocks += n * (not packed_op)
+                series["core"].append(core_t)
+                series["rpc"].append(rpc_t)
+                series["bare"].append(bare_t)
+                series["echo"].append(echo(sizes))
             progress(s + 1)
         client.close()
     finally:
@@ -313,9 +327,12 @@ def main() -> int:
                   {"request_bytes": packed.sizes[0], "response_bytes": packed.sizes[1]}),
         summarize("decode: 256 requests x 1 token (256 AllocateOps)", ops,
                   {"request_bytes": unpacked.sizes[0], "response_bytes": unpacked.sizes[1]}),
-        summarize("admission: 32 x 1,024-token prompts", adm,
+        summarize("admission: 32 x 1,024-token prompts (32 AddRequestOp + AllocateOp pairs)", adm,
                   {"blocks_per_s": rpc_blocks / sum(adm["rpc"]),
                    "inprocess_blocks_per_s": core_blocks / sum(adm["core"])}),
+        summarize("admission: 32 x 1,024-token prompts (AdmitBatchOp)", adm_packed,
+                  {"blocks_per_s": rpc_blocks / sum(adm_packed["rpc"]),
+                   "inprocess_blocks_per_s": core_blocks / sum(adm_packed["core"])}),
     ]
     print()
     yes = {True: "yes", False: "NO", None: "-"}
@@ -329,8 +346,8 @@ def main() -> int:
     print("target: Step p50 <= echo p50 + 1.2 x in-process p50 (in-process: a scheduler calling the core per "
           "request; batch: the core's batch decode path). bare core server: the same Step applied to the same "
           "core calls behind a bare grpc.aio handler; service adds = (Step - bare core) / in-process.")
-    print(f"admission: {rows[2]['blocks_per_s']:,.0f} block allocations/s over gRPC "
-          f"({rows[2]['inprocess_blocks_per_s']:,.0f}/s in-process)")
+    print(f"admission: {rows[2]['blocks_per_s']:,.0f} block allocations/s over gRPC as pairs, "
+          f"{rows[3]['blocks_per_s']:,.0f}/s packed ({rows[2]['inprocess_blocks_per_s']:,.0f}/s in-process)")
     path = write_json("rpc", {"steps": args.steps, "server_args": args.server_args, "rows": rows})
     bar_plot("rpc", "Step p50 latency (ms): gRPC vs in-process core vs bare baselines", [r["workload"] for r in rows],
              {"Step over gRPC": [r["rpc_p50_ms"] for r in rows],

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 from kvservice.core import AllBlocksCleared, KVCacheBlocks, Request
 from kvservice.core.invariants import InvariantError, check_invariants
@@ -18,6 +19,7 @@ from kvservice.eventlog import EventLog
 from kvservice.hashing import DEFAULT_HASH_BLOCK_SIZE, DEFAULT_HASH_SEED, hash_prompt, spec_fingerprint
 from kvservice.ops import (
     AddRequestOp,
+    AdmitBatchOp,
     AllocateOp,
     DecodeBatchOp,
     DecodeBatchResult,
@@ -238,6 +240,8 @@ class Allocator:
                 results.append(self._add(pool, session, op))
             elif isinstance(op, DecodeBatchOp):
                 results.append(self._decode_batch(pool, session, op))
+            elif isinstance(op, AdmitBatchOp):
+                results.append(self._admit_batch(pool, session, op))
             elif isinstance(op, FreeOp):
                 results.append(self._free_op(pool, session, op))
             else:
@@ -273,12 +277,9 @@ class Allocator:
     def _add(self, pool: Pool, session: Session, op: AddRequestOp) -> OpResult:
         tenant = session.tenant
         key = f"{tenant}{SEP}{op.request_id}" if tenant else op.request_id  # request_key, inline: per op
-        if key in pool.requests:
-            return OpResult(op.request_id, OpStatus.ALREADY_EXISTS,
-                            f"request {op.request_id!r} already exists in pool {pool.pool_id!r}")
-        full = self._session_full(session, op.request_id)
-        if full is not None:
-            return full
+        refused = self._refuse_add(pool, session, key, op.request_id)
+        if refused is not None:
+            return refused
         ns = namespace(tenant) if tenant else b""
         if op.block_hashes is not None:
             req = Request.from_block_hashes(key, op.block_hashes, op.num_tokens, pool.hash_block_size,
@@ -286,11 +287,23 @@ class Allocator:
         else:
             req = Request(key, op.token_ids, pool.hash_block_size, op.cache_salt, op.lora_name, self.hash_seed,
                           mm_items=op.mm_items, namespace=ns)
+        self._track(pool, session, key, req)
+        return OpResult(op.request_id, num_tokens=req.num_tokens)
+
+    def _refuse_add(self, pool: Pool, session: Session, key: str, request_id: str) -> OpResult | None:
+        """Why a request cannot be added (ALREADY_EXISTS, the session's limit), or None."""
+        if key in pool.requests:
+            return OpResult(request_id, OpStatus.ALREADY_EXISTS,
+                            f"request {request_id!r} already exists in pool {pool.pool_id!r}")
+        return self._session_full(session, request_id)
+
+    @staticmethod
+    def _track(pool: Pool, session: Session, key: str, req: Request) -> None:
+        """A new request of the pool, owned by the session."""
         pool.requests[key] = req
         pool.owner[key] = session.session_id
         pool.tombstones.pop(key, None)
         session.own(pool.pool_id, key)
-        return OpResult(op.request_id, num_tokens=req.num_tokens)
 
     def _allocate(self, pool: Pool, session: Session, op: AllocateOp) -> OpResult:
         tenant = session.tenant
@@ -373,6 +386,53 @@ class Allocator:
             i += 1
         result = DecodeBatchResult(bytes(statuses), out.num_new_blocks, out.new_block_ids, out.num_computed,
                                    out.num_scheduled, failures, num_groups, replaced)
+        return OpResult("", OpStatus.OK, "", (), 0, 0, 0, None, result)
+
+    def _admit_batch(self, pool: Pool, session: Session, op: AdmitBatchOp) -> OpResult:
+        """Entry i is exactly AddRequestOp and, when that added the request, AllocateOp, through the
+        steps those take for a new request (`_refuse_add`, `_track`, `_schedule`); outcomes are packed,
+        each admitted request's whole table in the new blocks."""
+        tenant = session.tenant
+        ns = namespace(tenant) if tenant else b""
+        n = len(op.request_ids)
+        statuses = bytearray(n)
+        out = DecodeBatchOutput()
+        counts, ids, computed, scheduled = out.num_new_blocks, out.new_block_ids, out.num_computed, out.num_scheduled
+        failures: list[OpResult] = []
+        replaced: list[tuple[int, int, int, int]] = []
+        num_groups = len(pool.spec.config.groups)
+        budgets, salts, loras, lookahead = op.num_new_tokens, op.cache_salts, op.lora_names, op.num_lookahead_tokens
+        block_id = attrgetter("block_id")
+        for i, request_id in enumerate(op.request_ids):
+            key = f"{tenant}{SEP}{request_id}" if tenant else request_id
+            failure = self._refuse_add(pool, session, key, request_id)
+            if failure is None:
+                prompt = op.prompts[i]
+                req = Request(key, prompt, pool.hash_block_size, salts[i] if salts else None,
+                              loras[i] if loras else None, self.hash_seed, namespace=ns)
+                self._track(pool, session, key, req)
+                status, message, new, start, num_new, _ = self._schedule(
+                    pool, session, key, req, 0, len(prompt) if budgets is None else budgets[i], None, None, 0,
+                    lookahead, False, False)
+                if new is None:
+                    failure = OpResult(request_id, status, message, (), start, num_new, req.num_tokens)
+            if failure is not None:
+                statuses[i] = failure.status
+                failures.append(failure)
+                counts.extend([0] * num_groups)
+                computed.append(failure.num_computed_tokens)
+                scheduled.append(failure.num_scheduled_tokens)
+                continue
+            groups = new.blocks
+            for g in range(num_groups):
+                table = groups[g] if g < len(groups) else ()  # nothing scheduled: one empty group
+                counts.append(len(table))
+                ids.extend(map(block_id, table))
+            for g, index, new_id in new.replaced:
+                replaced.append((i, g, index, new_id))
+            computed.append(start)
+            scheduled.append(num_new)
+        result = DecodeBatchResult(bytes(statuses), counts, ids, computed, scheduled, failures, num_groups, replaced)
         return OpResult("", OpStatus.OK, "", (), 0, 0, 0, None, result)
 
     def _batch_path(self, pool: Pool, tenant: str, keys: Sequence[str], reqs: list[Request | None]):

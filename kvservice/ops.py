@@ -75,7 +75,22 @@ class DecodeBatchOp:
     num_lookahead_tokens: int = 0
 
 
-Op = AddRequestOp | AllocateOp | ForkOp | FreeOp | DecodeBatchOp
+@dataclass(slots=True)
+class AdmitBatchOp:
+    """Waiting requests added and scheduled together, packed: entry i is
+    AddRequestOp(request_ids[i], prompts[i], cache_salt=cache_salts[i], lora_name=lora_names[i]) and, when
+    that added the request, AllocateOp(request_ids[i], num_new_tokens=num_new_tokens[i], num_lookahead_tokens).
+    None for num_new_tokens: each whole prompt; for cache_salts / lora_names: none."""
+
+    request_ids: list[str]
+    prompts: list[array | list[int]]
+    num_new_tokens: list[int] | None = None
+    num_lookahead_tokens: int = 0
+    cache_salts: list[str | None] | None = None
+    lora_names: list[str | None] | None = None
+
+
+Op = AddRequestOp | AllocateOp | ForkOp | FreeOp | DecodeBatchOp | AdmitBatchOp
 
 
 @dataclass(slots=True)
@@ -92,7 +107,8 @@ class TransferOrder:
 
 @dataclass(slots=True)
 class DecodeBatchResult:
-    """Packed per-request outcomes of a DecodeBatchOp."""
+    """Packed per-request outcomes of a DecodeBatchOp or an AdmitBatchOp (whose new blocks are each
+    admitted request's whole table)."""
 
     statuses: bytes
     num_new_blocks: array  # uint32 per (request, group), row-major

@@ -24,6 +24,7 @@ from kvservice.errors import InvalidArgument
 from kvservice.hashing import HASH_BYTES, MultiModalItem
 from kvservice.ops import (
     AddRequestOp,
+    AdmitBatchOp,
     AllocateOp,
     DecodeBatchOp,
     DecodeBatchResult,
@@ -194,6 +195,8 @@ def decode_ops(ops: Sequence[pb.Op], spec: PoolSpec, hash_block_size: int, field
             append(decode_add(op.add, max_len, vocab, hash_block_size, field, i))
         elif kind == "decode":
             append(decode_batch(op.decode, max_len, vocab, f"{field}[{i}].decode"))
+        elif kind == "admit":
+            append(decode_admit(op.admit, max_len, vocab, f"{field}[{i}].admit"))
         elif kind == "free":
             append(FreeOp(check_id(f"{field}[{i}].free.request_id", op.free.request_id)))
         elif kind == "fork":
@@ -201,7 +204,7 @@ def decode_ops(ops: Sequence[pb.Op], spec: PoolSpec, hash_block_size: int, field
             append(ForkOp(check_id(f"{field}[{i}].fork.parent_request_id", f.parent_request_id),
                           check_id(f"{field}[{i}].fork.child_request_id", f.child_request_id)))
         else:
-            raise InvalidArgument(f"{field}[{i}]", "{}", "set one of add, allocate, decode, fork, free")
+            raise InvalidArgument(f"{field}[{i}]", "{}", "set one of add, allocate, decode, admit, fork, free")
     return out
 
 
@@ -331,23 +334,44 @@ def _decode_allocate_slow(a: pb.AllocateOp, max_len: int, vocab: int, field: str
                       a.num_lookahead_tokens, a.delay_cache_blocks, a.allow_transfer)
 
 
-def decode_batch(d: pb.DecodeBatchOp, max_len: int, vocab: int, field: str) -> DecodeBatchOp:
-    request_ids = list(d.request_ids)
-    n = len(request_ids)
-    check_count(f"{field}.request_ids", n, MAX_OPS_PER_STEP)
-    # Whole-list checks in C first; the loop (which names the bad entry) only when one fails.
-    if n and (not "".join(request_ids).isprintable() or "" in request_ids
-              or max(map(len, request_ids)) > MAX_ID_BYTES // 4):
+def check_ids(field: str, request_ids: list[str]) -> list[str]:
+    """check_id of every entry: whole-list checks in C first, the loop (which names the bad entry) only
+    when one fails."""
+    check_count(field, len(request_ids), MAX_OPS_PER_STEP)
+    if request_ids and (not "".join(request_ids).isprintable() or "" in request_ids
+                        or max(map(len, request_ids)) > MAX_ID_BYTES // 4):
         for j, rid in enumerate(request_ids):
             if not rid or len(rid) > MAX_ID_BYTES // 4 or not rid.isprintable():
-                check_id(f"{field}.request_ids[{j}]", rid)
-    computed = decode_tokens(f"{field}.num_computed_tokens", d.num_computed_tokens)
-    if len(computed) != n:
-        raise InvalidArgument(f"{field}.num_computed_tokens", f"<{len(computed)} values>",
-                              f"needs one uint32 per request ({n})")
-    if computed and max_u32(computed) > max_len:
-        j = next(j for j, c in enumerate(computed) if c > max_len)
-        raise InvalidArgument(f"{field}.num_computed_tokens[{j}]", computed[j], f"exceeds max_model_len {max_len}")
+                check_id(f"{field}[{j}]", rid)
+    return request_ids
+
+
+def decode_counts(field: str, data: bytes, n: int, limit: int, minimum: int = 0, what: str = "") -> array:
+    """One uint32 per request, each in [minimum, limit] (`what` names the limit in errors)."""
+    values = decode_tokens(field, data)
+    if len(values) != n:
+        raise InvalidArgument(field, f"<{len(values)} values>", f"needs one uint32 per request ({n})")
+    if values and (max_u32(values) > limit or (minimum and min(values) < minimum)):
+        j = next(j for j, v in enumerate(values) if not minimum <= v <= limit)
+        bound = f"is below {minimum}" if values[j] < minimum else f"exceeds {what or limit}"
+        raise InvalidArgument(f"{field}[{j}]", values[j], bound)
+    return values
+
+
+def check_names(field: str, names, n: int) -> list[str | None] | None:
+    """Per-request names: none at all, or one per request (empty: none for that one)."""
+    if not names:
+        return None
+    if len(names) != n:
+        raise InvalidArgument(field, f"<{len(names)} names>", f"give none or one per request ({n})")
+    return [check_name(f"{field}[{j}]", name) for j, name in enumerate(names)]
+
+
+def decode_batch(d: pb.DecodeBatchOp, max_len: int, vocab: int, field: str) -> DecodeBatchOp:
+    request_ids = check_ids(f"{field}.request_ids", list(d.request_ids))
+    n = len(request_ids)
+    computed = decode_counts(f"{field}.num_computed_tokens", d.num_computed_tokens, n, max_len,
+                             what=f"max_model_len {max_len}")
     tokens = None
     if d.append_token_ids:
         tokens = decode_tokens(f"{field}.append_token_ids", d.append_token_ids, vocab)
@@ -362,6 +386,31 @@ def decode_batch(d: pb.DecodeBatchOp, max_len: int, vocab: int, field: str) -> D
     # Lists: the allocator reads every entry, and a list hands out its int objects, an array makes them.
     return DecodeBatchOp(request_ids, computed.tolist(), None if tokens is None else tokens.tolist(),
                          d.num_new_tokens or 1, d.num_lookahead_tokens)
+
+
+def decode_admit(a: pb.AdmitBatchOp, max_len: int, vocab: int, field: str) -> AdmitBatchOp:
+    request_ids = check_ids(f"{field}.request_ids", list(a.request_ids))
+    n = len(request_ids)
+    lengths = decode_counts(f"{field}.num_prompt_tokens", a.num_prompt_tokens, n, max_len, minimum=1,
+                            what=f"max_model_len {max_len}")
+    tokens = decode_tokens(f"{field}.token_ids", a.token_ids, vocab)
+    if len(tokens) != sum(lengths):
+        raise InvalidArgument(f"{field}.token_ids", f"<{len(tokens)} tokens>",
+                              f"num_prompt_tokens add up to {sum(lengths)}")
+    budgets = None
+    if a.num_new_tokens:
+        budgets = decode_counts(f"{field}.num_new_tokens", a.num_new_tokens, n, max_len,
+                                what=f"max_model_len {max_len}").tolist()
+    if a.num_lookahead_tokens > max_len:
+        raise InvalidArgument(f"{field}.num_lookahead_tokens", a.num_lookahead_tokens,
+                              f"exceeds max_model_len {max_len}")
+    prompts, start = [], 0
+    for length in lengths:
+        prompts.append(tokens[start:start + length])
+        start += length
+    return AdmitBatchOp(request_ids, prompts, budgets, a.num_lookahead_tokens,
+                        check_names(f"{field}.cache_salts", a.cache_salts, n),
+                        check_names(f"{field}.lora_names", a.lora_names, n))
 
 
 def encode_op(op: Op, msg: pb.Op) -> None:
@@ -389,6 +438,18 @@ def encode_op(op: Op, msg: pb.Op) -> None:
             d.append_token_ids = encode_tokens(op.append_token_ids)
         d.num_new_tokens = op.num_new_tokens
         d.num_lookahead_tokens = op.num_lookahead_tokens
+    elif isinstance(op, AdmitBatchOp):
+        a = msg.admit
+        a.request_ids.extend(op.request_ids)
+        a.token_ids = b"".join(encode_tokens(p) for p in op.prompts)
+        a.num_prompt_tokens = encode_tokens([len(p) for p in op.prompts])
+        if op.num_new_tokens is not None:
+            a.num_new_tokens = encode_tokens(op.num_new_tokens)
+        a.num_lookahead_tokens = op.num_lookahead_tokens
+        if op.cache_salts is not None:
+            a.cache_salts.extend(s or "" for s in op.cache_salts)
+        if op.lora_names is not None:
+            a.lora_names.extend(name or "" for name in op.lora_names)
     elif isinstance(op, FreeOp):
         msg.free.request_id = op.request_id
     elif isinstance(op, ForkOp):

@@ -31,7 +31,7 @@ from kvservice.client import KVServiceClient
 from kvservice.core import ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheConfig, MambaSpec, SlidingWindowSpec
 from kvservice.errors import InvalidArgument, KVServiceError
 from kvservice.hashing import MultiModalItem, spec_fingerprint
-from kvservice.ops import AddRequestOp, AllocateOp, DecodeBatchOp, ForkOp, FreeOp
+from kvservice.ops import AddRequestOp, AdmitBatchOp, AllocateOp, DecodeBatchOp, ForkOp, FreeOp
 from kvservice.server import servicer as servicer_module
 from kvservice.server.auth import Authenticator, Principal
 from kvservice.server.metrics import Metrics
@@ -342,6 +342,9 @@ def seed_inputs() -> dict[str, bytes]:
                                                                AllocateOp("n0", 0, 30, num_lookahead_tokens=2)])),
         "step-decode": encode_input("Step", step("full", [AllocateOp("r0", 80, 1, append_token_ids=[3])])),
         "step-decode-batch": encode_input("Step", pb.StepRequest(pool_id="full", ops=[decode])),
+        "step-admit-batch": encode_input("Step", step("full", [AdmitBatchOp(
+            ["n2", "n3", "r0"], [list(range(40)), list(range(36)) + [7], [1]], [40, 20, 1], 1, ["s", "", ""],
+            None)])),
         "step-hashes": encode_input("Step", step("hybrid", [
             AddRequestOp("hn", block_hashes=hashes, num_tokens=50), AllocateOp("hn", 0, 50),
             AllocateOp("h1", 40, 16, append_block_hashes=[b"\x09" * 16], num_append_tokens=16)])),

@@ -11,7 +11,7 @@ import pytest
 from kvservice._proto import allocator_pb2 as pb
 from kvservice.core import FullAttentionSpec, KVCacheConfig
 from kvservice.errors import KVServiceError, Unavailable
-from kvservice.ops import AddRequestOp, AllocateOp, ForkOp, FreeOp, OpStatus
+from kvservice.ops import AddRequestOp, AdmitBatchOp, AllocateOp, ForkOp, FreeOp, OpStatus
 from tests.redis_helpers import RedisServer
 from tests.service_helpers import start_server
 
@@ -115,6 +115,8 @@ def random_op(rng, model, n):
     if kind == "add":
         rid = f"r{n}"
         prompt = [rng.randrange(3)] * 32 + [rng.randrange(5000) for _ in range(rng.randint(1, 60))]
+        if rng.random() < 0.5:  # the packed admission: replayed from the WAL like the pair
+            return "admit", rid, [AdmitBatchOp([rid], [prompt])]
         return kind, rid, [AddRequestOp(rid, token_ids=prompt), AllocateOp(rid, num_new_tokens=len(prompt))]
     rid = rng.choice(live)
     if kind == "decode":
@@ -127,9 +129,12 @@ def random_op(rng, model, n):
 
 def apply_ack(model, kind, rid, ops, result):
     """Updates the model from an acknowledged step and checks it happened exactly once."""
-    if kind == "add":
-        assert result[0].status == OpStatus.OK, result[0]  # never ALREADY_EXISTS: applied once
-        if result[1].status == OpStatus.OK:
+    if kind in ("add", "admit"):
+        added, allocated = ((result[0].status, result[1].status) if kind == "add" else
+                            (OpStatus.OK if result[0].batch.status(0) != OpStatus.ALREADY_EXISTS else None,
+                             result[0].batch.status(0)))
+        assert added == OpStatus.OK, result[0]  # never ALREADY_EXISTS: applied once
+        if allocated == OpStatus.OK:
             model.record(rid)
         else:
             model.step([FreeOp(rid)])

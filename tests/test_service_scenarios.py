@@ -257,3 +257,32 @@ def test_decode_batch_is_packed_allocate_ops(client, request):
         client.step(pid, [DecodeBatchOp(["a", "b"], [1])])
     client.free(pid, "a", "b", "w", "big")
     assert client.get_stats(check_invariants=True).pools[pid].num_free_blocks == 7
+
+
+def test_admit_batch_is_packed_add_allocate_pairs(client, request):
+    from kvservice.ops import AdmitBatchOp
+    pid = pool_id(request)
+    client.register_pool(pid, small_config(8, 4), max_model_len=64)  # 7 usable blocks
+    client.step(pid, [AddRequestOp("old", token_ids=[9, 9]), AllocateOp("old", num_new_tokens=2)])
+    prefix = [1, 2, 3, 4, 5, 6, 7, 8]
+    r = client.step(pid, [AdmitBatchOp(["a", "b", "old", "c"], [prefix + [10], prefix + [11, 12], [1], [5] * 30],
+                                       num_new_tokens=[9, 10, 1, 30], lora_names=[None, None, None, "l"])])
+    batch = r[0].batch
+    assert [batch.status(i) for i in range(4)] == [OpStatus.OK, OpStatus.OK, OpStatus.ALREADY_EXISTS, OpStatus.NO_SPACE]
+    # a takes blocks 2-4; b hits a's two full blocks and gets one of its own; each table comes whole.
+    assert batch.block_ids() == [([2, 3, 4],), ([2, 3, 5],), ([],), ([],)]
+    assert list(batch.num_computed_tokens) == [0, 8, 0, 0] and list(batch.num_scheduled_tokens) == [9, 2, 0, 0]
+    assert [(f.request_id, f.status) for f in batch.failures] == [("old", OpStatus.ALREADY_EXISTS),
+                                                                  ("c", OpStatus.NO_SPACE)]
+    assert client.get_request(pid, "b").block_ids == ([2, 3, 5],)
+    assert client.get_request(pid, "old").num_tokens == 2  # the failed add changed nothing
+    waiting = client.get_request(pid, "c")  # added, not scheduled: as after a NO_SPACE AllocateOp
+    assert waiting.num_tokens == 30 and not waiting.running
+    with pytest.raises(InvalidArgument, match=r"admit.num_prompt_tokens\[0\] = 0: is below 1"):
+        client.step(pid, [AdmitBatchOp(["x"], [[]])])
+    with pytest.raises(InvalidArgument, match=r"admit.lora_names = .*give none or one per request \(2\)"):
+        client.step(pid, [AdmitBatchOp(["x", "y"], [[1], [2]], lora_names=["l"])])
+    with pytest.raises(NotFound):
+        client.get_request(pid, "x")  # a rejected call applied nothing
+    client.free(pid, "a", "b", "c", "old")
+    assert client.get_stats(check_invariants=True).pools[pid].num_free_blocks == 7

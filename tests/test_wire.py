@@ -12,8 +12,16 @@ from hypothesis import strategies as st
 
 from kvservice._proto import allocator_pb2 as pb
 from kvservice.errors import InvalidArgument
-from kvservice.ops import AddRequestOp, AllocateOp, DecodeBatchOp, ForkOp, FreeOp
-from kvservice.wire import _decode_add_slow, check_id, decode_add, decode_batch, encode_op, serialize_step
+from kvservice.ops import AddRequestOp, AdmitBatchOp, AllocateOp, DecodeBatchOp, ForkOp, FreeOp
+from kvservice.wire import (
+    _decode_add_slow,
+    check_id,
+    decode_add,
+    decode_admit,
+    decode_batch,
+    encode_op,
+    serialize_step,
+)
 
 MAX_LEN, VOCAB, HASH_BS = 64, 1000, 16
 
@@ -118,3 +126,47 @@ def test_decode_batch_bounds_num_computed_tokens(values):
         assert got == ("InvalidArgument", f"f.num_computed_tokens[{j}] = 65: exceeds max_model_len {MAX_LEN}")
     else:
         assert got.num_computed_tokens == values
+
+
+def admit_msg(op: AdmitBatchOp) -> pb.AdmitBatchOp:
+    msg = pb.Op()
+    encode_op(op, msg)
+    return msg.admit
+
+
+def test_admit_batch_round_trip():
+    op = AdmitBatchOp(["a", "b", "c"], [[1, 2, 3], [4], list(range(60))], [3, 0, 17], 2, ["s", None, ""],
+                      None)
+    back = decode_admit(admit_msg(op), MAX_LEN, VOCAB, "f")
+    assert back.request_ids == op.request_ids and [p.tolist() for p in back.prompts] == op.prompts
+    assert back.num_new_tokens == [3, 0, 17] and back.num_lookahead_tokens == 2
+    assert back.cache_salts == ["s", None, None] and back.lora_names is None
+    whole = decode_admit(admit_msg(AdmitBatchOp(["a"], [[5, 6]])), MAX_LEN, 0, "f")
+    assert whole.num_new_tokens is None and whole.cache_salts is None
+
+
+@pytest.mark.parametrize("mangle, error", [
+    (lambda m: setattr(m, "num_prompt_tokens", array("I", [3, 1]).tobytes()),
+     "f.num_prompt_tokens = '<2 values>': needs one uint32 per request (3)"),
+    (lambda m: setattr(m, "num_prompt_tokens", array("I", [3, 0, 1]).tobytes()),
+     "f.num_prompt_tokens[1] = 0: is below 1"),
+    (lambda m: setattr(m, "num_prompt_tokens", array("I", [3, 1, 65]).tobytes()),
+     "f.num_prompt_tokens[2] = 65: exceeds max_model_len 64"),
+    (lambda m: setattr(m, "token_ids", m.token_ids[:-4]), "f.token_ids = '<5 tokens>': num_prompt_tokens add up to 6"),
+    (lambda m: setattr(m, "token_ids", m.token_ids + b"\0"), "f.token_ids = '<25 bytes>'"),
+    (lambda m: setattr(m, "token_ids", array("I", [1, 2, 1000, 4, 5, 6]).tobytes()),
+     "f.token_ids[2] = 1000: token id out of range for vocab_size 1000"),
+    (lambda m: setattr(m, "num_new_tokens", array("I", [1, 65, 1]).tobytes()),
+     "f.num_new_tokens[1] = 65: exceeds max_model_len 64"),
+    (lambda m: setattr(m, "num_lookahead_tokens", 65), "f.num_lookahead_tokens = 65: exceeds max_model_len 64"),
+    (lambda m: m.cache_salts.extend(["a", "b"]), "f.cache_salts = '<2 names>': give none or one per request (3)"),
+    (lambda m: m.lora_names.extend(["", "x" * 257, ""]), "f.lora_names[1] = 'xxx"),
+    (lambda m: m.request_ids.__setitem__(1, ""), "f.request_ids[1] = '': must not be empty"),
+])
+def test_admit_batch_rejects_by_field_and_value(mangle, error):
+    msg = admit_msg(AdmitBatchOp(["a", "b", "c"], [[1, 2, 3], [4], [5, 6]]))
+    decode_admit(msg, MAX_LEN, VOCAB, "f")  # well-formed as built
+    mangle(msg)
+    with pytest.raises(InvalidArgument) as exc:
+        decode_admit(msg, MAX_LEN, VOCAB, "f")
+    assert str(exc.value).startswith(error)

@@ -232,19 +232,39 @@ class DecodeBatchOp(_message.Message):
     num_lookahead_tokens: int
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_computed_tokens: _Optional[bytes] = ..., append_token_ids: _Optional[bytes] = ..., num_new_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ...) -> None: ...
 
+class AdmitBatchOp(_message.Message):
+    __slots__ = ("request_ids", "token_ids", "num_prompt_tokens", "num_new_tokens", "num_lookahead_tokens", "cache_salts", "lora_names")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALTS_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAMES_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    token_ids: bytes
+    num_prompt_tokens: bytes
+    num_new_tokens: bytes
+    num_lookahead_tokens: int
+    cache_salts: _containers.RepeatedScalarFieldContainer[str]
+    lora_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[bytes] = ..., num_prompt_tokens: _Optional[bytes] = ..., num_new_tokens: _Optional[bytes] = ..., num_lookahead_tokens: _Optional[int] = ..., cache_salts: _Optional[_Iterable[str]] = ..., lora_names: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class Op(_message.Message):
-    __slots__ = ("add", "allocate", "fork", "free", "decode")
+    __slots__ = ("add", "allocate", "fork", "free", "decode", "admit")
     ADD_FIELD_NUMBER: _ClassVar[int]
     ALLOCATE_FIELD_NUMBER: _ClassVar[int]
     FORK_FIELD_NUMBER: _ClassVar[int]
     FREE_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_FIELD_NUMBER: _ClassVar[int]
     add: AddRequestOp
     allocate: AllocateOp
     fork: ForkOp
     free: FreeOp
     decode: DecodeBatchOp
-    def __init__(self, add: _Optional[_Union[AddRequestOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., fork: _Optional[_Union[ForkOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., decode: _Optional[_Union[DecodeBatchOp, _Mapping]] = ...) -> None: ...
+    admit: AdmitBatchOp
+    def __init__(self, add: _Optional[_Union[AddRequestOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., fork: _Optional[_Union[ForkOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., decode: _Optional[_Union[DecodeBatchOp, _Mapping]] = ..., admit: _Optional[_Union[AdmitBatchOp, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("session_id", "sequence", "pool_id", "ops")
