@@ -77,7 +77,7 @@ def bar_plot(name: str, title: str, labels: Sequence[str], series: dict[str, Seq
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(labels) * max(1, len(series))), 4))
+    fig, ax = plt.subplots(figsize=(min(14, max(6, 1.4 * len(labels) * max(1, len(series)))), 4))
     width = 0.8 / max(1, len(series))
     for i, (label, values) in enumerate(series.items()):
         xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(labels))]

@@ -142,7 +142,7 @@ async def recovery_time(redis_url: str, allocator: Allocator, namespace: str, ta
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=800, help="decode steps per configuration (every 4th also "
+    parser.add_argument("--steps", type=int, default=3000, help="decode steps per configuration (every 4th also "
                         "admits 32 prompts); enough for several snapshots at --snapshot-interval 0.3")
     parser.add_argument("--sizes", default="100000,1000000")
     args = parser.parse_args()

@@ -349,15 +349,21 @@ def main() -> int:
     print(f"admission: {rows[2]['blocks_per_s']:,.0f} block allocations/s over gRPC as pairs, "
           f"{rows[3]['blocks_per_s']:,.0f}/s packed ({rows[2]['inprocess_blocks_per_s']:,.0f}/s in-process)")
     path = write_json("rpc", {"steps": args.steps, "server_args": args.server_args, "rows": rows})
-    bar_plot("rpc", "Step p50 latency (ms): gRPC vs in-process core vs bare baselines", [r["workload"] for r in rows],
+    plot(rows)
+    print(f"wrote {path}")
+    return 0
+
+
+def plot(rows: list[dict]) -> None:
+    labels = [r["workload"].replace("256 requests x 1 token ", "").replace("32 x 1,024-token prompts ", "")
+              .replace("32 AddRequestOp + AllocateOp pairs", "pairs") for r in rows]
+    bar_plot("rpc", "Step p50 latency (ms): gRPC vs in-process core vs bare baselines", labels,
              {"Step over gRPC": [r["rpc_p50_ms"] for r in rows],
               "bare core server": [r["bare_core_p50_ms"] for r in rows],
               "in-process core (per request)": [r["inprocess_p50_ms"] for r in rows],
               "in-process core (batch path)": [r.get("inprocess_batch_p50_ms", 0.0) for r in rows],
               "bare echo": [r["echo_p50_ms"] for r in rows],
               "target": [r["target_ms"] for r in rows]}, "ms")
-    print(f"wrote {path}")
-    return 0
 
 
 if __name__ == "__main__":
