@@ -47,7 +47,10 @@ def ours_side():
         assert m.allocate_running_batch(reqs, [r.num_tokens for r in reqs], [token] * len(reqs), 1, 0, 0,
                                         out) == len(reqs)
 
-    return hash_prompt, pool, manager, make_requests, decode_batch
+    def admit(m, r):
+        assert m.admit(r, r.num_tokens) is not None
+
+    return hash_prompt, pool, manager, make_requests, decode_batch, admit
 
 
 def vllm_side(algo: str = "sha256"):
@@ -67,12 +70,12 @@ def vllm_side(algo: str = "sha256"):
     def make_requests(prompts):
         return [vc.request(f"r{i}", p, hasher) for i, p in enumerate(prompts)]
 
-    return hash_prompt, pool, manager, make_requests, None
+    return hash_prompt, pool, manager, make_requests, None, None
 
 
 def workloads(side, prompts, hash_tokens) -> dict[str, tuple]:
     """name -> (timed fn, untimed setup or None) for one side."""
-    hash_prompt, make_pool, make_manager, make_requests, decode_batch = side
+    hash_prompt, make_pool, make_manager, make_requests, decode_batch, admit = side
 
     def alloc_free(pool):
         for _ in range(100):
@@ -122,6 +125,12 @@ def workloads(side, prompts, hash_tokens) -> dict[str, tuple]:
             for step in range(DECODE_STEPS):
                 decode_batch(m, reqs, 7 + step)
         out["decode_batch"] = (batched, running)
+    if admit is not None:
+        def admit_all(state):
+            m, reqs = state
+            for r in reqs:
+                admit(m, r)
+        out["lookup_alloc_fast"] = (admit_all, lambda: (make_manager(), make_requests(prompts)))
     return out
 
 
@@ -178,14 +187,17 @@ def main() -> int:
         rows.append([label, f"{units / ours[key]:,.0f} {unit_name}", ours[key] * 1e3,
                      theirs[key] * 1e3 if key in theirs else float("nan"), ratio])
         data[key] = row
-    # Ours only: the same decode steps through the core's batch path, against vLLM's per-request path.
-    ratio = ours["decode_batch"] / theirs["decode"] if "decode" in theirs else float("nan")
-    rows.append(["the same through allocate_running_batch (ours only)",
-                 f"{NUM_REQS * DECODE_STEPS / ours['decode_batch']:,.0f} tokens/s", ours["decode_batch"] * 1e3,
-                 theirs["decode"] * 1e3 if "decode" in theirs else float("nan"), ratio])
-    data["decode_batch"] = {"ours_s": ours["decode_batch"], "vllm_s": theirs.get("decode"),
-                            "ratio_ours_over_vllm": ratio, "ours_rate": NUM_REQS * DECODE_STEPS / ours["decode_batch"],
-                            "unit": "tokens/s", "vllm_path": "allocate_slots per request"}
+    # Ours only: the same work through the core's fast paths, against vLLM's per-request path.
+    fast = [("decode_batch", "decode", "the same decode steps through allocate_running_batch (ours only)",
+             NUM_REQS * DECODE_STEPS, "tokens/s", "allocate_slots per request"),
+            ("lookup_alloc_fast", "lookup_alloc", "the same admissions through admit (ours only)", NUM_REQS,
+             "requests/s", "get_computed_blocks + allocate_slots per request")]
+    for key, theirs_key, label, units, unit_name, vllm_path in fast:
+        ratio = ours[key] / theirs[theirs_key] if theirs_key in theirs else float("nan")
+        rows.append([label, f"{units / ours[key]:,.0f} {unit_name}", ours[key] * 1e3,
+                     theirs[theirs_key] * 1e3 if theirs_key in theirs else float("nan"), ratio])
+        data[key] = {"ours_s": ours[key], "vllm_s": theirs.get(theirs_key), "ratio_ours_over_vllm": ratio,
+                     "ours_rate": units / ours[key], "unit": unit_name, "vllm_path": vllm_path}
     if theirs_xx:
         data["hash"]["vllm_xxhash_s"] = theirs_xx["hash"]
         data["hash"]["ratio_ours_over_vllm_xxhash"] = ours["hash"] / theirs_xx["hash"]

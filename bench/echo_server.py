@@ -8,10 +8,11 @@ bytes.
 `/bench.Echo/Core`: the request is `le_u32(response_size) || StepRequest bytes`; the handler parses the
 Step and applies its ops straight to in-process `KVCacheManager`s (one per pool id), through the same core
 entry points the allocator uses (the batch decode path for a DecodeBatchOp, `allocate_running` then
-`allocate_slots` for an allocate op, `get_computed_blocks` + `allocate_slots` + the whole table for an
-admission, an AdmitBatchOp's entries included), and replies with `response_size` bytes. None of the
-service's own work (validation, sessions, leases, tenancy, the event log, metrics, reply encoding): the
-difference between a Step and this is what the service adds, measured in a server process like the Step.
+`allocate_slots` for an allocate op, the one-call `admit` (else `get_computed_blocks` + `allocate_slots`)
+and the whole table for an admission, an AdmitBatchOp's entries included), and replies with
+`response_size` bytes. None of the service's own work (validation, sessions, leases, tenancy, the event
+log, metrics, reply encoding): the difference between a Step and this is what the service adds,
+measured in a server process like the Step.
 """
 
 from __future__ import annotations
@@ -92,8 +93,12 @@ class BareCore:
 
     @staticmethod
     def admit(m: KVCacheManager, r: Request, budget: int) -> None:
-        hits, num_hit = m.get_computed_blocks(r)
-        m.allocate_slots(r, min(budget, r.num_tokens - num_hit), num_hit, hits)
+        admitted = m.admit(r, budget)  # the one-call admission, as the allocator takes it
+        if admitted is None:
+            hits, num_hit = m.get_computed_blocks(r)
+            m.allocate_slots(r, min(budget, r.num_tokens - num_hit), num_hit, hits)
+        else:
+            num_hit = admitted[1]
         r.num_computed_tokens = num_hit
         m.get_block_ids(r.request_id)  # an admission answers with the whole table
 

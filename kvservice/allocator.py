@@ -446,6 +446,12 @@ class Allocator:
             reqs = [None if (pool.pool_id, key) in pending else req for key, req in zip(keys, reqs)]
         return pool.manager.allocate_running_batch, reqs
 
+    def _admit_path(self, pool: Pool, tenant: str):
+        """The core's one-call admission, unless a tenant quota needs its per-allocation accounting."""
+        if self.usage.quotas and tenant in self.usage.quotas:
+            return None
+        return pool.manager.admit
+
     def _running_path(self, pool: Pool, tenant: str, key: str):
         """The core's one-call decode step for one request, unless the service's own rules apply (see
         `_batch_path`)."""
@@ -490,6 +496,16 @@ class Allocator:
             req.num_computed_tokens = num_computed_tokens
         elif num_new_tokens:
             req.num_computed_tokens = 0
+            admit = None if allow_transfer else self._admit_path(pool, tenant)
+            admitted = admit(req, num_new_tokens, num_lookahead, delay_cache_blocks) if admit is not None else None
+            if admitted is not None:  # the core's one-call admission: the same as the steps below
+                table, num_hit = admitted
+                num_new = min(num_new_tokens, req.num_tokens - num_hit)
+                if table is None:
+                    self._undo(req, num_tokens_before, computed_before)
+                    return self._no_space(pool, key, num_new, num_hit)
+                req.num_computed_tokens = num_hit
+                return OpStatus.OK, "", KVCacheBlocks((table,)), num_hit, num_new, None
             hits, num_hit = manager.get_computed_blocks(req)
         source = self.transfers.source(self.pools, pool, req, num_hit) if allow_transfer and not running else None
         # Tokens copied from the source pool are scheduled like hits: computed before this step's tokens.
@@ -515,9 +531,7 @@ class Allocator:
                                      delay_cache_blocks or transferred > 0)
         if new is None:
             self._undo(req, num_tokens_before, computed_before)
-            return (OpStatus.NO_SPACE, f"pool {pool.pool_id!r} has {manager.block_pool.get_num_free_blocks()} free "
-                    f"blocks, not enough for {transferred + num_new} more tokens of {client_request_id(key)!r}", None,
-                    start, 0, None)
+            return self._no_space(pool, key, transferred + num_new, start)
         transfer = None
         if not running:
             req.num_computed_tokens = num_hit + transferred
@@ -528,6 +542,11 @@ class Allocator:
         if quota is not None:
             self.usage.update(tenant, pool, key)
         return OpStatus.OK, "", new, start, num_new, transfer
+
+    @staticmethod
+    def _no_space(pool: Pool, key: str, num_tokens: int, start: int):
+        return (OpStatus.NO_SPACE, f"pool {pool.pool_id!r} has {pool.manager.block_pool.get_num_free_blocks()} free "
+                f"blocks, not enough for {num_tokens} more tokens of {client_request_id(key)!r}", None, start, 0, None)
 
     @staticmethod
     def _append(req: Request, key: str, tokens, hashes, num_append: int) -> str | None:

@@ -1,7 +1,7 @@
-"""The core's batch decode path (KVCacheManager.allocate_running_batch, used by DecodeBatchOp and by
-decode AllocateOps) against the general path: random traces through two allocators, one with the
-batch path and one without, must give equal replies and equal state (block for block, free-queue
-order, index, events) after every step."""
+"""The core's fast paths (KVCacheManager.allocate_running_batch, used by DecodeBatchOp and by decode
+AllocateOps; KVCacheManager.admit, used by admissions) against the general path: random traces through
+two allocators, one with the fast paths and one without, must give equal replies and equal state (block
+for block, free-queue order, index, events) after every step."""
 
 import random
 import zlib
@@ -26,6 +26,9 @@ class GeneralOnly(Allocator):
         return None, reqs
 
     def _running_path(self, pool, tenant, key):
+        return None
+
+    def _admit_path(self, pool, tenant):
         return None
 
 
@@ -58,7 +61,10 @@ def random_ops(rng: random.Random, live: dict[str, int], next_id: list[int], max
             rid = f"r{next_id[0]}"
             next_id[0] += 1
             prompt = family[:rng.randint(4, 24)] + [rng.randrange(50) for _ in range(rng.randint(1, 8))]
-            ops += [AddRequestOp(rid, token_ids=prompt), AllocateOp(rid, num_new_tokens=len(prompt))]
+            # Admissions, whole or chunked, some with lookahead or delayed caching (the core's admit path).
+            ops += [AddRequestOp(rid, token_ids=prompt),
+                    AllocateOp(rid, num_new_tokens=rng.choice([len(prompt), len(prompt), rng.randint(1, len(prompt))]),
+                               num_lookahead_tokens=rng.choice([0, 0, 0, 3]), delay_cache_blocks=rng.random() < 0.1)]
             live[rid] = len(prompt)
         return ops
     if kind < 0.32:
@@ -194,3 +200,71 @@ def test_batch_stops_at_the_first_entry_it_cannot_take():
     assert reqs[1].num_tokens == 5  # the skipped entry was not touched
     sw = KVCacheManager(KVCacheConfig(12, [FullAttentionSpec(4), SlidingWindowSpec(4, sliding_window=8)]), 64)
     assert sw.allocate_running_batch(batch, computed, [1, 2, 3], 1, 0, 0, out) == 0  # another layout: general
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_admit_equals_get_computed_blocks_then_allocate_slots(seed):
+    """KVCacheManager.admit against the two calls it stands for, on random admissions and frees of
+    prompts sharing prefixes in a pool that fills up: cached-free hits to rescue, evictions, NO_SPACE,
+    delayed caching and duplicate hashes (a delayed request cached after an equal one)."""
+    rng = random.Random(seed)
+    num_blocks = rng.choice([10, 16, 30])
+    fast, slow = (full_manager(num_blocks, block_size=4, max_model_len=64, enable_events=True) for _ in range(2))
+    families = [[rng.randrange(20) for _ in range(40)] for _ in range(3)]
+    live: list[tuple[Request, Request]] = []
+    delayed: list[tuple[Request, Request, int]] = []  # and the tokens they hold
+    outcomes = set()
+    for step in range(300):
+        roll = rng.random()
+        if live and roll < 0.3:
+            a, b = live.pop(rng.randrange(len(live)))
+            fast.free(a)
+            slow.free(b)
+            delayed[:] = [d for d in delayed if d[0] is not a]
+        elif delayed and roll < 0.4:
+            a, b, num_scheduled = delayed.pop()
+            fast.cache_blocks(a, num_scheduled)
+            slow.cache_blocks(b, num_scheduled)
+        else:
+            prompt = rng.choice(families)[:rng.randint(1, 40)] + [rng.randrange(20) for _ in range(rng.randint(0, 5))]
+            budget = rng.choice([len(prompt), len(prompt), rng.randint(1, len(prompt))])
+            lookahead, delay = rng.choice([0, 0, 0, 3]), rng.random() < 0.15
+            a, b = Request(f"r{step}", prompt, 4), Request(f"r{step}", prompt, 4)
+            if rng.random() < 0.2:
+                a.num_preemptions = b.num_preemptions = 1  # counted apart in the stats
+            got = fast.admit(a, budget, lookahead, delay)
+            hits, num_hit = slow.get_computed_blocks(b)
+            new = slow.allocate_slots(b, min(budget, b.num_tokens - num_hit), num_hit, hits, lookahead, delay)
+            assert got is not None and got[1] == num_hit
+            if new is None:
+                assert got[0] is None
+                outcomes.add("no space")
+            else:
+                assert [block.block_id for block in got[0]] == slow.get_block_ids(b.request_id)[0]
+                outcomes.add("hit" if num_hit else "miss")
+                live.append((a, b))
+                if delay:
+                    delayed.append((a, b, num_hit + min(budget, b.num_tokens - num_hit)))
+        assert pool_state(fast) == pool_state(slow), f"step {step}"
+        assert fast.take_events() == slow.take_events()
+        assert fast.make_prefix_cache_stats() == slow.make_prefix_cache_stats()
+        assert fast.prefix_cache_totals == slow.prefix_cache_totals
+        check_invariants(fast)
+    assert outcomes == {"hit", "miss", "no space"}
+
+
+def test_admit_declines_what_it_cannot_take():
+    m = full_manager(12, block_size=4)
+    r = Request("a", list(range(9)), 4)
+    before = pool_state(m)
+    assert m.admit(r, 0) is None and m.admit(r, 9, -1) is None  # bad counts: allocate_slots says why
+    r.num_computed_tokens = 4
+    assert m.admit(r, 5) is None  # not a fresh admission
+    r.num_computed_tokens = 0
+    assert m.admit(Request("b", [1], 8), 1) is None  # hashed at another block size
+    assert pool_state(m) == before and m.prefix_cache_totals.queries == 0
+    assert m.admit(r, 9)[0] is not None and m.admit(r, 9) is None  # it holds blocks now
+    for manager in (KVCacheManager(KVCacheConfig(12, [FullAttentionSpec(4), SlidingWindowSpec(4, 8)]), 64),
+                    full_manager(12, block_size=4, enable_caching=False), full_manager(12, block_size=8,
+                                                                                      hash_block_size=4)):
+        assert manager.admit(Request("c", [1, 2, 3], 4), 3) is None  # the general path's layouts

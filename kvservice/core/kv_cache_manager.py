@@ -7,13 +7,15 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvservice.core.block import KVCacheBlock
+from kvservice.core.block import KVCacheBlock, make_block_hash_with_group_id
 from kvservice.core.block_pool import BlockPool
 from kvservice.core.coordinator import KVCacheCoordinator
 from kvservice.core.events import KVCacheEvent
 from kvservice.core.request import Request
 from kvservice.core.specs import FullAttentionSpec, KVCacheConfig, effective_block_size, gcd_block_size
 from kvservice.hashing import MAX_TOKEN_ID
+
+_GROUP0 = make_block_hash_with_group_id(b"", 0)  # the index key suffix of KV-cache group 0
 
 
 @dataclass(slots=True)
@@ -230,6 +232,64 @@ class KVCacheManager:
             return None
         num_new = out.num_new_blocks[0]
         return manager.req_to_blocks[request.request_id][-num_new:] if num_new else []
+
+    def admit(self, request: Request, num_new_tokens: int, num_lookahead_tokens: int = 0,
+              delay_cache_blocks: bool = False) -> tuple[list[KVCacheBlock] | None, int] | None:
+        """A waiting request's first allocation in a single full-attention pool, in one call: exactly
+        `hits, n = get_computed_blocks(request)` then `allocate_slots(request, min(num_new_tokens,
+        request.num_tokens - n), n, hits, num_lookahead_tokens, delay_cache_blocks)`, without the general
+        path's layers (one lookup loop, one touch, one allocation, one caching call).
+
+        Returns:
+            (the request's whole table, or None when it does not fit, and its hit tokens), or None when
+            this is not the simple case (another layout, caching off, a coarser block than the hash block,
+            a request holding blocks or computed tokens): then nothing changed and the general path decides.
+        """
+        manager = self._single_full
+        request_id = request.request_id
+        if (manager is None or not self.enable_caching or manager.hash_ratio != 1
+                or request.block_size != self.hash_block_size or request.num_computed_tokens
+                or request_id in manager.req_to_blocks or type(num_new_tokens) is not int or num_new_tokens < 1
+                or type(num_lookahead_tokens) is not int or num_lookahead_tokens < 0):
+            return None
+        bs, max_len = manager.block_size, self.max_model_len
+        block_pool = self.block_pool
+        index = block_pool.cached_block_hash_to_block._cache  # get_one_block, inline: one call per hit
+        hashes = request.block_hashes
+        num_tokens = request.num_tokens
+        table: list[KVCacheBlock] = []
+        for i in range(min((num_tokens - 1) // bs, len(hashes))):  # never the whole prompt
+            entry = index.get(hashes[i] + _GROUP0)
+            if entry is None:
+                break
+            table.append(entry if type(entry) is KVCacheBlock else next(iter(entry.values())))
+        num_hits = len(table)
+        num_hit_tokens = num_hits * bs
+        self.prefix_cache_stats.record(num_tokens, num_hit_tokens, request.num_preemptions > 0)
+        totals = self.prefix_cache_totals
+        totals.queries += num_tokens
+        totals.hits += num_hit_tokens
+        totals.requests += 1
+        num_main = min(num_hit_tokens, max_len) + min(num_new_tokens, num_tokens - num_hit_tokens)
+        num_required = -(-min(num_main + num_lookahead_tokens, max_len) // bs)
+        num_new_blocks = num_required - num_hits if num_required > num_hits else 0
+        num_evictable = sum(1 for block in table if block.ref_cnt == 0)  # hits leave the free queue too
+        free_queue = block_pool.free_block_queue
+        if num_new_blocks + num_evictable > free_queue.num_free_blocks:
+            return None, num_hit_tokens
+        for block in table:  # touch
+            if block.ref_cnt == 0:
+                free_queue.remove(block)
+            block.ref_cnt += 1
+        manager.req_to_blocks[request_id] = table
+        manager.num_cached_block[request_id] = num_hits
+        if num_new_blocks:
+            table.extend(block_pool.get_new_blocks(num_new_blocks))
+        num_full = (num_main if num_main < num_tokens else num_tokens) // bs
+        if not delay_cache_blocks and num_full > num_hits:
+            block_pool.cache_full_blocks(request, table, num_hits, num_full, bs, manager.kv_cache_group_id, hashes)
+            manager.num_cached_block[request_id] = num_full
+        return table, num_hit_tokens
 
     def allocate_running_batch(self, requests: Sequence[Request | None], num_computed_tokens: Sequence[int],
                                token_ids: Sequence[int] | None, num_new_tokens: int, num_lookahead_tokens: int,
