@@ -147,6 +147,26 @@ def measure(sides: list[dict[str, tuple]], reps: int) -> list[dict[str, float]]:
     return [{k: median(v) for k, v in out.items()} for out in times]
 
 
+SPECS = [  # (key, label, units per call, unit)
+    ("hash", "hashing, 16-token blocks", HASH_TOKENS, "tokens/s"),
+    ("alloc_free", "get_new_blocks(1000)+free x100, 100k pool", 100_000, "blocks/s"),
+    ("req_hash", "200 x 1,124-token requests: hash", NUM_REQS * (PREFIX + SUFFIX), "tokens/s"),
+    ("lookup_alloc", "200 requests: lookup + allocate", NUM_REQS, "requests/s"),
+    ("free", "200 requests: free", NUM_REQS, "requests/s"),
+    ("decode", "200 running requests x 16 decode steps (allocate_slots each)", NUM_REQS * DECODE_STEPS, "tokens/s"),
+]
+FAST_LABELS = {"decode_batch": "decode steps through allocate_running_batch",
+               "lookup_alloc_fast": "admissions through admit"}
+
+
+def plot(data: dict) -> None:
+    """bench/results/core.png from the results (needs matplotlib where it runs)."""
+    keys = [s[0] for s in SPECS] + [k for k in FAST_LABELS if k in data]
+    labels = [s[1] for s in SPECS] + [FAST_LABELS[k] + " (vLLM: per request)" for k in FAST_LABELS if k in data]
+    bar_plot("core", "kvservice core vs vLLM 0.33.0 (time ratio, lower is better)", labels,
+             {"ours / vLLM": [data[k]["ratio_ours_over_vllm"] for k in keys]}, "time ratio", hline=1.0, log=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=7)
@@ -171,16 +191,7 @@ def main() -> int:
     theirs_xx = results[2] if reason is None else {}
 
     rows, data = [], {}
-    specs = [
-        ("hash", "hashing, 16-token blocks", HASH_TOKENS, "tokens/s"),
-        ("alloc_free", "get_new_blocks(1000)+free x100, 100k pool", 100_000, "blocks/s"),
-        ("req_hash", "200 x 1,124-token requests: hash", NUM_REQS * (PREFIX + SUFFIX), "tokens/s"),
-        ("lookup_alloc", "200 requests: lookup + allocate", NUM_REQS, "requests/s"),
-        ("free", "200 requests: free", NUM_REQS, "requests/s"),
-        ("decode", "200 running requests x 16 decode steps (allocate_slots each)", NUM_REQS * DECODE_STEPS,
-         "tokens/s"),
-    ]
-    for key, label, units, unit_name in specs:
+    for key, label, units, unit_name in SPECS:
         ratio = ours[key] / theirs[key] if key in theirs else float("nan")
         row = {"ours_s": ours[key], "vllm_s": theirs.get(key), "ratio_ours_over_vllm": ratio,
                "ours_rate": units / ours[key], "unit": unit_name}
@@ -213,9 +224,7 @@ def main() -> int:
     path = write_json("core", {"vllm": "0.33.0" if reason is None else None, "vllm_skipped_reason": reason,
                                "reps": args.reps, "rows": data})
     if theirs:
-        bar_plot("core", "kvservice core vs vLLM 0.33.0 (time ratio, lower is better)",
-                 [s[1] for s in specs], {"ours / vLLM": [data[s[0]]["ratio_ours_over_vllm"] for s in specs]},
-                 "time ratio", hline=1.0, log=True)
+        plot(data)
     print(f"wrote {path}")
     return 0
 
