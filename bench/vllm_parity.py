@@ -1,6 +1,7 @@
 """Replays random scheduler traces on kvservice's core and on vLLM 0.33.0's, op by op, and checks
 they agree exactly: hit lengths and hit block ids, allocated block ids (or both None), request tables
-and the free-queue order after every operation.
+and the free-queue order after every operation. In single full-attention pools half the admissions take
+our one-call `KVCacheManager.admit` (against vLLM's get_computed_blocks + allocate_slots).
 
     python bench/vllm_parity.py [--traces 200] [--ops 300]
 
@@ -56,6 +57,7 @@ def run_trace(vc, config_name: str, seed: int, num_ops: int) -> int:
     waiting: dict[str, tuple] = {}
     running: dict[str, tuple] = {}
     checks = 0
+    fast = len(config) == 1 and config[0][0] == "full"  # where KVCacheManager.admit applies
 
     def free_order(m):
         return [b.block_id for b in m.block_pool.free_block_queue.get_all_free_blocks()]
@@ -88,6 +90,22 @@ def run_trace(vc, config_name: str, seed: int, num_ops: int) -> int:
             rid = f"r{op}"
             toks = families[rng.randrange(3)][:rng.randint(2, 60)]
             waiting[rid] = (Request(rid, toks, ours.hash_block_size), vc.request(rid, list(toks), hasher))
+        elif kind == "admit" and waiting and fast and rng.random() < 0.5:
+            # Our one-call admission (single full-attention pools) against vLLM's two calls.
+            rid = rng.choice(sorted(waiting))
+            ro, rv = waiting[rid]
+            hv, nv = theirs.get_computed_blocks(rv)[:2]
+            num_new = rng.randint(1, rv.num_tokens - nv)
+            got = ours.admit(ro, num_new)
+            b = theirs.allocate_slots(rv, num_new, nv, hv)
+            theirs_table = None if b is None else list(theirs.get_block_ids(rid)[0])
+            ours_table = None if got[0] is None else [blk.block_id for blk in got[0]]
+            if got[1] != nv or ours_table != theirs_table:
+                raise AssertionError(f"{config_name} seed {seed}: admit({rid}, {num_new}) -> {got[1]} {ours_table} vs "
+                                     f"{nv} {theirs_table}")
+            if b is not None:
+                ro.num_computed_tokens = rv.num_computed_tokens = nv + num_new
+                running[rid] = waiting.pop(rid)
         elif kind == "admit" and waiting:
             rid = rng.choice(sorted(waiting))
             ro, rv = waiting[rid]
