@@ -36,6 +36,7 @@ from kvservice.transfers import TransferBook
 
 logger = logging.getLogger(__name__)
 EMPTY_BLOCKS = KVCacheBlocks(((),))  # an append-only op: scheduled nothing
+_BLOCK_ID = attrgetter("block_id")
 
 
 @dataclass(slots=True)
@@ -280,7 +281,7 @@ class Allocator:
         refused = self._refuse_add(pool, session, key, op.request_id)
         if refused is not None:
             return refused
-        ns = namespace(tenant) if tenant else b""
+        ns = namespace(tenant)
         if op.block_hashes is not None:
             req = Request.from_block_hashes(key, op.block_hashes, op.num_tokens, pool.hash_block_size,
                                             lora_name=op.lora_name, namespace=ns)
@@ -375,12 +376,7 @@ class Allocator:
                 failures.append(failure)
                 out.num_new_blocks.extend([0] * num_groups)
             else:
-                for group in new.blocks:
-                    out.num_new_blocks.append(len(group))
-                    for block in group:
-                        out.new_block_ids.append(block.block_id)
-                for g, index, block_id in new.replaced:
-                    replaced.append((i, g, index, block_id))
+                self._pack(out, replaced, i, new, num_groups)
             out.num_computed.append(start)
             out.num_scheduled.append(num_new)
             i += 1
@@ -393,16 +389,15 @@ class Allocator:
         steps those take for a new request (`_refuse_add`, `_track`, `_schedule`); outcomes are packed,
         each admitted request's whole table in the new blocks."""
         tenant = session.tenant
-        ns = namespace(tenant) if tenant else b""
+        ns = namespace(tenant)
         n = len(op.request_ids)
         statuses = bytearray(n)
         out = DecodeBatchOutput()
-        counts, ids, computed, scheduled = out.num_new_blocks, out.new_block_ids, out.num_computed, out.num_scheduled
+        computed, scheduled = out.num_computed, out.num_scheduled
         failures: list[OpResult] = []
         replaced: list[tuple[int, int, int, int]] = []
         num_groups = len(pool.spec.config.groups)
         budgets, salts, loras, lookahead = op.num_new_tokens, op.cache_salts, op.lora_names, op.num_lookahead_tokens
-        block_id = attrgetter("block_id")
         for i, request_id in enumerate(op.request_ids):
             key = f"{tenant}{SEP}{request_id}" if tenant else request_id
             failure = self._refuse_add(pool, session, key, request_id)
@@ -419,21 +414,27 @@ class Allocator:
             if failure is not None:
                 statuses[i] = failure.status
                 failures.append(failure)
-                counts.extend([0] * num_groups)
+                out.num_new_blocks.extend([0] * num_groups)
                 computed.append(failure.num_computed_tokens)
                 scheduled.append(failure.num_scheduled_tokens)
                 continue
-            groups = new.blocks
-            for g in range(num_groups):
-                table = groups[g] if g < len(groups) else ()  # nothing scheduled: one empty group
-                counts.append(len(table))
-                ids.extend(map(block_id, table))
-            for g, index, new_id in new.replaced:
-                replaced.append((i, g, index, new_id))
+            self._pack(out, replaced, i, new, num_groups)
             computed.append(start)
             scheduled.append(num_new)
-        result = DecodeBatchResult(bytes(statuses), counts, ids, computed, scheduled, failures, num_groups, replaced)
+        result = DecodeBatchResult(bytes(statuses), out.num_new_blocks, out.new_block_ids, computed, scheduled,
+                                   failures, num_groups, replaced)
         return OpResult("", OpStatus.OK, "", (), 0, 0, 0, None, result)
+
+    @staticmethod
+    def _pack(out: DecodeBatchOutput, replaced: list, i: int, new: KVCacheBlocks, num_groups: int) -> None:
+        """Entry i's blocks into a packed batch result: a count and the ids per group, its swaps."""
+        groups = new.blocks
+        for g in range(num_groups):
+            table = groups[g] if g < len(groups) else ()  # nothing scheduled: one empty group
+            out.num_new_blocks.append(len(table))
+            out.new_block_ids.extend(map(_BLOCK_ID, table))
+        for g, index, block_id in new.replaced:
+            replaced.append((i, g, index, block_id))
 
     def _batch_path(self, pool: Pool, tenant: str, keys: Sequence[str], reqs: list[Request | None]):
         """The core's batch decode path and the requests it may take (None: the general path decides),
