@@ -15,8 +15,11 @@ TORCH_VERSION := 2.13.0
 TRITON_VERSION := 3.9.0
 GRPC_TOOLS_VERSION := 1.85.1
 PYTEST_FLAGS ?=
+# vLLM 0.33.0's pure-Python scheduler and KV-cache core, its tests and a venv they run in: built once per
+# machine by tools/vllm_env.sh (a few minutes; ~2.5 GB), shared by every checkout.
+VLLM_ENV ?= $(HOME)/.cache/kvservice/vllm-0.33.0
 
-.PHONY: install proto test test-slow run bench lint gpu-check soak clean
+.PHONY: install proto test test-slow run bench lint gpu-check soak clean vllm-env
 
 install:
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -61,6 +64,9 @@ gpu-check:
 soak:
 	$(PY) -m tests.soak --scale 4.0
 	$(PY) -m pytest -q -m soak -p no:cacheprovider $(PYTEST_FLAGS)
+
+vllm-env:
+	bash tools/vllm_env.sh $(VLLM_ENV)
 
 clean:
 	rm -rf .pytest_cache build *.egg-info
