@@ -1,7 +1,7 @@
-"""The core's fast paths (KVCacheManager.allocate_running_batch, used by DecodeBatchOp and by decode
-AllocateOps; KVCacheManager.admit, used by admissions) against the general path: random traces through
-two allocators, one with the fast paths and one without, must give equal replies and equal state (block
-for block, free-queue order, index, events) after every step."""
+"""The core's fast paths (`manager.fast_path`: allocate_running_batch, used by DecodeBatchOp and by decode
+AllocateOps; admit, used by admissions) against the general path: random traces through two allocators,
+one with the fast paths and one with them switched off (`AllocatorSettings.fast_path`), must give equal
+replies and equal state (block for block, free-queue order, index, events) after every step."""
 
 import random
 import zlib
@@ -10,27 +10,14 @@ from array import array
 import pytest
 
 from kvservice.allocator import Allocator
-from kvservice.core import FullAttentionSpec, KVCacheConfig, KVCacheManager, Request, SlidingWindowSpec
+from kvservice.allocator.keys import client_request_id
+from kvservice.commands import PoolSpec
+from kvservice.core import FullAttentionSpec, KVCacheConfig, KVCacheManager, PackedRows, Request, SlidingWindowSpec
 from kvservice.core.invariants import check_invariants
-from kvservice.core.kv_cache_manager import DecodeBatchOutput
 from kvservice.ops import AddRequestOp, AllocateOp, DecodeBatchOp, ForkOp, FreeOp, OpStatus
-from kvservice.pools import PoolSpec, client_request_id
 from kvservice.store.snapshot import state_digest
+from tests.allocator_helpers import InProcess
 from tests.core_helpers import admit, full_manager, pool_state
-
-
-class GeneralOnly(Allocator):
-    """The same allocator with the batch path switched off: every entry takes the general path."""
-
-    def _batch_path(self, pool, tenant, keys, reqs):
-        return None, reqs
-
-    def _running_path(self, pool, tenant, key):
-        return None
-
-    def _admit_path(self, pool, tenant):
-        return None
-
 
 CASES = {
     "full bs4": dict(groups=[FullAttentionSpec(4)], blocks=40, max_len=96, dcp=1, caching=True),
@@ -42,13 +29,13 @@ CASES = {
 }
 
 
-def make(cls, case, quota_tenant=False):
-    a = cls(hash_block_size=4, quotas={"q": 1000} if quota_tenant else None)
-    s = a.open_session("s", "q" if quota_tenant else "", "", 0.0)
+def make(fast: bool, case, quota_tenant=False):
+    a = Allocator(hash_block_size=4, quotas={"q": 1000} if quota_tenant else {}, fast_path=fast)
+    d = InProcess(a, tenant="q" if quota_tenant else "")
     spec = PoolSpec("p", KVCacheConfig(case["blocks"], case["groups"]), case["max_len"], dcp_world_size=case["dcp"],
                     enable_caching=case["caching"])
-    a.register_pool(s, 1, spec, a.fingerprint)
-    return a, s
+    d.register(spec)
+    return a, d
 
 
 def random_ops(rng: random.Random, live: dict[str, int], next_id: list[int], max_len: int) -> list:
@@ -110,8 +97,8 @@ def sync_live(a: Allocator, live: dict[str, int]) -> None:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_batch_path_equals_general_path(case, quota):
     cfg = CASES[case]
-    fast, s1 = make(Allocator, cfg, quota)
-    slow, s2 = make(GeneralOnly, cfg, quota)
+    fast, s1 = make(True, cfg, quota)
+    slow, s2 = make(False, cfg, quota)
     rng = random.Random(zlib.crc32(f"{case}/{quota}".encode()))
     live: dict[str, int] = {}
     next_id = [0]
@@ -119,16 +106,16 @@ def test_batch_path_equals_general_path(case, quota):
     seen = 1
     for step in range(400):
         ops = random_ops(rng, live, next_id, cfg["max_len"])
-        r1 = fast.step(s1, step + 2, fast.pool("p"), ops)
-        r2 = slow.step(s2, step + 2, slow.pool("p"), ops)
+        r1 = s1.step("p", ops)
+        r2 = s2.step("p", ops)
         assert r1 == r2, f"step {step}: {ops}"
         for r in r1.results:
             outcomes.add(r.status)
             if r.batch is not None:
                 outcomes.update(OpStatus(x) for x in r.batch.statuses)
-        assert [(e.sequence, e.event) for e in fast.events.since(seen)] == \
-            [(e.sequence, e.event) for e in slow.events.since(seen)]
-        seen = fast.events.next_sequence
+        assert [(e.sequence, e.event) for e in fast.state.events.since(seen)] == \
+            [(e.sequence, e.event) for e in slow.state.events.since(seen)]
+        seen = fast.state.events.next_sequence
         assert state_digest(fast) == state_digest(slow), f"step {step}: {ops}"
         assert fast.invariant_violation(fast.pool("p")) == ""
         sync_live(fast, live)
@@ -190,7 +177,7 @@ def test_batch_stops_at_the_first_entry_it_cannot_take():
     reqs = [Request(f"r{i}", list(range(10 * i, 10 * i + 5)), 4) for i in range(3)]
     for r in reqs:
         admit(m, r)
-    out = DecodeBatchOutput()
+    out = PackedRows()
     batch = [reqs[0], None, reqs[2]]
     computed = [5, 0, 5]
     assert m.allocate_running_batch(batch, computed, [1, 2, 3], 1, 0, 0, out) == 1

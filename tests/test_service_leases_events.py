@@ -30,7 +30,7 @@ def short(tmp_path_factory):
 
 
 def test_lease_expiry_frees_the_sessions_requests(short):
-    owner, watcher = short.client(), short.client()
+    owner, watcher = short.client(heartbeat=False), short.client()  # owner sends nothing: its lease lapses
     owner.register_pool("lease", small_config(64, 16), max_model_len=512)
     owner.step("lease", [AddRequestOp("r", token_ids=list(range(40))), AllocateOp("r", num_new_tokens=40)])
     keeper = short.client()

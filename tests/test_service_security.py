@@ -10,7 +10,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from kvservice.errors import InvalidArgument, KVServiceError, PermissionDenied, Unauthenticated, Unavailable
+from kvservice.errors import Code, InvalidArgument, KVServiceError, PermissionDenied, Unauthenticated, Unavailable
 from kvservice.ops import AddRequestOp, AllocateOp, OpStatus
 from tests.service_helpers import small_config, start_server
 
@@ -104,7 +104,7 @@ def _drain(client, start):
         for e in client.watch_events(["shared"], start_sequence=start, timeout_s=2):
             out.append(e)
     except KVServiceError as exc:
-        assert exc.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert exc.code == Code.DEADLINE_EXCEEDED
     return out
 
 

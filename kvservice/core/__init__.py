@@ -14,7 +14,7 @@ from kvservice.core.block_pool import BlockHashToBlockMap, BlockPool
 from kvservice.core.coordinator import KVCacheCoordinator
 from kvservice.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvservice.core.free_queue import FreeBlockQueue
-from kvservice.core.kv_cache_manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
+from kvservice.core.kv_cache_manager import KVCacheBlocks, KVCacheManager, PackedRows, PrefixCacheStats
 from kvservice.core.managers import CoarseBlockHashes
 from kvservice.core.request import Request
 from kvservice.core.specs import (
@@ -30,6 +30,6 @@ __all__ = [
     "AllBlocksCleared", "BlockHashToBlockMap", "BlockHashWithGroupId", "BlockPool", "BlockRemoved",
     "BlockStored", "ChunkedLocalAttentionSpec", "CoarseBlockHashes", "FreeBlockQueue", "FullAttentionSpec",
     "KVCacheBlock", "KVCacheBlocks", "KVCacheConfig", "KVCacheCoordinator", "KVCacheEvent", "KVCacheManager",
-    "KVCacheSpec", "MambaSpec", "PrefixCacheStats", "Request", "SlidingWindowSpec", "get_block_hash",
+    "KVCacheSpec", "MambaSpec", "PackedRows", "PrefixCacheStats", "Request", "SlidingWindowSpec", "get_block_hash",
     "make_block_hash_with_group_id",
 ]

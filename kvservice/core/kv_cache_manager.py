@@ -47,6 +47,9 @@ class DecodeBatchOutput:
     num_scheduled: array = field(default_factory=lambda: array("I"))
 
 
+PackedRows = DecodeBatchOutput
+
+
 @dataclass(slots=True)
 class PrefixCacheStats:
     """Prefix-cache lookups since the last `make_prefix_cache_stats()` (in tokens)."""
@@ -105,6 +108,8 @@ class KVCacheManager:
         enable_events: bool = False,
         dcp_world_size: int = 1,
         hash_block_size: int | None = None,
+        *,
+        enable_fast_path: bool = True,
     ) -> None:
         if not isinstance(max_model_len, int) or max_model_len <= 0:
             raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
@@ -130,7 +135,13 @@ class KVCacheManager:
         self._empty = tuple(() for _ in config.groups)
         # allocate_running's fast path: one full-attention group (no skipped blocks, no alignment).
         managers = self.coordinator.managers
-        self._single_full = managers[0] if len(managers) == 1 and type(config.groups[0]) is FullAttentionSpec else None
+        self._single_full = managers[0] if (enable_fast_path and len(managers) == 1
+                                            and type(config.groups[0]) is FullAttentionSpec) else None
+
+    @property
+    def fast_path(self) -> KVCacheManager | None:
+        """Interim seam (the fast paths move to core/fast_path.py): self where they apply."""
+        return self if self._single_full is not None else None
 
     @property
     def usage(self) -> float:

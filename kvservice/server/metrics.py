@@ -9,6 +9,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from kvservice.allocator import Allocator
 from kvservice.ops import OpStatus
+from kvservice.store.base import PersistenceState
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
 
@@ -19,7 +20,7 @@ class _PoolCollector:
         self.persistence_state = persistence_state
 
     def collect(self):
-        a = self.allocator
+        a = self.allocator.state
         gauges = {
             "usage": GaugeMetricFamily("kvservice_pool_usage", "Fraction of the pool's blocks in use", labels=["pool"]),
             "free": GaugeMetricFamily("kvservice_pool_free_blocks", "Free blocks (cached-free included)",
@@ -45,13 +46,13 @@ class _PoolCollector:
         state = GaugeMetricFamily("kvservice_persistence_state", "1 for the current persistence state",
                                   labels=["state"])
         current = self.persistence_state()
-        for name in ("off", "ok", "degraded"):
-            state.add_metric([name], 1.0 if name == current else 0.0)
+        for each in PersistenceState:
+            state.add_metric([each.value], 1.0 if each is current else 0.0)
         yield state
 
 
 class Metrics:
-    def __init__(self, allocator: Allocator, persistence_state=lambda: "off") -> None:
+    def __init__(self, allocator: Allocator, persistence_state=lambda: PersistenceState.OFF) -> None:
         self.registry = CollectorRegistry()
         self.rpc_latency = Histogram("kvservice_rpc_latency_seconds", "RPC latency by method", ["method"],
                                      buckets=LATENCY_BUCKETS, registry=self.registry)

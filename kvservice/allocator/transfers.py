@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvservice.allocator.keys import SEP
+from kvservice.allocator.pools import Pool
 from kvservice.core import FullAttentionSpec, KVCacheBlocks, Request
 from kvservice.ops import TransferOrder
-from kvservice.pools import SEP, Pool
 
 
 @dataclass(slots=True)
