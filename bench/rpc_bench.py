@@ -38,7 +38,7 @@ from bench.common import bar_plot, median, percentile, table, write_json  # noqa
 from kvservice._proto import allocator_pb2 as pb  # noqa: E402
 from kvservice.client import KVServiceClient  # noqa: E402
 from kvservice.core import FullAttentionSpec, KVCacheConfig, KVCacheManager, Request  # noqa: E402
-from kvservice.core.kv_cache_manager import DecodeBatchOutput  # noqa: E402
+from kvservice.core.fast_path import PackedRows  # noqa: E402
 from kvservice.launch import wait_ready  # noqa: E402
 from kvservice.ops import AddRequestOp, AdmitBatchOp, AllocateOp, DecodeBatchOp, FreeOp  # noqa: E402
 from kvservice.wire.encode import step_request  # noqa: E402
@@ -102,7 +102,7 @@ class CoreDecode:
         t0 = time.perf_counter()
         if self.batch:
             computed = [r.num_tokens for r in reqs]
-            assert m.allocate_running_batch(reqs, computed, tokens, 1, 0, 0, DecodeBatchOutput()) == len(reqs)
+            assert m.fast_path.allocate_running_batch(reqs, computed, tokens, 1, 0, 0, PackedRows()) == len(reqs)
         else:
             for r, t in zip(reqs, tokens):
                 r.append_output_token_ids([t])
@@ -121,7 +121,7 @@ def core_admit(m: KVCacheManager, prompts, s: int, fast: bool = False) -> tuple[
     for i, p in enumerate(prompts):
         r = Request(f"a{s}-{i}", p, BS)
         if fast:
-            table, n = m.admit(r, len(p))
+            table, n = m.fast_path.admit(r, len(p))
             blocks += len(table) - n // BS
         else:
             hits, n = m.get_computed_blocks(r)

@@ -234,7 +234,7 @@ def _decode_request(rs: st.RequestState) -> Request:
         req._token_ids = tokens
     else:
         req._token_ids = None
-    req._num_tokens = rs.num_tokens
+    req.num_tokens = rs.num_tokens
     req.num_computed_tokens = rs.num_computed_tokens
     req.num_preemptions = rs.num_preemptions
     req._chain_tip = rs.chain_tip
