@@ -1,6 +1,9 @@
 """Workers of one pool: a Ray actor per DCP rank (KV caches for every layer + block tables), the ranks
 joined in a torch.distributed group (gloo on CPU, NCCL on GPU) that merges partial attention per
-layer. `LocalWorkers` runs the same ranks in this process (threads) for tests and tools."""
+layer. `LocalWorkers` runs the same ranks in this process (threads) for tests and tools.
+
+    Engine -> RayWorkers | LocalWorkers (execute, transfer_to) -> RankWorker per rank -> ModelRunner
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """What the engine sends every rank of a pool for one scheduler step (the same object to each rank).
 
+    Engine (reply readers) -> StepBatch (RowUpdate per changed row, copies, varlen tokens) -> ModelRunner
+
 Block-table changes come first (rows of finished requests cleared, new rows added, new blocks
 appended, entries swapped by copy-on-write), then copy-on-write copies, then the forward pass.
 """

@@ -1,5 +1,8 @@
 """One DCP rank's model execution: block table, paged K/V caches, and the forward pass of a `StepBatch`.
 
+    StepBatch -> row edits (BlockTable), copy-on-write copies -> slot mapping -> per layer: cache write,
+      paged attention (kernels or their torch twins), DCP merge -> logits of the tokens that sample
+
 No Ray and no torch.distributed here: the actor wraps a `ModelRunner` and injects the all-gather that
 merges the DCP ranks' partial attention, so tests can run several ranks in one process.
 """
