@@ -17,12 +17,14 @@ from typing import Protocol
 import torch
 
 from kvservice.client import KVServiceClient
-from kvservice.core import FullAttentionSpec, KVCacheConfig
+from kvservice.core import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
 from kvservice.ops import OpStatus
 from worker.batch import RowUpdate, StepBatch
 from worker.request import EngineRequest, RequestState
 from worker.sampling import SamplingParams, sample
 from worker.step_plan import Growth, StepPlan, StepReplies, batch_growths, growth
+
+KVCacheSpec = FullAttentionSpec | SlidingWindowSpec
 
 
 class Workers(Protocol):
@@ -44,6 +46,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     allow_transfers: bool = False  # adopt prefixes cached on other pools (needs their workers: `peers`)
     kv_layout: str = ""  # pools exchange blocks only with equal layouts (PoolLayout.kv_layout)
+    kv_cache_groups: tuple[KVCacheSpec, ...] = ()  # the model's groups (empty: one full-attention group)
+    eos_token_ids: tuple[int, ...] = ()  # end a sequence unless its SamplingParams say ignore_eos
+
+    @property
+    def groups(self) -> tuple[KVCacheSpec, ...]:
+        return self.kv_cache_groups or (FullAttentionSpec(self.block_size),)
 
     @property
     def max_num_rows(self) -> int:
@@ -103,6 +111,7 @@ class Engine:
         self._free_rows = list(range(config.max_num_rows - 1, -1, -1))
         self._clear_rows: list[int] = []
         self._ids = itertools.count()
+        self._seeds = itertools.count(1 << 32)  # for requests that bring no seed
         self.stats = EngineStats()
         self._transfers: list = []
         self.registration = self._register()
@@ -111,7 +120,7 @@ class Engine:
         """Registers the pool at the configured epoch (its config, hash spec and KV layout)."""
         cfg = self.config
         return self.client.register_pool(
-            cfg.pool_id, KVCacheConfig(cfg.num_blocks, [FullAttentionSpec(cfg.block_size)]), cfg.max_model_len,
+            cfg.pool_id, KVCacheConfig(cfg.num_blocks, list(cfg.groups)), cfg.max_model_len,
             epoch=cfg.epoch, dcp_world_size=cfg.dcp_world_size, enable_caching=cfg.enable_prefix_caching,
             kv_layout=cfg.kv_layout or f"block={cfg.block_size};dcp={cfg.dcp_world_size}")
 
@@ -138,7 +147,8 @@ class Engine:
         if not prompt or len(prompt) + params.max_tokens > self.config.max_model_len:
             raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} must fit "
                              f"max_model_len {self.config.max_model_len}")
-        req = EngineRequest(request_id or f"req-{next(self._ids)}", list(prompt), len(prompt), params, params.seed,
+        seed = params.seed if params.seed is not None else next(self._seeds)
+        req = EngineRequest(request_id or f"req-{next(self._ids)}", list(prompt), len(prompt), params, seed,
                             children_pending=params.n - 1)
         self.waiting.append(req)
         return req
@@ -208,6 +218,7 @@ class Engine:
     def _read(self, plan: StepPlan, replies: StepReplies) -> tuple[StepBatch | None, list[EngineRequest]]:
         """Reads the allocator's reply: which tokens run, block-table changes, copies, preemptions."""
         work = _StepWork()
+        num_groups = len(self.config.groups)
         self._release_rows(plan.frees)
         self._read_forks(plan.forks, replies, work)
         if replies.decode is not None:
@@ -216,17 +227,18 @@ class Engine:
                     req.num_sent += 1
                 self._read_growth(req, g, work)
         for (req, _), r in zip(plan.chunks, replies.chunks):
-            self._read_growth(req, growth(r), work)
+            self._read_growth(req, growth(r, num_groups), work)
         requeue: list[EngineRequest] = []
         if replies.admit is not None:
             for (req, _), g in zip(plan.admissions, batch_growths(replies.admit)):
                 self._read_admission(req, g, work, requeue)
         for (req, _), r in zip(plan.transfer_admissions, replies.transfer_admissions):
-            self._read_admission(req, growth(r), work, requeue)
+            self._read_admission(req, growth(r, num_groups), work, requeue)
         self.waiting.extendleft(reversed(requeue))  # retried first, in arrival order
         self.stats.copies += len(replies.copies)
         self.stats.peak_running = max(self.stats.peak_running, len(self.running))
-        self.stats.peak_blocks = max(self.stats.peak_blocks, len({b for r in self.running for b in r.table if b}))
+        held = {b for r in self.running for table in r.tables for b in table if b}
+        self.stats.peak_blocks = max(self.stats.peak_blocks, len(held))
         if not work.scheduled and not work.updates and not self._clear_rows:
             return None, []
         return self._batch(work, replies.copies)
@@ -243,13 +255,13 @@ class Engine:
         for (parent, child), r in zip(forks, replies.forks):
             if r.status != OpStatus.OK:
                 raise RuntimeError(f"fork of {parent.request_id} failed: {r.status.name} {r.message}")
-            child.table = list(r.new_block_ids[0])
+            child.tables = [list(ids) for ids in r.new_block_ids]
             self.stats.forks += 1
             if child.finished:  # it sampled its last token already; freed in this same step
                 continue
             child.state = RequestState.RUNNING
             child.row = self._free_rows.pop()
-            work.updates.append(RowUpdate(child.row, set_blocks=list(child.table)))
+            work.updates.append(RowUpdate(child.row, set_blocks=[list(t) for t in child.tables]))
             self.running.append(child)
 
     def _read_growth(self, req: EngineRequest, g: Growth, work: _StepWork) -> None:
@@ -257,12 +269,24 @@ class Engine:
         if g.status != OpStatus.OK:
             self._preempt(req, g.status)
             return
-        for index, block_id in g.replaced:
-            req.table[index] = block_id
-        req.table += g.new_blocks
-        if g.new_blocks or g.replaced:
-            work.updates.append(RowUpdate(req.row, append_blocks=list(g.new_blocks), replace=list(g.replaced)))
+        self._drop_skipped(req, g.start)
+        for group, index, block_id in g.replaced:
+            req.tables[group][index] = block_id
+        for table, new in zip(req.tables, g.new_blocks):
+            table += new
+        if any(g.new_blocks) or g.replaced:
+            work.updates.append(RowUpdate(req.row, append_blocks=[list(b) for b in g.new_blocks],
+                                          replace=list(g.replaced)))
         work.scheduled.append((req, g.start, g.count))
+
+    def _drop_skipped(self, req: EngineRequest, num_computed: int) -> None:
+        """Mirrors the allocator freeing the blocks a sliding window no longer reads (they become null in
+        its table before it allocates). Only the mirror changes: the workers' rows keep the old ids,
+        which attention never reads again."""
+        for spec, table in zip(self.config.groups, req.tables):
+            if isinstance(spec, SlidingWindowSpec):
+                skipped = max(0, num_computed - spec.sliding_window + 1) // spec.block_size
+                table[:skipped] = [0] * min(skipped, len(table))
 
     def _read_admission(self, req: EngineRequest, g: Growth, work: _StepWork, requeue: list[EngineRequest]) -> None:
         """A waiting request's first allocation: a row with its whole table, or back to the queue."""
@@ -291,9 +315,9 @@ class Engine:
             req.admitted_at = time.perf_counter()
             self.stats.prompt_tokens += req.num_prompt_tokens
             self.stats.hit_tokens += g.start
-        req.table = list(g.new_blocks)
+        req.tables = [list(b) for b in g.new_blocks]
         req.row = self._free_rows.pop()
-        work.updates.append(RowUpdate(req.row, set_blocks=list(req.table)))
+        work.updates.append(RowUpdate(req.row, set_blocks=[list(t) for t in req.tables]))
         self.running.append(req)
         work.scheduled.append((req, g.start, g.count))
 
@@ -361,7 +385,14 @@ class Engine:
         req.tokens.append(token)
         req.num_generated += 1
         self.stats.generated_tokens += 1
-        if req.num_generated >= req.params.max_tokens:
+        params = req.params
+        if params.stop_token_ids and token in params.stop_token_ids:
+            req.finish_reason, req.stop_reason = "stop", token
+        elif not params.ignore_eos and token in self.config.eos_token_ids:
+            req.finish_reason = "stop"
+        elif req.num_generated >= params.max_tokens:
+            req.finish_reason = "length"
+        if req.finish_reason is not None:
             if req.running:
                 self.running.remove(req)
             req.state = RequestState.FINISHED

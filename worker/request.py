@@ -35,7 +35,7 @@ class EngineRequest:
     num_computed: int = 0
     num_sent: int = 0  # tokens the allocator knows (the last sampled one is sent with the next decode)
     row: int | None = None
-    table: list[int] = field(default_factory=list)  # the engine's mirror of the worker row (group 0)
+    tables: list[list[int]] = field(default_factory=list)  # the engine's mirror of the worker row, per group
     num_generated: int = 0
     num_preemptions: int = 0
     hit_tokens: int = -1  # prefix-cache hit at first admission
@@ -45,6 +45,8 @@ class EngineRequest:
     first_token_at: float = 0.0
     parent: EngineRequest | None = None
     children_pending: int = 0  # forks to issue once the prompt is computed
+    finish_reason: str | None = None  # "stop" (a stop or EOS token) or "length" (max_tokens), vLLM's names
+    stop_reason: int | None = None  # the stop token that finished it (None for EOS and length)
     logits_seen: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (position, logits) if recorded
 
     @property
@@ -64,4 +66,4 @@ class EngineRequest:
         from its tokens when admitted again."""
         self.state = RequestState.WAITING
         self.num_computed = self.num_sent = 0
-        self.table = []
+        self.tables = []

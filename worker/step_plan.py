@@ -87,30 +87,30 @@ class Growth:
 
     status: OpStatus
     message: str
-    new_blocks: list[int]  # group 0: appended to the row (an admission: the whole row)
-    replaced: list[tuple[int, int]]  # (index, block id) swapped by copy-on-write
+    new_blocks: list[list[int]]  # per group: appended to the row (an admission: the whole row)
+    replaced: list[tuple[int, int, int]]  # (group, index, block id) swapped by copy-on-write
     start: int  # the first token scheduled (an admission: its cached prefix)
     count: int  # tokens scheduled
     transfer: TransferOrder | None = None
 
 
-def growth(r: OpResult) -> Growth:
-    return Growth(r.status, r.message, list(r.new_block_ids[0]) if r.new_block_ids else [],
-                  [(index, block_id) for _, index, block_id in r.replaced], r.num_computed_tokens,
-                  r.num_scheduled_tokens, r.transfer)
+def growth(r: OpResult, num_groups: int) -> Growth:
+    # A refused op, or one that scheduled nothing, may carry fewer groups than the pool has.
+    new = [list(ids) for ids in r.new_block_ids] + [[] for _ in range(num_groups - len(r.new_block_ids))]
+    return Growth(r.status, r.message, new, list(r.replaced), r.num_computed_tokens, r.num_scheduled_tokens,
+                  r.transfer)
 
 
 def batch_growths(batch: DecodeBatchResult) -> list[Growth]:
     """Per-entry outcomes of a packed DecodeBatchOp / AdmitBatchOp reply."""
-    per_request = batch.block_ids()
-    replaced: dict[int, list[tuple[int, int]]] = {}
-    for i, _group, index, block_id in batch.replaced:
-        replaced.setdefault(i, []).append((index, block_id))
+    replaced: dict[int, list[tuple[int, int, int]]] = {}
+    for i, group, index, block_id in batch.replaced:
+        replaced.setdefault(i, []).append((group, index, block_id))
     failures = iter(batch.failures)  # one per entry that failed, in entry order
     out = []
-    for i, groups in enumerate(per_request):
+    for i, groups in enumerate(batch.block_ids()):
         status = batch.status(i)
         message = next(failures).message if status != OpStatus.OK else ""
-        out.append(Growth(status, message, list(groups[0]) if groups else [], replaced.get(i, []),
+        out.append(Growth(status, message, [list(ids) for ids in groups], replaced.get(i, []),
                           batch.num_computed_tokens[i], batch.num_scheduled_tokens[i]))
     return out
