@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench.common import bar_plot, table, write_json  # noqa: E402
-from bench.rpc_bench import start  # noqa: E402
 from kvservice.client import KVServiceClient  # noqa: E402
+from kvservice.launch import start_serve  # noqa: E402
 from worker.actor import LocalWorkers, PoolLayout  # noqa: E402
 from worker.engine import Engine, EngineConfig  # noqa: E402
 from worker.model import ModelConfig  # noqa: E402
@@ -79,8 +79,8 @@ def main() -> int:
     parser.add_argument("--pool-blocks", type=int, default=129, help="pool for the concurrency comparison")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    server, target = start([sys.executable, "-m", "kvservice.cli", "--log-level", "ERROR", "serve", "--port", "0",
-                            "--no-persistence"], "kvservice serving on")
+    server = start_serve(["--port", "0", "--no-persistence"], log_level="ERROR")
+    target = server.target
     try:
         reqs = requests(args.requests)
         print("prefix caching on vs off (same requests) ...", flush=True)
@@ -90,8 +90,7 @@ def main() -> int:
         fixed_on = run(target, "fixed-paged", reqs, args.pool_blocks, True)
         fixed_off = run(target, "fixed-paged-nocache", reqs, args.pool_blocks, False)
     finally:
-        server.terminate()
-        server.wait(10)
+        server.stop()
     capacity = (args.pool_blocks - 1) * 16
     contiguous_max = capacity // MAX_MODEL_LEN
     contiguous_exact = 0

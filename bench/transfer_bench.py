@@ -27,9 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench.common import bar_plot, table, write_json  # noqa: E402
-from bench.rpc_bench import Progress, start  # noqa: E402
+from bench.rpc_bench import Progress  # noqa: E402
 from kvservice.client import KVServiceClient  # noqa: E402
 from kvservice.core import FullAttentionSpec, KVCacheConfig  # noqa: E402
+from kvservice.launch import start_serve  # noqa: E402
 from kvservice.ops import AddRequestOp, AllocateOp, FreeOp  # noqa: E402
 from worker.actor import LocalWorkers, PoolLayout  # noqa: E402
 from worker.engine import Engine, EngineConfig  # noqa: E402
@@ -104,15 +105,14 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=400)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    server, target = start([sys.executable, "-m", "kvservice.cli", "--log-level", "ERROR", "serve", "--port", "0",
-                            "--no-persistence"], "kvservice serving on")
+    server = start_serve(["--port", "0", "--no-persistence"], log_level="ERROR")
+    target = server.target
     try:
         print(f"time to first token on pool B, {args.prompt_len}-token prompt cached on pool A ...", flush=True)
         t = ttft(target, args.prompt_len, args.reps)
         place = {mode: placement(target, args.requests, mode) for mode in ("kv-aware", "round-robin")}
     finally:
-        server.terminate()
-        server.wait(10)
+        server.stop()
     print()
     print(table(["pool B prefix", "TTFT median ms", "runs"],
                 [["copied from pool A (transfer)", t["transfer"]["median_s"] * 1e3, args.reps],

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from worker import deploy
-from worker.engine import Sequence
 from worker.model import ModelConfig, TinyTransformer
+from worker.request import EngineRequest
 from worker.sampling import SamplingParams
 from worker.verify import verify
 
@@ -57,7 +57,7 @@ def node_of(name: str) -> str:
 def assert_dense(prompts: list[list[int]], outputs: list[list[int]], max_tokens: int) -> None:
     """Greedy outputs equal the dense reference model's (no cache)."""
     assert [len(o) for o in outputs] == [max_tokens] * len(prompts)
-    seqs = [Sequence(f"r{i}", p + o, len(p), SamplingParams(max_tokens=max_tokens), 0)
+    seqs = [EngineRequest(f"r{i}", p + o, len(p), SamplingParams(max_tokens=max_tokens), 0)
             for i, (p, o) in enumerate(zip(prompts, outputs))]
     result = verify(TinyTransformer(MODEL), seqs)
     assert result.ok, result.mismatches
@@ -105,7 +105,7 @@ def test_deploy_again_reuses_pools_and_adds_new_ones(up, config):
 def test_teardown_removes_every_named_actor(up):
     names = deploy.teardown()
     assert deploy.ALLOCATOR_NAME in names and deploy.rank_name("p2", 0) in names and len(names) == 7
-    assert deploy._named_actors() == []
+    assert deploy.named_actors() == []
     groups = [g for g in ray.util.placement_group_table().values() if g["name"].startswith("kvservice-pool-")]
     assert groups and all(g["state"] == "REMOVED" for g in groups)
 

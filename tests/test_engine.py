@@ -94,7 +94,7 @@ def test_dcp2_equals_dcp1(server, model):
             eng.add_request(p, SamplingParams(max_tokens=6))
         eng.run()
         check(model, eng)
-        outputs[dcp] = sorted((s.seq_id, tuple(s.output)) for s in eng.finished)
+        outputs[dcp] = sorted((s.request_id, tuple(s.output)) for s in eng.finished)
     assert outputs[1] == outputs[2]
 
 

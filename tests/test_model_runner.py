@@ -156,7 +156,7 @@ class FakeEngine:
             prompt_len=parent.prompt_len,
         )
         idx, new = len(child.blocks) - 1, self.free.pop()
-        self.updates.append(RowUpdate(row=row, set_blocks=list(parent.blocks), replace=[(idx, new)]))
+        self.updates.append(RowUpdate(row=row, set_blocks=[list(parent.blocks)], replace=[(0, idx, new)]))
         self.copies.append((parent.blocks[idx], new))
         child.blocks[idx] = new
         return child
@@ -176,11 +176,11 @@ class FakeEngine:
             assert 0 < n <= req.num_pending
             new_blocks = [self.free.pop() for _ in range(-(-end // self.tokens_per_block) - len(req.blocks))]
             if req.row in updates:
-                updates[req.row].append_blocks += new_blocks
+                updates[req.row].append_blocks = [(updates[req.row].append_blocks or [[]])[0] + new_blocks]
             elif not req.blocks:
-                updates[req.row] = RowUpdate(row=req.row, set_blocks=new_blocks)
+                updates[req.row] = RowUpdate(row=req.row, set_blocks=[new_blocks])
             elif new_blocks:
-                updates[req.row] = RowUpdate(row=req.row, append_blocks=new_blocks)
+                updates[req.row] = RowUpdate(row=req.row, append_blocks=[new_blocks])
             req.blocks += new_blocks
             input_ids += req.tokens[start:end]
             positions += range(start, end)
@@ -331,6 +331,7 @@ def test_dcp_without_all_gather_raises():
 
 def test_sequence_longer_than_its_blocks_raises():
     runner = Ranks().runners[0]
-    batch = StepBatch([], [RowUpdate(row=0, set_blocks=[5])], [], list(range(5)), list(range(5)), [0], [0, 5], [5], [4])
-    with pytest.raises(ValueError, match="row 0 holds blocks for 4 tokens but its sequence is 5 long"):
+    batch = StepBatch([], [RowUpdate(row=0, set_blocks=[[5]])], [], list(range(5)), list(range(5)), [0], [0, 5], [5],
+                      [4])
+    with pytest.raises(ValueError, match="row 0 holds blocks for 4 tokens of group 0 but its sequence is 5 long"):
         runner.execute(batch)

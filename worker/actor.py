@@ -1,6 +1,9 @@
 """Workers of one pool: a Ray actor per DCP rank (KV caches for every layer + block tables), the ranks
 joined in a torch.distributed group (gloo on CPU, NCCL on GPU) that merges partial attention per
-layer. `LocalWorkers` runs the same ranks in this process (threads) for tests and tools."""
+layer. `LocalWorkers` runs the same ranks in this process (threads) for tests and tools.
+
+    Engine -> RayWorkers | LocalWorkers (execute, transfer_to) -> RankWorker per rank -> ModelRunner
+"""
 
 from __future__ import annotations
 
@@ -12,15 +15,20 @@ from dataclasses import dataclass
 import torch
 
 from worker.batch import StepBatch
+from worker.hf.arch import ModelSpec
 from worker.model import ModelConfig
+from worker.paged import PagedRunner
 from worker.runner import ModelRunner
 
 
 @dataclass(slots=True, frozen=True)
 class PoolLayout:
-    """Everything a rank needs to build its caches; pools with equal layouts can exchange blocks."""
+    """Everything a rank needs to build its model and caches; pools with equal layouts can exchange blocks.
 
-    model: ModelConfig
+    `model` is the tiny transformer's config or a Hugging Face checkpoint's `ModelSpec` (each rank loads
+    its weights from `spec.path`)."""
+
+    model: ModelConfig | ModelSpec
     num_blocks: int
     block_size: int  # per rank
     max_num_reqs: int
@@ -30,16 +38,22 @@ class PoolLayout:
     interleave: int = 1
     backend: str = "torch"
 
-    def runner(self, dcp_rank: int, all_gather=None, num_threads: int | None = 1) -> ModelRunner:
-        return ModelRunner(self.model, self.num_blocks, self.block_size, self.max_num_reqs,
-                           self.max_num_blocks_per_req, self.max_num_batched_tokens, self.dcp_world_size, dcp_rank,
-                           self.interleave, self.backend, all_gather, num_threads=num_threads)
+    def runner(self, dcp_rank: int, all_gather=None, num_threads: int | None = 1) -> PagedRunner:
+        if isinstance(self.model, ModelConfig):
+            runner_cls = ModelRunner
+        else:
+            from worker.hf.runner import HFModelRunner  # transformers loads only for checkpoints
+            runner_cls = HFModelRunner
+        return runner_cls(self.model, self.num_blocks, self.block_size, self.max_num_reqs,
+                          self.max_num_blocks_per_req, self.max_num_batched_tokens, self.dcp_world_size, dcp_rank,
+                          self.interleave, self.backend, all_gather, num_threads=num_threads)
 
     @property
     def kv_layout(self) -> str:
         m = self.model
+        groups = "" if isinstance(m, ModelConfig) else f";groups={m.sliding_windows};{m.model_type}"
         return (f"block={self.block_size};dcp={self.dcp_world_size};interleave={self.interleave};"
-                f"layers={m.num_layers};kv_heads={m.num_kv_heads};head={m.head_size};dtype={m.dtype}")
+                f"layers={m.num_layers};kv_heads={m.num_kv_heads};head={m.head_size};dtype={m.dtype}{groups}")
 
 
 def default_backend() -> str:

@@ -1,5 +1,7 @@
 """What the engine sends every rank of a pool for one scheduler step (the same object to each rank).
 
+    Engine (reply readers) -> StepBatch (RowUpdate per changed row, copies, varlen tokens) -> ModelRunner
+
 Block-table changes come first (rows of finished requests cleared, new rows added, new blocks
 appended, entries swapped by copy-on-write), then copy-on-write copies, then the forward pass.
 """
@@ -11,12 +13,12 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class RowUpdate:
-    """One request's block-table row change (KV-cache group 0: the model has full attention only)."""
+    """One request's block-table row change, one list of block ids per KV-cache group."""
 
     row: int
-    set_blocks: list[int] | None = None  # add_row: the row becomes exactly these block ids
-    append_blocks: list[int] = field(default_factory=list)  # append_row
-    replace: list[tuple[int, int]] = field(default_factory=list)  # (index, block id) swapped by copy-on-write
+    set_blocks: list[list[int]] | None = None  # add_row: the row becomes exactly these block ids
+    append_blocks: list[list[int]] = field(default_factory=list)  # append_row (empty: nothing appended)
+    replace: list[tuple[int, int, int]] = field(default_factory=list)  # (group, index, block id) by copy-on-write
 
 
 @dataclass(slots=True)

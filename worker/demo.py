@@ -14,7 +14,6 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")  # we spawn processes aft
 
 import argparse
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -22,22 +21,12 @@ import time
 import torch
 
 from kvservice.client import KVServiceClient
+from kvservice.launch import start_serve
 from worker.actor import PoolLayout, RayWorkers, default_backend
 from worker.engine import Engine, EngineConfig
 from worker.model import ModelConfig, TinyTransformer
 from worker.sampling import SamplingParams
 from worker.verify import verify
-
-
-def start_allocator(data_dir: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "kvservice.cli", "--log-level", "WARNING", "serve", "--port", "0",
-                             "--data-dir", data_dir], stdout=subprocess.PIPE, text=True)
-    while True:
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError("the allocator did not start (see the log above)")
-        if line.startswith("kvservice serving on "):
-            return proc, line.split()[-1]
 
 
 def workload(num_requests: int, vocab: int, seed: int = 0) -> list[tuple[list[int], SamplingParams]]:
@@ -82,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     data_dir = tempfile.mkdtemp(prefix="kvservice-demo-")
     print(f"kvservice demo: allocator with embedded Redis in {data_dir}, Ray local cluster, one pool of "
           f"{args.dcp} DCP ranks, attention backend '{backend}'", flush=True)
-    allocator, target = start_allocator(data_dir)
+    allocator = start_serve(["--port", "0", "--data-dir", data_dir])
+    target = allocator.target
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     workers = None
     try:
@@ -126,8 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         if workers is not None:
             workers.shutdown()
         ray.shutdown()
-        allocator.terminate()
-        allocator.wait(20)
+        allocator.stop(timeout_s=20)
 
 
 if __name__ == "__main__":

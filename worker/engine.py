@@ -1,9 +1,9 @@
 """The driver: a continuous-batching scheduler whose KV memory is managed by the allocator service.
 
-One scheduler step = one allocator `Step` RPC (frees, forks, a packed decode batch, prefill chunks
-and admissions under a token budget) -> block-table updates and copy-on-write copies -> one forward
-pass on every DCP rank of the pool -> sampling. `NO_SPACE` preempts a request (freed, recomputed
-later); prefix-cache hits skip their prefill; parallel sampling forks the prompt (copy-on-write).
+    Engine.step: _plan (StepPlan: forks, frees, prefill chunks, decodes, admissions under a token budget)
+      -> one allocator Step RPC -> readers (rows, copies, preemptions) -> StepBatch -> every rank -> sampling
+`NO_SPACE` preempts a request (freed, recomputed later); prefix-cache hits skip their prefill; parallel
+sampling forks the prompt (copy-on-write).
 """
 
 from __future__ import annotations
@@ -17,10 +17,14 @@ from typing import Protocol
 import torch
 
 from kvservice.client import KVServiceClient
-from kvservice.core import FullAttentionSpec, KVCacheConfig
-from kvservice.ops import AddRequestOp, AllocateOp, DecodeBatchOp, ForkOp, FreeOp, OpStatus
+from kvservice.core import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
+from kvservice.ops import OpStatus
 from worker.batch import RowUpdate, StepBatch
+from worker.request import EngineRequest, RequestState
 from worker.sampling import SamplingParams, sample
+from worker.step_plan import Growth, StepPlan, StepReplies, batch_growths, growth
+
+KVCacheSpec = FullAttentionSpec | SlidingWindowSpec
 
 
 class Workers(Protocol):
@@ -42,6 +46,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     allow_transfers: bool = False  # adopt prefixes cached on other pools (needs their workers: `peers`)
     kv_layout: str = ""  # pools exchange blocks only with equal layouts (PoolLayout.kv_layout)
+    kv_cache_groups: tuple[KVCacheSpec, ...] = ()  # the model's groups (empty: one full-attention group)
+    eos_token_ids: tuple[int, ...] = ()  # end a sequence unless its SamplingParams say ignore_eos
+
+    @property
+    def groups(self) -> tuple[KVCacheSpec, ...]:
+        return self.kv_cache_groups or (FullAttentionSpec(self.block_size),)
 
     @property
     def max_num_rows(self) -> int:
@@ -51,36 +61,6 @@ class EngineConfig:
     @property
     def max_num_blocks_per_req(self) -> int:
         return -(-self.max_model_len // (self.block_size * self.dcp_world_size))
-
-
-@dataclass(slots=True)
-class Sequence:
-    seq_id: str
-    tokens: list[int]
-    num_prompt_tokens: int
-    params: SamplingParams
-    seed: int
-    num_computed: int = 0
-    num_sent: int = 0  # tokens the allocator knows (the last sampled one is sent with the next decode)
-    row: int | None = None
-    table: list[int] = field(default_factory=list)  # the engine's mirror of the worker row (group 0)
-    added: bool = False  # the allocator knows the request
-    running: bool = False  # it holds blocks
-    finished: bool = False
-    num_generated: int = 0
-    num_preemptions: int = 0
-    hit_tokens: int = -1  # prefix-cache hit at first admission
-    transferred_tokens: int = 0  # of which copied from another pool
-    no_transfer: bool = False  # a transfer for it failed: recompute instead
-    admitted_at: float = 0.0
-    first_token_at: float = 0.0
-    parent: Sequence | None = None
-    children_pending: int = 0  # forks to issue once the prompt is computed
-    logits_seen: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (position, logits) if recorded
-
-    @property
-    def output(self) -> list[int]:
-        return self.tokens[self.num_prompt_tokens:]
 
 
 @dataclass(slots=True)
@@ -107,6 +87,14 @@ class EngineStats:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
+@dataclass(slots=True)
+class _StepWork:
+    """What the readers gather from a reply: the workers' row edits and the tokens each request runs."""
+
+    updates: list[RowUpdate] = field(default_factory=list)
+    scheduled: list[tuple[EngineRequest, int, int]] = field(default_factory=list)  # (request, start, count)
+
+
 class Engine:
     def __init__(self, client: KVServiceClient, workers: Workers, config: EngineConfig,
                  record_logits: bool = False, peers: dict[str, Workers] | None = None) -> None:
@@ -115,14 +103,15 @@ class Engine:
         self.config = config
         self.peers = peers if peers is not None else {}  # other pools' workers, for transfers
         self.record_logits = record_logits
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.finished: list[Sequence] = []
-        self._frees: list[Sequence] = []
-        self._forks: list[tuple[Sequence, Sequence]] = []
+        self.waiting: deque[EngineRequest] = deque()
+        self.running: list[EngineRequest] = []
+        self.finished: list[EngineRequest] = []
+        self._frees: list[EngineRequest] = []  # the allocator holds them; FreeOps go with the next step
+        self._forks: list[tuple[EngineRequest, EngineRequest]] = []
         self._free_rows = list(range(config.max_num_rows - 1, -1, -1))
         self._clear_rows: list[int] = []
         self._ids = itertools.count()
+        self._seeds = itertools.count(1 << 32)  # for requests that bring no seed
         self.stats = EngineStats()
         self._transfers: list = []
         self.registration = self._register()
@@ -131,7 +120,7 @@ class Engine:
         """Registers the pool at the configured epoch (its config, hash spec and KV layout)."""
         cfg = self.config
         return self.client.register_pool(
-            cfg.pool_id, KVCacheConfig(cfg.num_blocks, [FullAttentionSpec(cfg.block_size)]), cfg.max_model_len,
+            cfg.pool_id, KVCacheConfig(cfg.num_blocks, list(cfg.groups)), cfg.max_model_len,
             epoch=cfg.epoch, dcp_world_size=cfg.dcp_world_size, enable_caching=cfg.enable_prefix_caching,
             kv_layout=cfg.kv_layout or f"block={cfg.block_size};dcp={cfg.dcp_world_size}")
 
@@ -140,33 +129,34 @@ class Engine:
         allocator fails the pool's requests; they are recomputed from their tokens."""
         self.workers = workers
         self.config.epoch += 1
-        cfg = self.config
         self.registration = self._register()
         orphans = [child for _, child in self._forks if not child.finished]
-        for seq in [*self.running, *orphans]:
-            seq.running, seq.added, seq.num_computed, seq.num_sent, seq.table, seq.row = False, False, 0, 0, [], None
-            seq.parent = None if seq in orphans else seq.parent
-            seq.num_preemptions += 1
-            self.waiting.appendleft(seq)
+        for req in [*self.running, *orphans]:
+            req.reset()
+            req.row = None
+            req.parent = None if req in orphans else req.parent
+            req.num_preemptions += 1
+            self.waiting.appendleft(req)
         self.running, self._frees, self._forks, self._transfers, self._clear_rows = [], [], [], [], []
-        self._free_rows = list(range(cfg.max_num_rows - 1, -1, -1))
+        self._free_rows = list(range(self.config.max_num_rows - 1, -1, -1))
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt: list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> Sequence:
+                    request_id: str | None = None) -> EngineRequest:
         params = params or SamplingParams()
         if not prompt or len(prompt) + params.max_tokens > self.config.max_model_len:
             raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} must fit "
                              f"max_model_len {self.config.max_model_len}")
-        seq = Sequence(request_id or f"req-{next(self._ids)}", list(prompt), len(prompt), params, params.seed,
-                       children_pending=params.n - 1)
-        self.waiting.append(seq)
-        return seq
+        seed = params.seed if params.seed is not None else next(self._seeds)
+        req = EngineRequest(request_id or f"req-{next(self._ids)}", list(prompt), len(prompt), params, seed,
+                            children_pending=params.n - 1)
+        self.waiting.append(req)
+        return req
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._frees or self._forks)
 
-    def run(self, max_steps: int = 1_000_000, progress=None) -> list[Sequence]:
+    def run(self, max_steps: int = 1_000_000, progress=None) -> list[EngineRequest]:
         start = time.perf_counter()
         while self.has_unfinished() and self.stats.steps < max_steps:
             self.step()
@@ -178,11 +168,11 @@ class Engine:
     # ---- one scheduler step --------------------------------------------------------------------
     def step(self) -> None:
         self.stats.steps += 1
-        ops, plan = self._schedule()
+        plan = self._plan()
         t0 = time.perf_counter()
-        result = self.client.step(self.config.pool_id, ops)
+        result = self.client.step(self.config.pool_id, plan.ops())
         self.stats.allocator_s += time.perf_counter() - t0
-        batch, scheduled = self._apply(result, plan)
+        batch, scheduled = self._read(plan, plan.replies(result))
         if batch is None:
             return
         transfers, self._transfers = self._transfers, []
@@ -197,207 +187,214 @@ class Engine:
             self.client.commit_transfer(self.config.pool_id, order.transfer_id)
         self._sample(scheduled, logits)
 
-    def _schedule(self):
+    def _plan(self) -> StepPlan:
+        """Running requests first (a decode token each, or the next prefill chunk), then admissions in
+        arrival order, while the token budget and `max_num_seqs` allow."""
         cfg = self.config
         budget = cfg.max_num_batched_tokens
-        # Forks first (a parent may finish in the same step), then frees, then work.
-        ops: list = [ForkOp(parent.seq_id, child.seq_id) for parent, child in self._forks]
-        ops += [FreeOp(s.seq_id) for s in self._frees]
-        plan: dict = {"frees": self._frees, "forks": self._forks, "decode": [], "chunks": [], "admits": []}
+        plan = StepPlan(forks=self._forks, frees=self._frees)
         self._frees, self._forks = [], []
-        decode_ids, decode_computed, decode_tokens = [], [], []
-        for seq in self.running:
-            remaining = len(seq.tokens) - seq.num_computed
+        for req in self.running:
+            remaining = len(req.tokens) - req.num_computed
             if budget <= 0 or remaining <= 0:
                 continue
-            if seq.num_sent == len(seq.tokens) - 1:  # decode: send the sampled token, compute it
-                decode_ids.append(seq.seq_id)
-                decode_computed.append(seq.num_computed)
-                decode_tokens.append(seq.tokens[-1])
-                plan["decode"].append(seq)
+            if req.num_sent == len(req.tokens) - 1:  # decode: send the sampled token, compute it
+                plan.decodes.append(req)
                 budget -= 1
             else:
                 n = min(remaining, budget)
-                ops.append(AllocateOp(seq.seq_id, num_computed_tokens=seq.num_computed, num_new_tokens=n))
-                plan["chunks"].append(seq)
+                plan.chunks.append((req, n))
                 budget -= n
-        if decode_ids:
-            ops.append(DecodeBatchOp(decode_ids, decode_computed, decode_tokens))
-        num_running = len(self.running) + len(plan["forks"])
+        num_running = len(self.running) + len(plan.forks)
         while self.waiting and budget > 0 and num_running < cfg.max_num_seqs:
-            seq = self.waiting.popleft()
-            if not seq.added:
-                ops.append(AddRequestOp(seq.seq_id, token_ids=seq.tokens))
-                seq.added = True
-                seq.num_sent = len(seq.tokens)
-            ops.append(AllocateOp(seq.seq_id, num_computed_tokens=0, num_new_tokens=budget,
-                                  allow_transfer=cfg.allow_transfers and not seq.no_transfer))
-            plan["admits"].append(seq)
-            budget -= min(budget, len(seq.tokens))
+            req = self.waiting.popleft()
+            req.num_sent = len(req.tokens)
+            transfer = cfg.allow_transfers and not req.no_transfer
+            (plan.transfer_admissions if transfer else plan.admissions).append((req, budget))
+            budget -= min(budget, len(req.tokens))
             num_running += 1
-        return ops, plan
+        return plan
 
-    def _apply(self, result, plan) -> tuple[StepBatch | None, list]:
+    def _read(self, plan: StepPlan, replies: StepReplies) -> tuple[StepBatch | None, list[EngineRequest]]:
         """Reads the allocator's reply: which tokens run, block-table changes, copies, preemptions."""
-        by_id = {}
-        batch_results = None
-        for r in result.results:
-            if r.batch is not None:
-                batch_results = r.batch
-            else:
-                by_id.setdefault(r.request_id, []).append(r)
-        for seq in plan["frees"]:
-            if seq.row is not None:
-                self._clear_rows.append(seq.row)
-                self._free_rows.append(seq.row)
-                seq.row = None
-        updates: list[RowUpdate] = []
-        scheduled: list[tuple[Sequence, int, int]] = []  # (seq, start, count)
-        for parent, child in plan["forks"]:
-            r = by_id[child.seq_id][-1]
+        work = _StepWork()
+        num_groups = len(self.config.groups)
+        self._release_rows(plan.frees)
+        self._read_forks(plan.forks, replies, work)
+        if replies.decode is not None:
+            for req, g in zip(plan.decodes, batch_growths(replies.decode)):
+                if g.status == OpStatus.OK:
+                    req.num_sent += 1
+                self._read_growth(req, g, work)
+        for (req, _), r in zip(plan.chunks, replies.chunks):
+            self._read_growth(req, growth(r, num_groups), work)
+        requeue: list[EngineRequest] = []
+        if replies.admit is not None:
+            for (req, _), g in zip(plan.admissions, batch_growths(replies.admit)):
+                self._read_admission(req, g, work, requeue)
+        for (req, _), r in zip(plan.transfer_admissions, replies.transfer_admissions):
+            self._read_admission(req, growth(r, num_groups), work, requeue)
+        self.waiting.extendleft(reversed(requeue))  # retried first, in arrival order
+        self.stats.copies += len(replies.copies)
+        self.stats.peak_running = max(self.stats.peak_running, len(self.running))
+        held = {b for r in self.running for table in r.tables for b in table if b}
+        self.stats.peak_blocks = max(self.stats.peak_blocks, len(held))
+        if not work.scheduled and not work.updates and not self._clear_rows:
+            return None, []
+        return self._batch(work, replies.copies)
+
+    def _release_rows(self, freed: list[EngineRequest]) -> None:
+        for req in freed:
+            if req.row is not None:
+                self._clear_rows.append(req.row)
+                self._free_rows.append(req.row)
+                req.row = None
+
+    def _read_forks(self, forks: list[tuple[EngineRequest, EngineRequest]], replies: StepReplies,
+                    work: _StepWork) -> None:
+        for (parent, child), r in zip(forks, replies.forks):
             if r.status != OpStatus.OK:
-                raise RuntimeError(f"fork of {parent.seq_id} failed: {r.status.name} {r.message}")
-            child.table = list(r.new_block_ids[0])
-            child.added = True
+                raise RuntimeError(f"fork of {parent.request_id} failed: {r.status.name} {r.message}")
+            child.tables = [list(ids) for ids in r.new_block_ids]
             self.stats.forks += 1
             if child.finished:  # it sampled its last token already; freed in this same step
                 continue
+            child.state = RequestState.RUNNING
             child.row = self._free_rows.pop()
-            child.running = True
-            updates.append(RowUpdate(child.row, set_blocks=list(child.table)))
+            work.updates.append(RowUpdate(child.row, set_blocks=[list(t) for t in child.tables]))
             self.running.append(child)
-        if batch_results is not None:
-            per_request = batch_results.block_ids()
-            replaced: dict[int, list] = {}
-            for i, _group, index, block_id in batch_results.replaced:
-                replaced.setdefault(i, []).append((index, block_id))
-            for i, seq in enumerate(plan["decode"]):
-                status = batch_results.status(i)
-                if status == OpStatus.OK:
-                    seq.num_sent += 1
-                    self._grow(seq, per_request[i][0], replaced.get(i, []), updates)
-                    scheduled.append((seq, batch_results.num_computed_tokens[i],
-                                      batch_results.num_scheduled_tokens[i]))
-                else:
-                    self._preempt(seq, status)
-        for seq in plan["chunks"]:
-            r = by_id[seq.seq_id][-1]
-            if r.status == OpStatus.OK:
-                self._grow(seq, r.new_block_ids[0] if r.new_block_ids else [], [(i, b) for _, i, b in r.replaced],
-                           updates)
-                scheduled.append((seq, r.num_computed_tokens, r.num_scheduled_tokens))
-            else:
-                self._preempt(seq, r.status)
-        for seq in plan["admits"]:
-            r = by_id[seq.seq_id][-1]
-            if r.status == OpStatus.NO_SPACE:
-                self.waiting.appendleft(seq)  # retried next step (FCFS)
-                continue
-            if r.status != OpStatus.OK:
-                raise RuntimeError(f"admission of {seq.seq_id} failed: {r.status.name} {r.message}")
-            if r.transfer is not None and r.transfer.src_pool_id not in self.peers:
-                # We cannot reach the source pool's workers: give the order back and recompute.
-                self.client.commit_transfer(self.config.pool_id, r.transfer.transfer_id, abort=True)
-                seq.added, seq.no_transfer = False, True
-                self.waiting.appendleft(seq)
-                continue
-            seq.running = True
-            seq.num_computed = r.num_computed_tokens
-            if r.transfer is not None:
-                self._transfers.append(r.transfer)
-                seq.transferred_tokens = len(r.transfer.dst_block_ids) * self._tokens_per_block
-                self.stats.transfers += 1
-                self.stats.transferred_tokens += seq.transferred_tokens
-            if seq.hit_tokens < 0:
-                seq.hit_tokens = r.num_computed_tokens
-                seq.admitted_at = time.perf_counter()
-                self.stats.prompt_tokens += seq.num_prompt_tokens
-                self.stats.hit_tokens += r.num_computed_tokens
-            seq.table = list(r.new_block_ids[0]) if r.new_block_ids else []
-            seq.row = self._free_rows.pop()
-            updates.append(RowUpdate(seq.row, set_blocks=list(seq.table)))
-            self.running.append(seq)
-            scheduled.append((seq, r.num_computed_tokens, r.num_scheduled_tokens))
-        self.stats.copies += len(result.copies)
-        self.stats.peak_running = max(self.stats.peak_running, len(self.running))
-        self.stats.peak_blocks = max(self.stats.peak_blocks,
-                                     len({b for s in self.running for b in s.table if b}))
-        if not scheduled and not updates and not self._clear_rows:
-            return None, []
+
+    def _read_growth(self, req: EngineRequest, g: Growth, work: _StepWork) -> None:
+        """A running request's decode token or prefill chunk: its row grows, or it is preempted."""
+        if g.status != OpStatus.OK:
+            self._preempt(req, g.status)
+            return
+        self._drop_skipped(req, g.start)
+        for group, index, block_id in g.replaced:
+            req.tables[group][index] = block_id
+        for table, new in zip(req.tables, g.new_blocks):
+            table += new
+        if any(g.new_blocks) or g.replaced:
+            work.updates.append(RowUpdate(req.row, append_blocks=[list(b) for b in g.new_blocks],
+                                          replace=list(g.replaced)))
+        work.scheduled.append((req, g.start, g.count))
+
+    def _drop_skipped(self, req: EngineRequest, num_computed: int) -> None:
+        """Mirrors the allocator freeing the blocks a sliding window no longer reads (they become null in
+        its table before it allocates). Only the mirror changes: the workers' rows keep the old ids,
+        which attention never reads again."""
+        for spec, table in zip(self.config.groups, req.tables):
+            if isinstance(spec, SlidingWindowSpec):
+                skipped = max(0, num_computed - spec.sliding_window + 1) // spec.block_size
+                table[:skipped] = [0] * min(skipped, len(table))
+
+    def _read_admission(self, req: EngineRequest, g: Growth, work: _StepWork, requeue: list[EngineRequest]) -> None:
+        """A waiting request's first allocation: a row with its whole table, or back to the queue."""
+        if g.status == OpStatus.NO_SPACE:
+            self._frees.append(req)  # the allocator added it: free it, admit it again from its tokens
+            requeue.append(req)
+            return
+        if g.status != OpStatus.OK:
+            raise RuntimeError(f"admission of {req.request_id} failed: {g.status.name} {g.message}")
+        if g.transfer is not None and g.transfer.src_pool_id not in self.peers:
+            # We cannot reach the source pool's workers: give the order back (the allocator frees the
+            # request) and recompute.
+            self.client.commit_transfer(self.config.pool_id, g.transfer.transfer_id, abort=True)
+            req.no_transfer = True
+            requeue.append(req)
+            return
+        req.state = RequestState.RUNNING
+        req.num_computed = g.start
+        if g.transfer is not None:
+            self._transfers.append(g.transfer)
+            req.transferred_tokens = len(g.transfer.dst_block_ids) * self._tokens_per_block
+            self.stats.transfers += 1
+            self.stats.transferred_tokens += req.transferred_tokens
+        if req.hit_tokens < 0:
+            req.hit_tokens = g.start
+            req.admitted_at = time.perf_counter()
+            self.stats.prompt_tokens += req.num_prompt_tokens
+            self.stats.hit_tokens += g.start
+        req.tables = [list(b) for b in g.new_blocks]
+        req.row = self._free_rows.pop()
+        work.updates.append(RowUpdate(req.row, set_blocks=[list(t) for t in req.tables]))
+        self.running.append(req)
+        work.scheduled.append((req, g.start, g.count))
+
+    def _batch(self, work: _StepWork, copies: list[tuple[int, int]]) -> tuple[StepBatch, list[EngineRequest]]:
+        """The workers' batch of the scheduled tokens, and the requests whose last token runs (they sample)."""
         input_ids, positions, rows, qsl, seq_lens, logits_indices = [], [], [], [0], [], []
         needs_logits = []
-        for seq, start, count in scheduled:
-            input_ids += seq.tokens[start:start + count]
+        for req, start, count in work.scheduled:
+            input_ids += req.tokens[start:start + count]
             positions += range(start, start + count)
-            rows.append(seq.row)
+            rows.append(req.row)
             qsl.append(qsl[-1] + count)
             seq_lens.append(start + count)
-            seq.num_computed = start + count
-            if start + count == len(seq.tokens):
+            req.num_computed = start + count
+            if start + count == len(req.tokens):
                 logits_indices.append(qsl[-1] - 1)
-                needs_logits.append(seq)
+                needs_logits.append(req)
             self.stats.computed_tokens += count
-        batch = StepBatch(self._clear_rows, updates, list(result.copies), input_ids, positions, rows, qsl, seq_lens,
+        batch = StepBatch(self._clear_rows, work.updates, list(copies), input_ids, positions, rows, qsl, seq_lens,
                           logits_indices)
         self._clear_rows = []
         return batch, needs_logits
 
-    def _grow(self, seq: Sequence, new_blocks: list[int], replaced: list[tuple[int, int]],
-              updates: list[RowUpdate]) -> None:
-        for index, block_id in replaced:
-            seq.table[index] = block_id
-        seq.table += new_blocks
-        if new_blocks or replaced:
-            updates.append(RowUpdate(seq.row, append_blocks=list(new_blocks), replace=list(replaced)))
-
-    def _preempt(self, seq: Sequence, status: OpStatus) -> None:
+    def _preempt(self, req: EngineRequest, status: OpStatus) -> None:
         """No room (or the pool's memory is gone): free it and recompute it later from its tokens."""
         if status not in (OpStatus.NO_SPACE, OpStatus.EPOCH_CHANGED):
-            raise RuntimeError(f"{seq.seq_id}: unexpected {status.name}")
-        self.running.remove(seq)
+            raise RuntimeError(f"{req.request_id}: unexpected {status.name}")
+        self.running.remove(req)
         if status == OpStatus.NO_SPACE:
-            self._frees.append(seq)  # the allocator still holds it
-        elif seq.row is not None:
-            self._clear_rows.append(seq.row)
-            self._free_rows.append(seq.row)
-            seq.row = None
-        seq.running, seq.added, seq.num_computed, seq.num_sent, seq.table = False, False, 0, 0, []
-        seq.num_preemptions += 1
+            self._frees.append(req)  # the allocator still holds it; its row is released with the free
+        else:
+            self._release_rows([req])
+        req.reset()
+        req.num_preemptions += 1
         self.stats.preemptions += 1
-        self.waiting.appendleft(seq)
+        self.waiting.appendleft(req)
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        for seq, row in zip(seqs, logits):
-            position = len(seq.tokens)
+    def _sample(self, reqs: list[EngineRequest], logits: torch.Tensor) -> None:
+        for req, row in zip(reqs, logits):
+            position = len(req.tokens)
             if self.record_logits:
-                seq.logits_seen.append((position, row.clone()))
-            if seq.children_pending:
+                req.logits_seen.append((position, row.clone()))
+            if req.children_pending:
                 # Parallel sampling: the prompt is computed; children fork from it and sample their own
                 # first token from the same logits.
-                for k in range(seq.children_pending):
-                    child = Sequence(f"{seq.seq_id}/s{k + 1}", list(seq.tokens), seq.num_prompt_tokens, seq.params,
-                                     seq.seed + k + 1, num_computed=seq.num_computed, num_sent=seq.num_sent,
-                                     parent=seq, hit_tokens=seq.hit_tokens)
+                for k in range(req.children_pending):
+                    child = EngineRequest(f"{req.request_id}/s{k + 1}", list(req.tokens), req.num_prompt_tokens,
+                                          req.params, req.seed + k + 1, RequestState.FORKING,
+                                          num_computed=req.num_computed, num_sent=req.num_sent, parent=req,
+                                          hit_tokens=req.hit_tokens)
                     if self.record_logits:
                         child.logits_seen.append((position, row.clone()))
-                    self._emit(child, sample(row, seq.params.temperature, child.seed, position))
-                    self._forks.append((seq, child))
-                seq.children_pending = 0
-            self._emit(seq, sample(row, seq.params.temperature, seq.seed, position))
+                    self._emit(child, sample(row, req.params.temperature, child.seed, position))
+                    self._forks.append((req, child))
+                req.children_pending = 0
+            self._emit(req, sample(row, req.params.temperature, req.seed, position))
 
     @property
     def _tokens_per_block(self) -> int:
         return self.config.block_size * self.config.dcp_world_size
 
-    def _emit(self, seq: Sequence, token: int) -> None:
-        if not seq.first_token_at:
-            seq.first_token_at = time.perf_counter()
-        seq.tokens.append(token)
-        seq.num_generated += 1
+    def _emit(self, req: EngineRequest, token: int) -> None:
+        if not req.first_token_at:
+            req.first_token_at = time.perf_counter()
+        req.tokens.append(token)
+        req.num_generated += 1
         self.stats.generated_tokens += 1
-        if seq.num_generated >= seq.params.max_tokens:
-            seq.finished = True
-            if seq in self.running:
-                self.running.remove(seq)
-            self._frees.append(seq)
-            self.finished.append(seq)
+        params = req.params
+        if params.stop_token_ids and token in params.stop_token_ids:
+            req.finish_reason, req.stop_reason = "stop", token
+        elif not params.ignore_eos and token in self.config.eos_token_ids:
+            req.finish_reason = "stop"
+        elif req.num_generated >= params.max_tokens:
+            req.finish_reason = "length"
+        if req.finish_reason is not None:
+            if req.running:
+                self.running.remove(req)
+            req.state = RequestState.FINISHED
+            self._frees.append(req)
+            self.finished.append(req)

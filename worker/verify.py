@@ -26,7 +26,7 @@ class Verification:
 @torch.inference_mode()
 def verify(model: TinyTransformer, seqs) -> Verification:
     """Every generated token must equal what the dense model samples at its position; logits the engine
-    recorded (Sequence.logits_seen) must be close to the dense ones."""
+    recorded (EngineRequest.logits_seen) must be close to the dense ones."""
     matched, max_err, mismatches = 0, 0.0, []
     for seq in seqs:
         logits = model.dense_logits(seq.tokens[:-1])  # row p predicts position p + 1
@@ -35,7 +35,7 @@ def verify(model: TinyTransformer, seqs) -> Verification:
             expected = sample(logits[position - 1], seq.params.temperature, seq.seed, position)
             if expected != seq.tokens[position]:
                 ok = False
-                mismatches.append(f"{seq.seq_id}: position {position} got {seq.tokens[position]}, dense {expected}")
+                mismatches.append(f"{seq.request_id}: position {position} got {seq.tokens[position]}, dense {expected}")
                 break
         for position, row in seq.logits_seen:
             max_err = max(max_err, float((row - logits[position - 1]).abs().max()))

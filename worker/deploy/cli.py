@@ -1,0 +1,147 @@
+"""`kvservice deploy` / `python -m worker.deploy`: the service on an existing Ray cluster.
+
+The allocator is a detached named actor on the head node that runs `kvservice serve` as a child process;
+each pool's DCP ranks share one node through a STRICT_PACK placement group and pools spread over nodes;
+an `EngineActor` per pool runs the scheduler beside its ranks; the driver's `Router` sends each prompt to
+the pool holding its longest cached prefix (the allocator's Lookup). Every actor has a stable name in the
+`kvservice` namespace, so running deploy again reuses what is up and only adds what is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+
+from kvservice.errors import KVServiceError
+from worker.deploy.config import DeployConfig
+from worker.deploy.names import NAMESPACE
+from worker.deploy.placement import deploy, teardown
+from worker.deploy.router import Router
+from worker.model import ModelConfig, TinyTransformer
+from worker.request import EngineRequest
+from worker.sampling import SamplingParams
+from worker.verify import Verification, verify
+
+
+def check(prompts: list[list[int]], outputs: list[list[int]], max_tokens: int) -> Verification:
+    """Greedy outputs against the dense reference model (no cache)."""
+    reqs = [EngineRequest(f"request-{i}", p + o, len(p), SamplingParams(max_tokens=max_tokens), 0)
+            for i, (p, o) in enumerate(zip(prompts, outputs))]
+    return verify(TinyTransformer(ModelConfig()), reqs)
+
+
+def smoke(router: Router, num_requests: int, max_tokens: int = 8, seed: int = 0) -> bool:
+    """Requests over one shared system prompt per pool, in waves of one request per pool: the first wave
+    spreads them round-robin, later ones follow the cached prefixes. True when every output matched the
+    dense reference."""
+    import ray
+    rng = random.Random(seed)
+    vocab = ModelConfig().vocab_size
+    systems = [[rng.randrange(vocab) for _ in range(64)] for _ in router.pool_ids]
+    prompts = [systems[i % len(systems)] + [rng.randrange(vocab) for _ in range(rng.randint(8, 32))]
+               for i in range(num_requests)]
+    start = time.perf_counter()
+    wave = len(router.pool_ids)
+    outputs = []
+    for i in range(0, num_requests, wave):
+        outputs += router.generate(prompts[i:i + wave], max_tokens)
+    elapsed = time.perf_counter() - start
+    pools = router.client.get_stats().pools
+    print(f"smoke: {num_requests} requests, {max_tokens} tokens each, in {elapsed:.1f} s")
+    print(f"  {'pool':<6} {'node':<10} {'requests':>8} {'by prefix':>9} {'engine hit rate':>15} "
+          f"{'allocator hit rate':>18}")
+    for stats in ray.get([router.engines[p].stats.remote() for p in router.pool_ids]):
+        p = stats["pool_id"]
+        alloc = pools[p].prefix_hit_rate if p in pools else 0.0
+        print(f"  {p:<6} {stats['node_id'][:8]:<10} {router.routed[p]:>8} {router.routed_by_prefix[p]:>9} "
+              f"{stats['prefix_hit_rate']:>15.1%} {alloc:>18.1%}")
+    result = check(prompts, outputs, max_tokens)
+    print(f"  dense reference: {result.matched}/{result.sequences} outputs identical"
+          + ("" if result.ok else f"  MISMATCH: {result.mismatches[:2]}"))
+    return result.ok and all(len(o) == max_tokens for o in outputs)
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, DeployConfig]:
+    parser = argparse.ArgumentParser(prog="kvservice deploy", description=__doc__.splitlines()[0])
+    parser.add_argument("--address", default="auto", help="Ray cluster to join (default: auto, or $RAY_ADDRESS)")
+    parser.add_argument("--local", action="store_true", help="start a local Ray cluster instead (to try it out; "
+                        "everything stops when this command ends)")
+    d = DeployConfig()
+    parser.add_argument("--pools", type=int, help="pools p0..pN-1, existing ones reused (default: 2 on a cluster "
+                        "with none, else the pools up)")
+    parser.add_argument("--add-pools", type=int, default=0, metavar="K", help="K new pools after those up (scale out)")
+    parser.add_argument("--dcp", type=int, default=d.dcp, help="DCP ranks per pool (one node per pool)")
+    parser.add_argument("--num-blocks", type=int, default=d.num_blocks, help="KV blocks per pool")
+    parser.add_argument("--block-size", type=int, default=d.block_size)
+    parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    parser.add_argument("--backend", choices=["torch", "triton"], help="attention backend (default: triton "
+                        "where the cluster has GPUs, the torch twin otherwise)")
+    parser.add_argument("--rank-cpus", type=float, default=d.rank_cpus, help="CPUs per rank on CPU-only clusters")
+    parser.add_argument("--port", type=int, default=d.port, help="allocator gRPC port on the head node")
+    parser.add_argument("--data-dir", default=d.data_dir, help="allocator's embedded Redis data on the head node")
+    parser.add_argument("--redis-url", help="use this Redis instead of the embedded one")
+    parser.add_argument("--no-persistence", action="store_true", help="allocator memory-only")
+    parser.add_argument("--token-file", help="allocator tokens file on the head node (auth on)")
+    parser.add_argument("--token", default=os.environ.get("KVSERVICE_TOKEN"),
+                        help="bearer token the engines and the router send (default: $KVSERVICE_TOKEN)")
+    parser.add_argument("--allocator", metavar="HOST:PORT", help="use this running allocator, start none")
+    parser.add_argument("--detached", action="store_true", help="pools outlive this command")
+    parser.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds to wait for room for new pools")
+    parser.add_argument("--smoke", type=int, default=0, metavar="N", help="then run N requests through the router")
+    parser.add_argument("--teardown", action="store_true", help="kill every kvservice actor and the allocator")
+    args = parser.parse_args(argv)
+    cfg = DeployConfig(pools=args.pools, add_pools=args.add_pools, dcp=args.dcp, num_blocks=args.num_blocks,
+                       block_size=args.block_size, max_model_len=args.max_model_len, backend=args.backend,
+                       rank_cpus=args.rank_cpus, port=args.port, data_dir=args.data_dir, redis_url=args.redis_url,
+                       no_persistence=args.no_persistence, token_file=args.token_file, token=args.token,
+                       allocator=args.allocator, detached=args.detached, timeout_s=args.timeout)
+    return args, cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, cfg = parse_args(argv)
+    import ray
+    if args.local:
+        ray.init(address="local", namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+    else:
+        try:
+            ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False, configure_logging=False)
+        except ConnectionError as exc:
+            print(f"kvservice deploy: no Ray cluster at --address {args.address} ({exc}); start one "
+                  f"(`ray start --head`) or try --local", file=sys.stderr)
+            return 2
+    try:
+        if args.teardown:
+            names = teardown()
+            print(f"kvservice deploy: removed {len(names)} actors" + (f" ({', '.join(names)})" if names else ""))
+            return 0
+        try:
+            up = deploy(cfg)
+        except KVServiceError as exc:
+            print(f"kvservice deploy: the allocator refused or did not answer: {exc}", file=sys.stderr)
+            return 2
+        except RuntimeError as exc:
+            print(f"kvservice deploy: {exc}", file=sys.stderr)
+            return 2
+        print(f"kvservice deploy: allocator {up.target}"
+              + ("" if up.allocator is None else f" ({ray.get(up.allocator.health.remote())})"))
+        nodes = ray.get([e.where.remote() for e in up.engines.values()])
+        for (pool_id, _), node in zip(up.engines.items(), nodes):
+            state = "started" if pool_id in up.created else "reused"
+            print(f"  pool {pool_id}: {cfg.dcp} rank(s) on node {node[:8]} ({state})")
+        ok = smoke(up.router(cfg.token), args.smoke) if args.smoke else True
+        if up.created and not cfg.detached and not args.local:
+            print("  (not --detached: the pools stop when this command exits; the allocator stays up)")
+        return 0 if ok else 1
+    finally:
+        if args.local:
+            teardown()  # stops the allocator's server (and its Redis) in order before the cluster goes
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

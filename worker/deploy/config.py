@@ -1,0 +1,43 @@
+"""What a deployment asks for: pools, their shape, and how the allocator runs (`kvservice serve` flags).
+
+    config (here) -> placement (allocator + pools) -> actors
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class DeployConfig:
+    pools: int | None = None  # pools p0..p{pools-1}; None: 2 on a cluster that has none, else those up
+    add_pools: int = 0  # new pools after those up (scale out)
+    dcp: int = 1
+    num_blocks: int = 512  # per pool, including the null block
+    block_size: int = 16
+    max_model_len: int = 1024
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 32
+    backend: str | None = None  # default: triton on GPU pools, the torch twin on CPU pools
+    rank_cpus: float = 0.5  # CPUs per rank on CPU-only clusters (fractions let small nodes host several)
+    port: int = 50051  # 0: any free port (the allocator's target() says which)
+    data_dir: str = "~/kvservice-data"  # on the head node; for the embedded Redis
+    redis_url: str | None = None
+    no_persistence: bool = False
+    token_file: str | None = None  # on the head node; turns auth on
+    token: str | None = None  # what the engines and the router send
+    allocator: str | None = None  # an allocator running elsewhere (host:port): start none
+    detached: bool = False  # pools outlive this driver
+    timeout_s: float = 600.0  # for the pools' placement groups (an autoscaler may have to add nodes first)
+
+    def serve_args(self) -> list[str]:
+        args = ["--host", "0.0.0.0", "--port", str(self.port)]
+        if self.redis_url:
+            args += ["--redis-url", self.redis_url]
+        elif self.no_persistence:
+            args += ["--no-persistence"]
+        else:
+            args += ["--data-dir", self.data_dir]
+        if self.token_file:
+            args += ["--token-file", self.token_file]
+        return args

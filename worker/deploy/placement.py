@@ -1,0 +1,208 @@
+"""Bring-up and teardown: the allocator actor on the head node, each pool's ranks on one node (a
+STRICT_PACK placement group) with pools spread over nodes, and the engines beside their ranks.
+
+    deploy(cfg) -> ensure_allocator -> ensure_pools (wanted pools -> placement groups -> engine actors)
+    teardown()  -> engines and ranks, then the allocator (its server stopped in order), then the groups
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from kvservice.client import KVServiceClient
+from worker.actor import PoolLayout
+from worker.deploy.actors import AllocatorActor, EngineActor
+from worker.deploy.config import DeployConfig
+from worker.deploy.names import (
+    ALLOCATOR_NAME,
+    HEAD_RESOURCE,
+    NAMESPACE,
+    engine_name,
+    engine_pool_id,
+    group_name,
+    named_actors,
+    pool_index,
+    rank_name,
+)
+from worker.deploy.router import Router
+from worker.engine import EngineConfig
+from worker.model import ModelConfig
+
+
+@dataclass(slots=True)
+class Deployment:
+    target: str  # the allocator, host:port
+    allocator: object | None  # its actor; None when it runs elsewhere (--allocator)
+    engines: dict[str, object] = field(default_factory=dict)  # pool id -> EngineActor
+    created: list[str] = field(default_factory=list)  # pools this call started
+
+    def router(self, token: str | None = None) -> Router:
+        return Router(KVServiceClient(self.target, token, client_name="router"), self.engines)
+
+
+def deploy(cfg: DeployConfig) -> Deployment:
+    """Brings up (or finds) the allocator and the pools. Needs a Ray connection in the `kvservice` namespace."""
+    import ray
+    if ray.get_runtime_context().namespace != NAMESPACE:
+        raise RuntimeError(f"connect with ray.init(..., namespace={NAMESPACE!r}) so that named placement groups "
+                           f"of earlier runs can be found (this driver is in {ray.get_runtime_context().namespace!r})")
+    allocator, target = ensure_allocator(cfg)
+    with KVServiceClient(target, cfg.token, retries=2, timeout_s=10) as client:
+        client.open_session()  # fails here, readably, on a wrong token or an unreachable allocator
+    engines, created = ensure_pools(cfg, target)
+    return Deployment(target, allocator, engines, created)
+
+
+def ensure_allocator(cfg: DeployConfig) -> tuple[object | None, str]:
+    """The allocator actor (reused when one is up) and its target; (None, target) for an external one."""
+    import ray
+    if cfg.allocator:
+        return None, cfg.allocator
+    actor = ray.remote(AllocatorActor).options(
+        name=ALLOCATOR_NAME, namespace=NAMESPACE, get_if_exists=True, lifetime="detached", num_cpus=0,
+        resources={HEAD_RESOURCE: 0.001}, max_restarts=3).remote(cfg.serve_args())
+    return actor, ray.get(actor.target.remote())
+
+
+def existing_pools() -> dict[str, object]:
+    """Pool id -> engine actor, for every pool whose engine is up."""
+    import ray
+    pools = {}
+    for name in named_actors():
+        pool_id = engine_pool_id(name)
+        if pool_id is not None:
+            pools[pool_id] = ray.get_actor(name, namespace=NAMESPACE)
+    return pools
+
+
+def ensure_pools(cfg: DeployConfig, target: str) -> tuple[dict[str, object], list[str]]:
+    """The pools `cfg` asks for, reusing those up; returns (pool id -> engine actor, ids created now)."""
+    import ray
+    engines = existing_pools()
+    created = _pools_to_create(cfg, set(engines))
+    if created:
+        use_gpus = ray.cluster_resources().get("GPU", 0) >= cfg.dcp
+        load = Counter(ray.get([e.where.remote() for e in engines.values()]))
+        groups = _reserve_groups(cfg, created, use_gpus, load)
+        engines |= _start_engines(cfg, groups, target, use_gpus)
+        ray.get([engines[p].where.remote() for p in created])  # raises here if a pool failed to start
+    return dict(sorted(engines.items(), key=lambda kv: pool_index(kv[0]))), created
+
+
+def _pools_to_create(cfg: DeployConfig, up: set[str]) -> list[str]:
+    """p0..p{pools-1} (2 on a cluster with none, unless scaling out) and `add_pools` after the highest."""
+    num_pools = cfg.pools if cfg.pools is not None else (0 if up or cfg.add_pools else 2)
+    wanted = {f"p{i}" for i in range(num_pools)} | up
+    first_new = max((pool_index(p) for p in wanted), default=-1) + 1
+    wanted |= {f"p{first_new + k}" for k in range(cfg.add_pools)}
+    return sorted(wanted - up, key=pool_index)
+
+
+def _bundle(cfg: DeployConfig, use_gpus: bool) -> dict[str, float]:
+    return {"GPU": 1, "CPU": cfg.rank_cpus} if use_gpus else {"CPU": cfg.rank_cpus}
+
+
+def _reserve_groups(cfg: DeployConfig, pool_ids: list[str], use_gpus: bool, load: Counter) -> dict[str, object]:
+    """One STRICT_PACK placement group per new pool, each aimed at the node with the fewest pools."""
+    import ray
+    from ray.util.placement_group import placement_group
+    bundle = _bundle(cfg, use_gpus)
+    need = {k: v * cfg.dcp for k, v in bundle.items()}
+    nodes = ray.nodes()
+    groups = {}
+    for pool_id in pool_ids:
+        _remove_stale(pool_id, cfg.dcp)
+        node = _pick_node(load, nodes, need)
+        load[node] += 1
+        # A soft target: pools spread over nodes while they fit, and still start when they do not.
+        groups[pool_id] = placement_group([dict(bundle) for _ in range(cfg.dcp)], strategy="STRICT_PACK",
+                                          name=group_name(pool_id), lifetime="detached" if cfg.detached else None,
+                                          _soft_target_node_id=node)
+    ready = {pg.ready(): pool_id for pool_id, pg in groups.items()}
+    _, pending = ray.wait(list(ready), num_returns=len(ready), timeout=cfg.timeout_s)
+    if pending:
+        free = {k: v for k, v in ray.available_resources().items() if k in need}
+        for ref in pending:
+            ray.util.remove_placement_group(groups[ready[ref]])
+        raise RuntimeError(f"pools {sorted(ready[r] for r in pending)} found no room in {cfg.timeout_s:.0f} s: each "
+                           f"needs {need} on one node, and the cluster has {free} free; add "
+                           f"nodes or lower --dcp / --rank-cpus")
+    return groups
+
+
+def _start_engines(cfg: DeployConfig, groups: dict[str, object], target: str, use_gpus: bool) -> dict[str, object]:
+    """An engine actor per new pool, in bundle 0 of its group (beside rank 0)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    backend = cfg.backend or ("triton" if use_gpus else "torch")
+    epoch = time.time_ns() // 1_000_000  # new ranks, empty memory: a newer epoch than any before
+    engine_cls = ray.remote(EngineActor)
+    engines = {}
+    for pool_id, pg in groups.items():
+        ecfg = EngineConfig(pool_id=pool_id, num_blocks=cfg.num_blocks, block_size=cfg.block_size,
+                            dcp_world_size=cfg.dcp, max_model_len=cfg.max_model_len,
+                            max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
+                            epoch=epoch)
+        layout = PoolLayout(ModelConfig(), ecfg.num_blocks, ecfg.block_size, ecfg.max_num_rows,
+                            ecfg.max_num_blocks_per_req, ecfg.max_num_batched_tokens, cfg.dcp, backend=backend)
+        # Pools of one deployment share a layout: a prefix cached on one can be copied to another.
+        ecfg.allow_transfers, ecfg.kv_layout = True, layout.kv_layout
+        options = {"name": engine_name(pool_id), "namespace": NAMESPACE, "num_cpus": 0,
+                   "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)}
+        if cfg.detached:
+            options["lifetime"] = "detached"
+        engines[pool_id] = engine_cls.options(**options).remote(layout, ecfg, pg, target, cfg.token,
+                                                                 rank_cpus=cfg.rank_cpus, use_gpus=use_gpus,
+                                                                 detached=cfg.detached)
+    return engines
+
+
+def _pick_node(load: Counter, nodes: list[dict], need: dict[str, float]) -> str | None:
+    """The alive node that can hold the pool with the fewest pools on it (workers before the head)."""
+    fits = [n for n in nodes if n["Alive"] and all(n["Resources"].get(k, 0) >= v for k, v in need.items())]
+    if not fits:
+        return None
+    best = min(fits, key=lambda n: (load[n["NodeID"]], HEAD_RESOURCE in n["Resources"]))
+    return best["NodeID"]
+
+
+def _remove_stale(pool_id: str, dcp: int) -> None:
+    """Leftovers of a pool whose engine is gone (its ranks' memory cannot be trusted to match anything)."""
+    import ray
+    for rank in range(dcp):
+        try:
+            ray.kill(ray.get_actor(rank_name(pool_id, rank), namespace=NAMESPACE), no_restart=True)
+        except ValueError:
+            pass
+    try:
+        ray.util.remove_placement_group(ray.util.get_placement_group(group_name(pool_id)))
+    except ValueError:
+        pass
+
+
+def teardown(timeout_s: float = 30.0) -> list[str]:
+    """Kills every kvservice actor (engines and ranks first, the allocator last, after stopping its server)
+    and removes the pools' placement groups. Returns the names killed."""
+    import ray
+    names = sorted(named_actors(), key=lambda n: n == ALLOCATOR_NAME)
+    for name in names:
+        try:
+            actor = ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            continue  # already gone
+        if name == ALLOCATOR_NAME:
+            try:
+                ray.get(actor.stop.remote(), timeout=timeout_s)
+            except Exception as exc:  # noqa: BLE001 - a dead allocator is killed all the same
+                print(f"  allocator did not stop cleanly ({exc!r}); killing it", file=sys.stderr)
+        ray.kill(actor, no_restart=True)
+    for info in ray.util.placement_group_table().values():
+        if info["name"].startswith("kvservice-pool-") and info["state"] != "REMOVED":
+            ray.util.remove_placement_group(ray.util.get_placement_group(info["name"]))
+    deadline = time.monotonic() + timeout_s  # names are released asynchronously
+    while time.monotonic() < deadline and set(names) & set(named_actors()):
+        time.sleep(0.2)
+    return names

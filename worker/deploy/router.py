@@ -1,0 +1,57 @@
+"""KV-aware placement in the driver, beside its allocator client: each prompt goes to the pool holding its
+longest cached prefix (the allocator's Lookup), and each pool's share runs as one batch on its engine.
+
+    Router.generate -> KVServiceClient.lookup (per prompt) -> EngineActor.generate (per pool, in parallel)
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from kvservice.client import KVServiceClient
+
+
+@dataclass(slots=True, frozen=True)
+class Route:
+    pool_id: str
+    cached_tokens: int  # 0: nothing cached anywhere, chosen round-robin
+
+
+class Router:
+    """KV-aware placement: a prompt goes to the pool with its longest cached prefix (ties: the most free
+    blocks), which is the allocator's Lookup answer; round-robin while no pool has any of it cached."""
+
+    def __init__(self, client: KVServiceClient, engines: dict[str, object]) -> None:
+        self.client = client
+        self.engines = engines
+        self.pool_ids = list(engines)
+        self.routed: Counter = Counter()
+        self.routed_by_prefix: Counter = Counter()
+        self._next = 0
+
+    def route(self, prompt: list[int]) -> Route:
+        lookup = self.client.lookup(prompt, pool_ids=self.pool_ids)
+        cached = lookup.tokens(lookup.best_pool_id) if lookup.best_pool_id else 0
+        if cached > 0:
+            return Route(lookup.best_pool_id, cached)
+        pool_id = self.pool_ids[self._next % len(self.pool_ids)]
+        self._next += 1
+        return Route(pool_id, 0)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        """Routes every prompt, runs each pool's share as one batch (pools in parallel), returns outputs in
+        prompt order."""
+        import ray
+        shares: dict[str, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            route = self.route(prompt)
+            shares.setdefault(route.pool_id, []).append(i)
+            self.routed[route.pool_id] += 1
+            self.routed_by_prefix[route.pool_id] += route.cached_tokens > 0
+        refs = {p: self.engines[p].generate.remote([prompts[i] for i in idx], max_tokens) for p, idx in shares.items()}
+        outputs: list = [None] * len(prompts)
+        for pool_id, idx in shares.items():
+            for i, out in zip(idx, ray.get(refs[pool_id])):
+                outputs[i] = out
+        return outputs
