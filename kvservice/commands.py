@@ -113,6 +113,7 @@ class Step:
     ops: Sequence[Op] | OpsDecoder
     rpc: StepRpc = StepRpc.STEP
     wire: bytes = b""
+    admin: bool = True  # an admin may step on any tenant's pool; others only on their own
     kind = CommandKind.STEP
 
     def decode_ops(self, spec: PoolSpec, hash_block_size: int) -> Sequence[Op]:
@@ -128,6 +129,7 @@ class CommitTransfer:
     transfer_id: str
     abort: bool = False
     wire: bytes = b""
+    admin: bool = True
     kind = CommandKind.COMMIT_TRANSFER
 
 

@@ -139,7 +139,7 @@ class Allocator:
         return Applied(reply, True)
 
     def _step(self, session: Session, command: Step, guard: Guard) -> StepResult:
-        pool = self.state.pool(command.pool_id)
+        pool = self.state.pool(command.pool_id, session.tenant, command.admin)
         ops = command.decode_ops(pool.spec, pool.hash_block_size)  # validated before anything changes
         guard()
         return self.run_ops(pool, session, command.sequence, ops)
@@ -177,7 +177,7 @@ class Allocator:
         """Commit: the destination's copied blocks become cached. Abort: the destination request is freed.
         Either way the source pins drop."""
         state = self.state
-        pool = state.pool(command.pool_id)
+        pool = state.pool(command.pool_id, session.tenant, command.admin)
         guard()
         transfer = state.transfers.transfers.get(command.transfer_id)
         owner = state.sessions.sessions.get(transfer.session_id) if transfer is not None else None
@@ -248,8 +248,8 @@ class Allocator:
     def pool(self, pool_id: str) -> Pool:
         return self.state.pool(pool_id)
 
-    def get_request(self, tenant: str, pool_id: str, request_id: str) -> tuple[Pool, Request]:
-        pool = self.state.pool(pool_id)
+    def get_request(self, tenant: str, pool_id: str, request_id: str, admin: bool = True) -> tuple[Pool, Request]:
+        pool = self.state.pool(pool_id, tenant, admin)
         key = request_key(tenant, request_id)
         req = pool.requests.get(key)
         if req is None:
@@ -257,17 +257,18 @@ class Allocator:
             raise NotFound(reason or f"request {request_id!r} not found in pool {pool_id!r}")
         return pool, req
 
-    def request_info(self, tenant: str, pool_id: str, request_id: str) -> RequestInfo:
-        pool, req = self.get_request(tenant, pool_id, request_id)
+    def request_info(self, tenant: str, pool_id: str, request_id: str, admin: bool = True) -> RequestInfo:
+        pool, req = self.get_request(tenant, pool_id, request_id, admin)
         key = req.request_id
         return RequestInfo(request_id, pool.pool_id, req.num_tokens, req.num_computed_tokens,
                            pool.manager.get_block_ids(key), len(req.block_hashes),
                            pool.manager.coordinator.is_running(key), pool.owner.get(key, ""))
 
-    def pool_stats(self, check_invariants: bool = False) -> list[PoolStats]:
+    def pool_stats(self, tenant: str = "", admin: bool = True, check_invariants: bool = False) -> list[PoolStats]:
+        """Per pool the caller sees (its tenant's; an admin: all). `check_invariants` walks every block."""
         transfers = self.state.transfers.transfers.values()
         out = []
-        for pool in self.state.pools.values():
+        for pool in self.state.visible_pools(tenant, admin):
             m = pool.manager
             bp = m.block_pool
             totals = m.prefix_cache_totals
@@ -280,8 +281,9 @@ class Allocator:
 
     def lookup(self, tenant: str, token_ids=None, block_hashes: Sequence[bytes] | None = None, num_tokens: int = 0,
                cache_salt: str | None = None, lora_name: str | None = None,
-               pool_ids: Sequence[str] = ()) -> LookupResult:
-        return self.placement.lookup(tenant, token_ids, block_hashes, num_tokens, cache_salt, lora_name, pool_ids)
+               pool_ids: Sequence[str] = (), admin: bool = True) -> LookupResult:
+        return self.placement.lookup(tenant, token_ids, block_hashes, num_tokens, cache_salt, lora_name, pool_ids,
+                                     admin)
 
     def invariant_violation(self, pool: Pool) -> str:
         try:

@@ -18,7 +18,8 @@ class Placement:
 
     def lookup(self, tenant: str, token_ids=None, block_hashes: Sequence[bytes] | None = None, num_tokens: int = 0,
                cache_salt: str | None = None, lora_name: str | None = None,
-               pool_ids: Sequence[str] = ()) -> LookupResult:
+               pool_ids: Sequence[str] = (), admin: bool = True) -> LookupResult:
+        """Over the pools the caller sees (`pool_ids`: these, each one it sees; else all it sees)."""
         settings = self.state.settings
         ns = namespace(tenant)
         if block_hashes is None:
@@ -29,7 +30,7 @@ class Placement:
             num_tokens = num_tokens or len(raw) * settings.hash_block_size
         hashes = [h + ns for h in raw] if ns else raw
         state = self.state
-        pools = [state.pool(p) for p in pool_ids] if pool_ids else list(state.pools.values())
+        pools = [state.pool(p, tenant, admin) for p in pool_ids] if pool_ids else state.visible_pools(tenant, admin)
         hits = [PoolHit(p.pool_id, p.cached_prefix_tokens(hashes, num_tokens),
                         p.manager.block_pool.get_num_free_blocks()) for p in pools]
         return LookupResult(hits, self.place(pools, hits, raw))

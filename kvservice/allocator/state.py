@@ -31,11 +31,17 @@ class AllocatorState:
         self.transfers = other.transfers
         self.lease_expiries = other.lease_expiries
 
-    def pool(self, pool_id: str) -> Pool:
+    def pool(self, pool_id: str, tenant: str | None = None, admin: bool = True) -> Pool:
+        """The pool, if the caller may see it: its own tenant's or, for an admin, any (`tenant` None: any).
+        Another tenant's pool is NOT_FOUND, exactly as one that does not exist."""
         pool = self.pools.get(pool_id)
-        if pool is None:
+        if pool is None or not (admin or tenant is None or pool.owner_tenant == tenant):
             raise NotFound(f"pool {pool_id!r} is not registered; call RegisterPool first")
         return pool
+
+    def visible_pools(self, tenant: str, admin: bool) -> list[Pool]:
+        """The pools a caller sees (in GetStats and Lookup): its tenant's, or every pool for an admin."""
+        return [p for p in self.pools.values() if admin or p.owner_tenant == tenant]
 
     def new_pool(self, spec) -> Pool:
         settings = self.settings

@@ -58,7 +58,8 @@ class TransferBook:
         best: tuple[Pool, int] | None = None
         for pool_id in sorted(pools):  # sorted: replay after recovery picks the same source
             other = pools[pool_id]
-            if other is dst or not transferable(other) or not same_layout(other, dst):
+            if (other is dst or other.owner_tenant != dst.owner_tenant or not transferable(other)
+                    or not same_layout(other, dst)):
                 continue
             hit = other.cached_prefix_tokens(req.block_hashes, req.num_tokens)
             if best is None or hit > best[1]:

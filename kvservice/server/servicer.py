@@ -129,7 +129,8 @@ class AllocatorServicer:
         return replies.encode_register_result(reply)
 
     async def _step(self, context, request, raw: bytes, rpc_kind: StepRpc) -> pb.StepResponse:
-        command = decode.step_command(rpc_kind, request, raw, self.auth.of(context).tenant)
+        principal = self.auth.of(context)
+        command = decode.step_command(rpc_kind, request, raw, principal.tenant, principal.admin)
         result = await self._apply(command)
         self.metrics.count_outcomes(result.results)
         return replies.encode_step_result(result, pb.StepResponse())
@@ -152,7 +153,8 @@ class AllocatorServicer:
 
     @rpc
     async def CommitTransfer(self, request: pb.CommitTransferRequest, context, raw: bytes) -> pb.StepResponse:
-        command = decode.commit_transfer_command(request, raw, self.auth.of(context).tenant)
+        principal = self.auth.of(context)
+        command = decode.commit_transfer_command(request, raw, principal.tenant, principal.admin)
         return replies.encode_step_result(await self._apply(command), pb.StepResponse())
 
     @rpc
@@ -174,7 +176,7 @@ class AllocatorServicer:
     async def GetRequest(self, request: pb.GetRequestRequest, context) -> pb.RequestInfo:
         principal = self.auth.of(context)
         info = self.allocator.request_info(principal.tenant, check_id("pool_id", request.pool_id),
-                                           check_id("request_id", request.request_id))
+                                           check_id("request_id", request.request_id), principal.admin)
         return replies.encode_request_info(info)
 
     @rpc
@@ -187,19 +189,24 @@ class AllocatorServicer:
                                       "send token_ids or block_hashes, not both")
             result = self.allocator.lookup(principal.tenant,
                                            block_hashes=decode_hashes("block_hashes", request.block_hashes),
-                                           num_tokens=request.num_tokens, pool_ids=pool_ids)
+                                           num_tokens=request.num_tokens, pool_ids=pool_ids, admin=principal.admin)
         else:
             result = self.allocator.lookup(principal.tenant, token_ids=decode_u32("token_ids", request.token_ids),
                                            cache_salt=check_name("cache_salt", request.cache_salt),
-                                           lora_name=check_name("lora_name", request.lora_name), pool_ids=pool_ids)
+                                           lora_name=check_name("lora_name", request.lora_name), pool_ids=pool_ids,
+                                           admin=principal.admin)
         return replies.encode_lookup(result)
 
     @rpc
     async def GetStats(self, request: pb.GetStatsRequest, context) -> pb.GetStatsResponse:
-        self.auth.of(context)
+        principal = self.auth.of(context)
+        if request.check_invariants or request.include_state_digest:
+            self.auth.require_admin(context)  # walks every block, holding up every Step meanwhile
         a = self.allocator
         state = a.state
-        out = pb.GetStatsResponse(num_sessions=len(state.sessions.sessions), persistence=self.journal.state.value,
+        sessions = state.sessions.sessions.values()
+        num_sessions = len(sessions) if principal.admin else sum(1 for s in sessions if s.tenant == principal.tenant)
+        out = pb.GetStatsResponse(num_sessions=num_sessions, persistence=self.journal.state.value,
                                   event_sequence=state.events.next_sequence - 1, lease_expiries=state.lease_expiries,
                                   hash_fingerprint=a.fingerprint, hash_block_size=a.settings.hash_block_size)
         if request.include_state_digest:
@@ -209,7 +216,7 @@ class AllocatorServicer:
         out.wal_entries_written, out.wal_bytes_written = js.entries, js.bytes
         out.snapshots_written, out.last_snapshot_bytes, out.wal_lag = js.snapshots, js.last_snapshot_bytes, js.wal_lag
         out.leader_epoch = self.journal.leader_epoch
-        for stats in a.pool_stats(request.check_invariants):
+        for stats in a.pool_stats(principal.tenant, principal.admin, request.check_invariants):
             replies.encode_pool_stats(stats, out.pools.add())
         return out
 
@@ -219,14 +226,17 @@ class AllocatorServicer:
             request = parse("WatchEvents", raw)
             principal = self.auth.of(context)
             pool_ids = {check_id(f"pool_ids[{i}]", p) for i, p in enumerate(request.pool_ids)}
-            log = self.allocator.state.events
+            state = self.allocator.state
+            for pool_id in pool_ids:
+                state.pool(pool_id, principal.tenant, principal.admin)  # NOT_FOUND for another tenant's
+            log = state.events
             cursor = request.start_sequence if request.HasField("start_sequence") else log.next_sequence
             log.since(cursor)  # OUT_OF_RANGE now rather than after the first wait
         except KVServiceError as exc:
             self.metrics.rejected.labels("WatchEvents", exc.code.name).inc()
             await abort(context, exc)
             return
-        tenant = principal.tenant
+        tenant, admin = principal.tenant, principal.admin
         while True:
             self._event_signal.clear()
             try:
@@ -238,6 +248,9 @@ class AllocatorServicer:
                 cursor = item.sequence + 1
                 if pool_ids and item.pool_id not in pool_ids:
                     continue
+                pool = state.pools.get(item.pool_id)
+                if not admin and (pool is None or pool.owner_tenant != tenant):
+                    continue  # another tenant's pool: not even its existence is shown
                 owner = item.tenant
                 if owner is not None and owner != tenant:
                     continue

@@ -25,12 +25,11 @@ _LEGACY_STEPS = {"step": StepRpc.STEP, "allocate": StepRpc.ALLOCATE, "free": Ste
 def encode(command: Command) -> bytes:
     kind = command.kind
     entry = st.WalEntry(command=kind)
-    if kind is CommandKind.STEP:
-        entry.session_id, entry.tenant, entry.rpc, entry.request = (command.session_id, command.tenant, command.rpc,
-                                                                    command.wire)
-    elif kind in (CommandKind.REGISTER_POOL, CommandKind.COMMIT_TRANSFER):
-        entry.session_id, entry.tenant, entry.request = command.session_id, command.tenant, command.wire
-        entry.admin = getattr(command, "admin", False)
+    if kind in (CommandKind.STEP, CommandKind.REGISTER_POOL, CommandKind.COMMIT_TRANSFER):
+        entry.session_id, entry.tenant, entry.request, entry.admin = (command.session_id, command.tenant,
+                                                                      command.wire, command.admin)
+        if kind is CommandKind.STEP:
+            entry.rpc = command.rpc
     elif kind is CommandKind.OPEN_SESSION:
         entry.session_id, entry.tenant, entry.client_name = command.session_id, command.tenant, command.client_name
         entry.resume_session_id, entry.last_acked_sequence = command.resume_session_id, command.last_acked_sequence
@@ -52,11 +51,13 @@ def decode(raw: bytes, hash_block_size: int) -> Command:
     kind = CommandKind(entry.command)
     if kind is CommandKind.STEP:
         rpc = StepRpc(entry.rpc)
-        return step_command(rpc, STEP_REQUESTS[rpc].FromString(entry.request), entry.request, entry.tenant)
+        return step_command(rpc, STEP_REQUESTS[rpc].FromString(entry.request), entry.request, entry.tenant,
+                            entry.admin)
     if kind is CommandKind.REGISTER_POOL:
         return _register(entry, entry.tenant, entry.admin, hash_block_size)
     if kind is CommandKind.COMMIT_TRANSFER:
-        return commit_transfer_command(pb.CommitTransferRequest.FromString(entry.request), entry.request, entry.tenant)
+        return commit_transfer_command(pb.CommitTransferRequest.FromString(entry.request), entry.request, entry.tenant,
+                                       entry.admin)
     if kind is CommandKind.OPEN_SESSION:
         return OpenSession(entry.session_id, entry.tenant, entry.client_name, entry.resume_session_id,
                            entry.last_acked_sequence, list(entry.pool_ids), entry.admin)
@@ -88,13 +89,13 @@ def _decode_legacy(entry: st.WalEntry, hash_block_size: int) -> Command:
     kind = entry.legacy_kind
     if kind in _LEGACY_STEPS:
         rpc = _LEGACY_STEPS[kind]
-        command = step_command(rpc, STEP_REQUESTS[rpc].FromString(entry.request), entry.request, "")
+        command = step_command(rpc, STEP_REQUESTS[rpc].FromString(entry.request), entry.request, "", True)
         command.tenant = None
         return command
     if kind == "register_pool":
         return _register(entry, None, True, hash_block_size)
     if kind == "commit_transfer":
-        command = commit_transfer_command(pb.CommitTransferRequest.FromString(entry.request), entry.request, "")
+        command = commit_transfer_command(pb.CommitTransferRequest.FromString(entry.request), entry.request, "", True)
         command.tenant = None
         return command
     if kind == "open_session":

@@ -274,12 +274,13 @@ def decode_admit(a: pb.AdmitBatchOp, max_len: int, vocab: int, field: str) -> Ad
 
 
 # ---- commands ------------------------------------------------------------------------------------
-def step_command(rpc: StepRpc, request, raw: bytes, tenant: str) -> Step:
+def step_command(rpc: StepRpc, request, raw: bytes, tenant: str, admin: bool = False) -> Step:
     """A Step / Allocate / Free / Fork request as a command (its ops decoded once the pool is known)."""
     pool_id = check_id("pool_id", request.pool_id)
     check_id("session_id", request.session_id)
     return Step(request.session_id, tenant, request.sequence, pool_id,
-                lambda spec, hash_block_size: ops_from_request(rpc, request, spec, hash_block_size), rpc, raw)
+                lambda spec, hash_block_size: ops_from_request(rpc, request, spec, hash_block_size), rpc, raw,
+                admin)
 
 
 def register_command(request: pb.RegisterPoolRequest, raw: bytes, tenant: str, admin: bool,
@@ -289,10 +290,11 @@ def register_command(request: pb.RegisterPoolRequest, raw: bytes, tenant: str, a
                         request.hash_fingerprint, admin, raw)
 
 
-def commit_transfer_command(request: pb.CommitTransferRequest, raw: bytes, tenant: str) -> CommitTransfer:
+def commit_transfer_command(request: pb.CommitTransferRequest, raw: bytes, tenant: str,
+                            admin: bool = False) -> CommitTransfer:
     check_id("session_id", request.session_id)
     return CommitTransfer(request.session_id, tenant, request.sequence, check_id("pool_id", request.pool_id),
-                          check_id("transfer_id", request.transfer_id), request.abort, raw)
+                          check_id("transfer_id", request.transfer_id), request.abort, raw, admin)
 
 
 def open_session_command(request: pb.OpenSessionRequest, session_id: str, tenant: str, admin: bool) -> OpenSession:
