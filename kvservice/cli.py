@@ -22,10 +22,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(serve, AllocatorSettings)
 
     status = sub.add_parser("status", help="print pools, usage and hit rate")
-    status.add_argument("--target", default="127.0.0.1:50051")
-    status.add_argument("--token")
-    status.add_argument("--tls-ca")
-    status.add_argument("--check-invariants", action="store_true")
+    status.add_argument("--target", default="127.0.0.1:50051", help="the allocator (default: %(default)s)")
+    status.add_argument("--token", help="bearer token (a line of the server's --token-file)")
+    status.add_argument("--token-file", help="read the bearer token from this file (its first token)")
+    status.add_argument("--tls-ca", help="CA that signed the server's certificate (PEM): turns on TLS")
+    status.add_argument("--tls-cert", help="client certificate (PEM), for a server with --tls-ca (mutual TLS)")
+    status.add_argument("--tls-key", help="client private key (PEM)")
+    status.add_argument("--check-invariants", action="store_true", help="walk every block (admin token)")
 
     sub.add_parser("demo", help="end-to-end demo (allocator + Ray workers + a tiny model); options after it go "
                                "to worker/demo.py (e.g. --requests, --dcp, --backend, --num-blocks)", add_help=False)
@@ -42,19 +45,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         return asyncio.run(serve(config))
     except (ConnectionError, ValueError) as exc:
-        logging.getLogger("kvservice").error("%s", exc)
         print(f"kvservice serve: {exc}", file=sys.stderr)
         return 2
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     from kvservice.client import KVServiceClient
-    from kvservice.errors import KVServiceError
+    from kvservice.errors import Code, KVServiceError
+    token = args.token
+    if token is None and args.token_file:
+        token = Path(args.token_file).read_text().split()[0]
     try:
-        with KVServiceClient(args.target, args.token, tls_ca=args.tls_ca, retries=1, timeout_s=5) as client:
+        with KVServiceClient(args.target, token, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                             retries=1, timeout_s=5) as client:
             stats = client.get_stats(check_invariants=args.check_invariants)
     except KVServiceError as exc:
-        print(f"kvservice at {args.target}: {exc}", file=sys.stderr)
+        hint = ""
+        if exc.code is Code.UNAVAILABLE:
+            hint = (" (unavailable: is it listening there, and does it want TLS? --tls-ca for TLS, plus "
+                    "--tls-cert/--tls-key when the server has --tls-ca)")
+        print(f"kvservice at {args.target}: {exc.code.name}: {exc}{hint}", file=sys.stderr)
         return 1
     print(f"kvservice at {args.target}: {len(stats.pools)} pools, {stats.num_sessions} sessions, "
           f"persistence {stats.persistence}, hash spec {stats.hash_fingerprint} (block {stats.hash_block_size})")

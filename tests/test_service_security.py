@@ -2,6 +2,8 @@
 
 import datetime
 import ipaddress
+import subprocess
+import sys
 
 import grpc
 import pytest
@@ -203,6 +205,13 @@ def test_mutual_tls_requires_a_client_certificate(pki):
             with pytest.raises(Unavailable):
                 bad.get_stats()
             bad.close()
+        # `kvservice status` speaks mutual TLS too (issue 13, point 11).
+        status = [sys.executable, "-m", "kvservice.cli", "status", "--target", proc.target, "--tls-ca", pki["ca"]]
+        ok = subprocess.run([*status, "--tls-cert", pki["client_cert"], "--tls-key", pki["client_key"]],
+                            capture_output=True, text=True, timeout=60)
+        assert ok.returncode == 0 and "mtls" in ok.stdout, ok.stderr
+        refused = subprocess.run(status, capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 1 and "UNAVAILABLE" in refused.stderr and "--tls-cert" in refused.stderr
     finally:
         proc.stop()
 

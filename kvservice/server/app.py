@@ -19,6 +19,7 @@ from kvservice.launch import READY_PREFIX
 from kvservice.server.auth import Authenticator, AuthInterceptor, load_token_file
 from kvservice.server.metrics import Metrics
 from kvservice.server.servicer import AllocatorServicer, freeze_long_lived, method_handlers
+from kvservice.server.startup import DataDirLock, check_port_free, is_loopback, token_file_for
 from kvservice.settings import ServerSettings
 from kvservice.store.base import Journal, PersistenceState
 
@@ -193,9 +194,35 @@ async def build_server(config: ServerSettings) -> AllocatorServer:
 GC_THRESHOLDS = (10_000, 10, 10)
 
 
+def preflight(config: ServerSettings) -> DataDirLock | None:
+    """What `serve` checks before starting anything (kvservice.server.startup); raises StartupError. Returns
+    the data dir's lock when this allocator uses the directory (its embedded Redis, a generated token)."""
+    generates_token = not config.token_file and not is_loopback(config.host) and not config.insecure
+    lock = None
+    if (config.persistence and not config.redis_url) or generates_token:
+        lock = DataDirLock(config.data_dir).acquire()
+    try:
+        check_port_free(config.host, config.port)
+        config.token_file = token_file_for(config)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return lock
+
+
 async def serve(config: ServerSettings, ready_line: bool = True) -> int:
     """Runs until SIGINT/SIGTERM (exit 0) or until fenced by a newer allocator (exit 3)."""
     gc.set_threshold(*GC_THRESHOLDS)
+    lock = preflight(config)
+    try:
+        return await _serve(config, ready_line)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+async def _serve(config: ServerSettings, ready_line: bool) -> int:
     server = await build_server(config)
     try:
         port = await server.start()
