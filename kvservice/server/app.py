@@ -38,8 +38,9 @@ class AllocatorServer:
         tokens = load_token_file(config.token_file) if config.token_file else None
         self.auth = Authenticator(tokens)
         self.journal = journal or Journal()
-        self.metrics = Metrics(self.allocator, lambda: self.journal.state)
+        self.metrics = Metrics(self.allocator, lambda: self.journal, lambda: self.servicer.num_watchers)
         self.servicer = AllocatorServicer(self.allocator, self.auth, self.metrics, self.journal)
+        self.journal.write_observer = self.metrics.redis_write.observe
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port = 0

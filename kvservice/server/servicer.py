@@ -96,6 +96,7 @@ class AllocatorServicer:
         self.clock = clock
         self._event_signal = asyncio.Event()
         allocator.state.events.listeners.append(self._event_signal.set)
+        self.num_watchers = 0
 
     async def _apply(self, command):
         """The one path of a mutation: apply (guarded by the journal's writability), then journal."""
@@ -237,6 +238,14 @@ class AllocatorServicer:
             await abort(context, exc)
             return
         tenant, admin = principal.tenant, principal.admin
+        self.num_watchers += 1
+        try:
+            async for message in self._watch(state, log, cursor, pool_ids, tenant, admin, context):
+                yield message
+        finally:
+            self.num_watchers -= 1
+
+    async def _watch(self, state, log, cursor: int, pool_ids: set[str], tenant: str, admin: bool, context):
         while True:
             self._event_signal.clear()
             try:

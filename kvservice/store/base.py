@@ -35,7 +35,8 @@ class JournalStats:
     last_snapshot_s: float = 0.0
     last_snapshot_at: float = 0.0  # time.time() of the last committed snapshot (0: none yet)
     wal_lag: int = 0
-    append_seconds: float = 0.0  # summed Redis round-trip time of WAL appends
+    append_seconds: float = 0.0  # summed Redis round-trip time of WAL appends (one per batch)
+    redis_data_losses: int = 0  # times Redis answered without this allocator's leader key
 
 
 class Journal:
@@ -44,6 +45,7 @@ class Journal:
     state = PersistenceState.OFF
     stats = JournalStats()
     leader_epoch = 0
+    write_observer = None  # called with the seconds of each WAL append (metrics)
 
     def check_writable(self) -> None:
         """Raises Unavailable when a mutation must not be applied now."""

@@ -17,6 +17,7 @@ import contextlib
 import gc
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -31,7 +32,7 @@ from kvservice.processes import parent_death_signal
 from kvservice.store import wal
 from kvservice.store.base import Journal, JournalStats
 from kvservice.store.base import PersistenceState as PS
-from kvservice.store.redis_store import FencedError, RedisStore, write_pending_snapshot_sync
+from kvservice.store.redis_store import FencedError, LeaderLostError, RedisStore, write_pending_snapshot_sync
 from kvservice.store.snapshot import dump
 
 logger = logging.getLogger(__name__)
@@ -104,8 +105,10 @@ class PersistentJournal(Journal):
         if self.state is PS.FENCED:
             raise Unavailable("this allocator was fenced by a newer one and is shutting down; reconnect")
         if self.state is not PS.OK and self.require_persistence:
-            raise Unavailable("persistence is unavailable (Redis is down) and --require-persistence is set; "
-                              "retry when it is back")
+            why = ("Redis is back and the resync snapshot is being written" if self.state is PS.RESYNCING
+                   else "Redis is down")
+            raise Unavailable(f"persistence is not durable yet ({why}) and --require-persistence is set; retry "
+                              f"with the same sequence shortly")
 
     async def record(self, command: Command) -> None:
         """Logs one applied command; returns once it is in Redis (or, degraded, at once). Must be called
@@ -113,7 +116,7 @@ class PersistentJournal(Journal):
         raw = wal.encode(command)
         if self.state is PS.DEGRADED:
             return  # acknowledged from memory; the resync snapshot will cover it
-        if self.state is not PS.OK:
+        if self.state not in (PS.OK, PS.RESYNCING):
             raise Unavailable("persistence is unavailable; the mutation was not acknowledged")
         future = asyncio.get_running_loop().create_future()
         self._queue.append((raw, future))
@@ -127,14 +130,19 @@ class PersistentJournal(Journal):
             self._wakeup.clear()
             while self._queue:
                 batch, self._queue = self._queue, []
+                started = time.perf_counter()
                 try:
                     ids = await self.store.append([raw for raw, _ in batch])
                 except FencedError as exc:
                     self._fenced(str(exc), batch)
                     return
-                except REDIS_ERRORS as exc:
-                    self._outage(exc, batch)
+                except (LeaderLostError, *REDIS_ERRORS) as exc:
+                    self._outage(exc, batch)  # the watch takes a lost leader key back, then resyncs
                     continue
+                elapsed = time.perf_counter() - started
+                self.stats.append_seconds += elapsed
+                if self.write_observer is not None:
+                    self.write_observer(elapsed)
                 self.stats.entries += len(batch)
                 self.stats.bytes += sum(len(raw) for raw, _ in batch)
                 self.stats.batches += 1
@@ -184,8 +192,10 @@ class PersistentJournal(Journal):
             await asyncio.sleep(0.5)
             try:
                 leader = await self.store.leader()
+                if leader is None:
+                    leader = await self._leader_lost()
             except REDIS_ERRORS as exc:
-                if self.state is PS.OK:
+                if self.state in (PS.OK, PS.RESYNCING):
                     self._outage(exc, [])
                 continue
             if leader != self.store.epoch:
@@ -201,12 +211,27 @@ class PersistentJournal(Journal):
             else:
                 await self._watch_standby()
 
+    async def _leader_lost(self) -> int | None:
+        """Redis answers without our leader key: it lost its data, and with it the WAL and the snapshot. Only
+        this process's memory holds the state now: take the key back (if still absent), serve degraded
+        (refuse under --require-persistence) and resync from memory. Returns the leader epoch after."""
+        self.stats.redis_data_losses += 1
+        logger.critical("Redis lost this allocator's data (the leader key of epoch %d is gone): taking leadership "
+                        "back and writing a fresh snapshot from memory; serving %s until it is committed",
+                        self.store.epoch, "nothing" if self.require_persistence else "degraded")
+        if not await self.store.retake_leadership():
+            return await self.store.leader()  # another allocator wrote the key meanwhile: fenced
+        if self.state in (PS.OK, PS.RESYNCING):
+            self._outage(LeaderLostError("Redis lost its data"), [])
+        return self.store.epoch
+
     async def _watch_standby(self) -> None:
         with contextlib.suppress(*REDIS_ERRORS):
             committed = await self.store.snapshots_committed()  # by the standby and by resyncs alike
-            if self._snapshots_at_start is None:
+            if self._snapshots_at_start is None or committed < self._snapshots_at_start:  # (Redis lost its count)
                 self._snapshots_at_start = committed
             self.stats.snapshots = committed - self._snapshots_at_start
+            self.stats.last_snapshot_at = await self.store.last_snapshot_at()
         if self._standby is not None and self._standby.poll() is not None and self.state is not PS.FENCED:
             logger.warning("the standby snapshotter exited with %s: restarting it", self._standby.returncode)
             self._start_standby()
@@ -219,8 +244,9 @@ class PersistentJournal(Journal):
         self._queue.append((barrier, future))
         self._wakeup.set()
         if resync:
-            # From the barrier on, mutations are logged again (after it); the snapshot covers the rest.
-            self.state = PS.OK
+            # From the barrier on, mutations are logged again (after it), but a crash before the snapshot
+            # commits would lose what only it covers: not OK (durable) until then.
+            self.state = PS.RESYNCING
         pid = self._fork_child()
         self._since_snapshot = 0
         self._last_snapshot = time.monotonic()
@@ -228,11 +254,15 @@ class PersistentJournal(Journal):
         return self._snapshot_task
 
     def _fork_child(self) -> int:
+        # The child holds a copy of every descriptor, the gRPC port's too: it must not outlive this process.
+        arm = parent_death_signal(signal.SIGKILL, main_thread_only=False)
         pid = os.fork()
         if pid == 0:  # the child: no event loop, no gRPC, no logging: serialize, write, exit
             code = 1
             gc.disable()  # never traverse objects other (now absent) threads were mutating
             try:
+                if arm is not None:
+                    arm()
                 os.nice(10)  # serializing must not take CPU time from serving
                 start = time.perf_counter()
                 data = dump(self.allocator)
@@ -252,6 +282,9 @@ class PersistentJournal(Journal):
             if os.waitstatus_to_exitcode(status) != 0 or wal_id is None:
                 raise RuntimeError(f"snapshot child exited with {os.waitstatus_to_exitcode(status)}")
             self.stats.wal_lag = await self.store.commit_snapshot(wal_id, "fork")
+            if resync and self.state is PS.RESYNCING:
+                self.state = PS.OK
+                logger.warning("resync snapshot committed: persistence is ok again")
             if self.snapshot_mode == "fork":
                 self.stats.snapshots += 1
             self.stats.last_snapshot_s = time.perf_counter() - start
@@ -265,7 +298,7 @@ class PersistentJournal(Journal):
         except BaseException as exc:  # noqa: BLE001 - any failure leaves the WAL untrimmed, which is safe
             self.stats.snapshot_failures += 1
             logger.error("snapshot failed: %r", exc)
-            if resync and self.state is PS.OK:
+            if resync and self.state is PS.RESYNCING:
                 self.state = PS.DOWN if self.require_persistence else PS.DEGRADED
             if isinstance(exc, asyncio.CancelledError):
                 raise
