@@ -1,7 +1,9 @@
 # kvservice — the README's set-up commands live here (DESIGN §8).
 # `make install` makes .venv/ (unless a virtualenv is already active), installs torch==2.13.0 when torch is
 # missing (a CPU build on local disk here; an unpinned torch pulls a multi-GB CUDA build), triton==3.9.0
-# beside a CPU torch, then the project with its [worker,dev] extras. Every other target uses that env.
+# beside a CPU torch, then the project with its [worker,dev] extras, and (as root, where apt exists) the
+# Debian packages the tests run against: Redis 7 and Prometheus. Every other target uses that env, and
+# `make test` / `make run` install first when .venv/ is missing or older than pyproject.toml (a stamp).
 
 SHELL := /bin/bash
 ifdef VIRTUAL_ENV
@@ -18,10 +20,12 @@ PYTEST_FLAGS ?=
 # vLLM 0.33.0's pure-Python scheduler and KV-cache core, its tests and a venv they run in: built once per
 # machine by tools/vllm_env.sh (a few minutes; ~2.5 GB), shared by every checkout.
 VLLM_ENV ?= $(HOME)/.cache/kvservice/vllm-0.33.0
+STAMP := $(VENV)/.kvservice-installed
+SYSTEM_PACKAGES := redis-server prometheus
 
-.PHONY: install proto test test-slow run bench lint gpu-check soak clean vllm-env
+.PHONY: install system-deps proto test test-slow run bench lint gpu-check soak clean vllm-env
 
-install:
+install: system-deps
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	@if $(PY) -c "import torch" 2>/dev/null; then \
@@ -34,6 +38,24 @@ install:
 	fi
 	$(PIP) install -q -e '.[worker,dev]'
 	@$(PY) -c "import kvservice, worker, torch, triton, ray, grpc; print('kvservice installed; torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__)"
+	@touch $(STAMP)
+
+# The first `make test` or `make run` on a fresh clone installs; so does a changed pyproject.toml.
+$(STAMP): pyproject.toml
+	$(MAKE) install
+
+# Debian's redis-server (Redis 7, redis-cli --cluster) and prometheus/promtool, for the tests that run
+# against them (they skip, saying why, where these cannot be installed).
+system-deps:
+	@missing=""; for b in redis-server prometheus; do command -v $$b >/dev/null || missing="$$missing $$b"; done; \
+	if [ -z "$$missing" ]; then echo "system packages present: $(SYSTEM_PACKAGES)"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing Debian packages: $(SYSTEM_PACKAGES)"; \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(SYSTEM_PACKAGES) >/dev/null \
+	    || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+	         --no-install-recommends $(SYSTEM_PACKAGES) >/dev/null; } \
+	    || echo "WARNING: could not install $(SYSTEM_PACKAGES); the tests needing them will skip"; \
+	else echo "WARNING: not root or no apt-get: install$$missing yourself; the tests needing them will skip"; fi
 
 proto:
 	$(PIP) install -q grpcio-tools==$(GRPC_TOOLS_VERSION)
@@ -43,13 +65,13 @@ proto:
 	  proto/kvservice/v1/state.proto
 	touch kvservice/_proto/__init__.py
 
-test:
+test: $(STAMP)
 	$(PY) -m pytest -q -x $(PYTEST_FLAGS)
 
 test-slow:
 	$(PY) -m pytest -q -m slow $(PYTEST_FLAGS)
 
-run:
+run: $(STAMP)
 	$(PY) -m kvservice.cli demo
 
 bench:

@@ -202,6 +202,29 @@ def kill_allocator(supervisor: Supervisor) -> str:
     return "allocator SIGKILL"
 
 
+AROUND_OUTAGES = ("during the outage", "during the resync", "just after the resync")
+
+
+def kill_around_outage(supervisor: Supervisor, redis_server, client: KVServiceClient, pool: str, rng,
+                       moment: str) -> str:
+    """SIGKILLs the allocator at `moment` of a Redis outage (one of AROUND_OUTAGES): while Redis is down,
+    while the resync snapshot is held back (CLIENT PAUSE of its writes), or just after persistence is ok
+    again. Redis is back and the allocator restarted when this returns."""
+    redis_server.kill()
+    time.sleep(rng.uniform(0.3, 0.9))
+    if moment != AROUND_OUTAGES[0]:
+        redis_server.start()
+        if moment == AROUND_OUTAGES[1]:
+            with redis_server.client() as r:
+                r.execute_command("CLIENT", "PAUSE", "1000", "WRITE")
+            time.sleep(rng.uniform(0.0, 0.9))
+        else:
+            wait_persistence(client, pool, "ok")
+            time.sleep(rng.uniform(0.0, 0.3))
+    supervisor.kill(before_restart=redis_server.start)
+    return f"allocator SIGKILL {moment}"
+
+
 def free_everything_drains(client: KVServiceClient, pool: str, load_clients) -> None:
     for c in load_clients:
         c.free_all()
@@ -215,4 +238,5 @@ def stats_request(client: KVServiceClient):
 
 
 __all__ = ["FreeOp", "SlowWatcher", "TmpfsDir", "deadline_expiry", "disconnect_mid_step", "disk_full", "flood",
-           "free_everything_drains", "kill_allocator", "kill_redis", "stats_request", "wait_persistence"]
+           "free_everything_drains", "kill_allocator", "kill_around_outage", "kill_redis", "stats_request",
+           "wait_persistence"]

@@ -95,7 +95,10 @@ class Fixture:
                                     AddRequestOp("h1", block_hashes=[bytes([i]) * 16 for i in range(1, 3)],
                                                  num_tokens=40),
                                     AllocateOp("h1", 0, 40), AddRequestOp("r1", token_ids=list(range(20)))])
-        self.step(acme, "full", [AddRequestOp("r0", token_ids=PROMPT[:24]), AllocateOp("r0", 0, 24)])
+        # acme's own pool (a pool belongs to its tenant): where its quota applies.
+        self.mutate(acme, "RegisterPool", encode.register_request("acme-pool", full, 256, 0, 1, True, 1000, "nhd",
+                                                                  self.allocator.fingerprint))
+        self.step(acme, "acme-pool", [AddRequestOp("r0", token_ids=PROMPT[:24]), AllocateOp("r0", 0, 24)])
         for pool in self.allocator.state.pools.values():
             if self.allocator.invariant_violation(pool):
                 raise AssertionError(self.allocator.invariant_violation(pool))
@@ -364,8 +367,8 @@ def seed_inputs() -> dict[str, bytes]:
                                                                   ForkOp("nope", "x2")])),
         "step-no-space": encode_input("Step", step("full", [AllocateOp("r0", 80, 1, [5], num_lookahead_tokens=256),
                                                             ForkOp("r1", "r2"), AllocateOp("r1", 0, 20)])),
-        "step-quota": encode_input("Step", step("full", [AddRequestOp("q0", token_ids=list(range(200))),
-                                                         AllocateOp("q0", 0, 200)]), who=1),
+        "step-quota": encode_input("Step", step("acme-pool", [AddRequestOp("q0", token_ids=list(range(200))),
+                                                              AllocateOp("q0", 0, 200)]), who=1),
         "register": encode_input("RegisterPool", register),
         "register-new-epoch": encode_input("RegisterPool", chunked),
         "register-dcp": encode_input("RegisterPool", dcp),

