@@ -53,3 +53,16 @@ class Reference:
         out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
                                   do_sample=False, pad_token_id=0)
         return out[0, len(prompt):].tolist()
+
+
+def save_char_tokenizer(directory: Path) -> None:
+    """A character-level tokenizer of the model's vocabulary (ids 0..3 special), beside the checkpoint."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    chars = [chr(c) for c in range(32, 32 + VOCAB - len(specials))]
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + chars)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(directory)
