@@ -8,23 +8,15 @@ import random
 import shutil
 
 import pytest
-import torch
 
 from tests.hf_helpers import ARCHITECTURES, VOCAB, Reference, save_model
+from tests.test_engine import one_thread  # noqa: F401  - autouse: one torch thread in this module
 from worker import LLM, SamplingParams
 
 ARCHS = list(ARCHITECTURES)
 # Pools that preempt the workload of `test_every_engine_path_matches_transformers` (Gemma 3 holds blocks in
 # two groups; Mistral's window recycles them).
 SMALL_POOL = {"llama": 10, "qwen2": 10, "qwen3": 10, "mistral": 7, "gemma3": 13}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")
