@@ -28,7 +28,7 @@ DECODE_STEPS = 16  # every request crosses one block boundary
 
 def ours_side():
     from kvservice.core import BlockPool, FullAttentionSpec, KVCacheConfig, KVCacheManager, Request
-    from kvservice.core.kv_cache_manager import DecodeBatchOutput
+    from kvservice.core.fast_path import PackedRows
 
     def hash_prompt(tokens):
         Request("h", tokens, BS)
@@ -43,12 +43,12 @@ def ours_side():
         return [Request(f"r{i}", p, BS) for i, p in enumerate(prompts)]
 
     def decode_batch(m, reqs, token):
-        out = DecodeBatchOutput()
-        assert m.allocate_running_batch(reqs, [r.num_tokens for r in reqs], [token] * len(reqs), 1, 0, 0,
+        out = PackedRows()
+        assert m.fast_path.allocate_running_batch(reqs, [r.num_tokens for r in reqs], [token] * len(reqs), 1, 0, 0,
                                         out) == len(reqs)
 
     def admit(m, r):
-        assert m.admit(r, r.num_tokens) is not None
+        assert m.fast_path.admit(r, r.num_tokens) is not None
 
     return hash_prompt, pool, manager, make_requests, decode_batch, admit
 

@@ -27,7 +27,7 @@ import grpc
 
 from kvservice._proto import allocator_pb2 as pb
 from kvservice.core import FullAttentionSpec, KVCacheConfig, KVCacheManager, Request
-from kvservice.core.kv_cache_manager import DecodeBatchOutput
+from kvservice.core.fast_path import PackedRows
 from kvservice.server.app import GC_THRESHOLDS
 
 METHOD = "/bench.Echo/Echo"
@@ -65,7 +65,7 @@ class BareCore:
                 d = op.decode
                 batch = [reqs[r] for r in d.request_ids]
                 computed, tokens = tokens_of(d.num_computed_tokens).tolist(), tokens_of(d.append_token_ids).tolist()
-                m.allocate_running_batch(batch, computed, tokens, d.num_new_tokens or 1, 0, 0, DecodeBatchOutput())
+                m.fast_path.allocate_running_batch(batch, computed, tokens, d.num_new_tokens or 1, 0, 0, PackedRows())
             elif kind == "admit":
                 a, start = op.admit, 0
                 tokens, lengths = tokens_of(a.token_ids), tokens_of(a.num_prompt_tokens)
@@ -84,7 +84,7 @@ class BareCore:
         tokens = tokens_of(a.append_token_ids)
         if m.coordinator.is_running(r.request_id):
             token = tokens[0] if len(tokens) == 1 else None
-            if m.allocate_running(r, a.num_computed_tokens, token, a.num_new_tokens) is None:
+            if m.fast_path.allocate_running(r, a.num_computed_tokens, token, a.num_new_tokens) is None:
                 r.append_output_token_ids(tokens)
                 r.num_computed_tokens = a.num_computed_tokens
                 m.allocate_slots(r, min(a.num_new_tokens, r.num_tokens - a.num_computed_tokens))
@@ -93,7 +93,7 @@ class BareCore:
 
     @staticmethod
     def admit(m: KVCacheManager, r: Request, budget: int) -> None:
-        admitted = m.admit(r, budget)  # the one-call admission, as the allocator takes it
+        admitted = m.fast_path.admit(r, budget)  # the one-call admission, as the allocator takes it
         if admitted is None:
             hits, num_hit = m.get_computed_blocks(r)
             m.allocate_slots(r, min(budget, r.num_tokens - num_hit), num_hit, hits)

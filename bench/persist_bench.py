@@ -30,12 +30,14 @@ from bench.rpc_bench import Progress, start  # noqa: E402
 from kvservice._proto import allocator_pb2 as pb  # noqa: E402
 from kvservice.allocator import Allocator  # noqa: E402
 from kvservice.client import KVServiceClient  # noqa: E402
+from kvservice.commands import OpenSession, PoolSpec, RegisterPool, Step, StepRpc  # noqa: E402
 from kvservice.core import FullAttentionSpec, KVCacheConfig  # noqa: E402
 from kvservice.ops import AddRequestOp, AllocateOp, DecodeBatchOp, FreeOp  # noqa: E402
-from kvservice.pools import PoolSpec  # noqa: E402
+from kvservice.store import wal  # noqa: E402
 from kvservice.store.recovery import recover  # noqa: E402
 from kvservice.store.redis_store import RedisStore  # noqa: E402
 from kvservice.store.snapshot import dump  # noqa: E402
+from kvservice.wire.decode import step_command  # noqa: E402
 from tests.redis_helpers import RedisServer  # noqa: E402
 
 BS = 16
@@ -86,9 +88,9 @@ def workload(target: str, steps: int, label: str, num_blocks: int = 20_000) -> d
 def build_state(num_cached_blocks: int) -> Allocator:
     """An allocator whose one pool holds `num_cached_blocks` cached (free, LRU) blocks."""
     a = Allocator()
-    session = a.open_session("bench", "", "bench", 0.0)
-    a.register_pool(session, 1, PoolSpec("big", KVCacheConfig(num_cached_blocks + 1, [FullAttentionSpec(BS)]), 4096),
-                    a.fingerprint)
+    a.apply(OpenSession("bench", "", "bench"), 0.0)
+    a.apply(RegisterPool("bench", "", 1, PoolSpec("big", KVCacheConfig(num_cached_blocks + 1, [FullAttentionSpec(BS)]),
+                                                  4096), a.fingerprint), 0.0)
     pool = a.pool("big")
     rng = random.Random(1)
     seq = 2
@@ -97,8 +99,8 @@ def build_state(num_cached_blocks: int) -> Allocator:
     for r in range(num_cached_blocks // per_req):
         rid = f"r{r}"
         toks = [rng.randrange(32000) for _ in range(per_req * BS)]
-        a.step(session, seq, pool, [AddRequestOp(rid, token_ids=toks), AllocateOp(rid, num_new_tokens=len(toks)),
-                                    FreeOp(rid)])
+        a.apply(Step("bench", "", seq, "big", [AddRequestOp(rid, token_ids=toks),
+                                               AllocateOp(rid, num_new_tokens=len(toks)), FreeOp(rid)]), 0.0)
         seq += 1
         progress(r + 1)
     pool.manager.take_events()
@@ -113,24 +115,22 @@ async def recovery_time(redis_url: str, allocator: Allocator, namespace: str, ta
     data = dump(allocator)
     await store.redis.set(store.k_snapshot, data)
     await store.redis.set(store.k_snapshot_id, b"0-1")
-    from kvservice._proto import state_pb2 as st
     entries = []
-    first = allocator.sessions.sessions["bench"].last_sequence + 1
+    first = allocator.state.sessions.sessions["bench"].last_sequence + 1
     for i in range(tail):
         req = pb.StepRequest(session_id="bench", sequence=first + i, pool_id="big")
         op = req.ops.add().add
         op.request_id = f"tail{i}"
         op.token_ids = bytes(4 * 64)
-        entries.append(st.WalEntry(kind="step", session_id="bench", request=req.SerializeToString())
-                       .SerializeToString())
+        raw = req.SerializeToString()
+        entries.append(wal.encode(step_command(StepRpc.STEP, req, raw, "")))
     if entries:
         await store.append(entries)
     t0 = time.perf_counter()
-    snapshot, _, wal = await store.load()
+    snapshot, _, tail_entries = await store.load()
     t_read = time.perf_counter() - t0
     fresh = Allocator()
-    fresh.sessions.sessions.clear()
-    info = recover(fresh, snapshot, wal)
+    info = recover(fresh, snapshot, tail_entries)
     total = time.perf_counter() - t0
     assert len(fresh.pool("big").manager.block_pool.cached_block_hash_to_block) >= len(
         allocator.pool("big").manager.block_pool.cached_block_hash_to_block)

@@ -26,6 +26,7 @@ import argparse
 import random
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -37,9 +38,12 @@ from bench.common import bar_plot, median, percentile, table, write_json  # noqa
 from kvservice._proto import allocator_pb2 as pb  # noqa: E402
 from kvservice.client import KVServiceClient  # noqa: E402
 from kvservice.core import FullAttentionSpec, KVCacheConfig, KVCacheManager, Request  # noqa: E402
-from kvservice.core.kv_cache_manager import DecodeBatchOutput  # noqa: E402
+from kvservice.core.fast_path import PackedRows  # noqa: E402
+from kvservice.launch import wait_ready  # noqa: E402
 from kvservice.ops import AddRequestOp, AdmitBatchOp, AllocateOp, DecodeBatchOp, FreeOp  # noqa: E402
-from kvservice.wire import decode_tokens, serialize_step  # noqa: E402
+from kvservice.wire.encode import step_request  # noqa: E402
+from kvservice.wire.fields import decode_u32  # noqa: E402
+from kvservice.wire.framing import serialize_step  # noqa: E402
 
 BS = 16
 DECODE_REQS = 256
@@ -49,13 +53,11 @@ MAX_LEN = 8192
 
 
 def start(cmd: list[str], marker: str) -> tuple[subprocess.Popen, str]:
+    """Starts a server command and waits for its ready line (`marker HOST:PORT`)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    while True:
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"{cmd} exited")
-        if line.startswith(marker):
-            return proc, line.split()[-1]
+    target = wait_ready(proc, 120, prefix=marker.rstrip() + " ")
+    threading.Thread(target=proc.stdout.read, daemon=True).start()
+    return proc, target
 
 
 class Progress:
@@ -100,7 +102,7 @@ class CoreDecode:
         t0 = time.perf_counter()
         if self.batch:
             computed = [r.num_tokens for r in reqs]
-            assert m.allocate_running_batch(reqs, computed, tokens, 1, 0, 0, DecodeBatchOutput()) == len(reqs)
+            assert m.fast_path.allocate_running_batch(reqs, computed, tokens, 1, 0, 0, PackedRows()) == len(reqs)
         else:
             for r, t in zip(reqs, tokens):
                 r.append_output_token_ids([t])
@@ -119,7 +121,7 @@ def core_admit(m: KVCacheManager, prompts, s: int, fast: bool = False) -> tuple[
     for i, p in enumerate(prompts):
         r = Request(f"a{s}-{i}", p, BS)
         if fast:
-            table, n = m.admit(r, len(p))
+            table, n = m.fast_path.admit(r, len(p))
             blocks += len(table) - n // BS
         else:
             hits, n = m.get_computed_blocks(r)
@@ -156,7 +158,7 @@ class RpcDecode:
         ops = []
         for i, p in enumerate(prompts):
             ops += [AddRequestOp(f"d{i}", token_ids=p), AllocateOp(f"d{i}", num_new_tokens=len(p))]
-        msg = client.step_msg(self.pool_id, ops)
+        msg = step_request(self.pool_id, ops)
         timed_step(client, msg)
         bare(msg, 0)
         self.ids = [f"d{i}" for i in range(len(prompts))]
@@ -171,7 +173,7 @@ class RpcDecode:
         else:
             ops = [AllocateOp(rid, num_computed_tokens=c, num_new_tokens=1, append_token_ids=[t])
                    for rid, c, t in zip(self.ids, self.computed, tokens)]
-        self.msg = self.client.step_msg(self.pool_id, ops)
+        self.msg = step_request(self.pool_id, ops)
         elapsed, reply = timed_step(self.client, self.msg)
         assert all(r.status == pb.OK for r in reply.results), reply.results[0]
         assert not self.packed or reply.results[0].batch.statuses == bytes(len(self.ids))
@@ -194,16 +196,16 @@ def rpc_admit(client: KVServiceClient, bare: BareCore, prompts, s: int,
     else:
         ops = [op for rid, p in zip(ids, prompts) for op in (AddRequestOp(rid, token_ids=p),
                                                              AllocateOp(rid, num_new_tokens=len(p)))]
-    msg = client.step_msg(pool_id, ops)
+    msg = step_request(pool_id, ops)
     elapsed, reply = timed_step(client, msg)
     # An admission's reply holds the whole table: the blocks it allocated are those past the hit.
     if packed:
         b = reply.results[0].batch
         assert b.statuses == bytes(len(ids)), b
-        blocks = len(b.new_block_ids) // 4 - sum(decode_tokens("c", b.num_computed_tokens)) // BS
+        blocks = len(b.new_block_ids) // 4 - sum(decode_u32("c", b.num_computed_tokens)) // BS
     else:
         blocks = sum(len(g.block_ids) - r.num_computed_tokens // BS for r in reply.results for g in r.new_blocks)
-    free = client.step_msg(pool_id, [FreeOp(rid) for rid in ids])
+    free = step_request(pool_id, [FreeOp(rid) for rid in ids])
     timed_step(client, free)
     sizes = (len(serialize_step(msg)), reply.ByteSize())
     bare_elapsed = bare(msg, sizes[1])

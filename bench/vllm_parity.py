@@ -96,7 +96,7 @@ def run_trace(vc, config_name: str, seed: int, num_ops: int) -> int:
             ro, rv = waiting[rid]
             hv, nv = theirs.get_computed_blocks(rv)[:2]
             num_new = rng.randint(1, rv.num_tokens - nv)
-            got = ours.admit(ro, num_new)
+            got = ours.fast_path.admit(ro, num_new)
             b = theirs.allocate_slots(rv, num_new, nv, hv)
             theirs_table = None if b is None else list(theirs.get_block_ids(rid)[0])
             ours_table = None if got[0] is None else [blk.block_id for blk in got[0]]

@@ -1,13 +1,35 @@
-"""Whole-call errors: each maps to one gRPC status code. Messages say what was wrong, with which
-value, and what to do. Per-op outcomes are `ops.OpStatus`, not exceptions."""
+"""Whole-call errors of the domain: each carries a `Code` (named after the gRPC status it becomes, but the
+state machine imports no transport: `kvservice.server.status` maps codes to gRPC and back). Messages say
+what was wrong, with which value, and what to do. Per-op outcomes are `ops.OpStatus`, not exceptions."""
 
 from __future__ import annotations
 
-import grpc
+from enum import Enum
+
+
+class Code(Enum):
+    """What kind of failure: the gRPC status of the same name on the wire."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    NOT_FOUND = "NOT_FOUND"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    OUT_OF_RANGE = "OUT_OF_RANGE"
+    UNAVAILABLE = "UNAVAILABLE"
+    UNIMPLEMENTED = "UNIMPLEMENTED"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    CANCELLED = "CANCELLED"
+    ABORTED = "ABORTED"
+    DATA_LOSS = "DATA_LOSS"
+    INTERNAL = "INTERNAL"
+    UNKNOWN = "UNKNOWN"
 
 
 class KVServiceError(Exception):
-    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    code: Code = Code.INTERNAL
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -15,7 +37,9 @@ class KVServiceError(Exception):
 
 
 class InvalidArgument(KVServiceError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    """A malformed field: `field` is its path (e.g. `ops[3].allocate.request_id`)."""
+
+    code = Code.INVALID_ARGUMENT
 
     def __init__(self, field: str, value: object, why: str) -> None:
         shown = repr(value)
@@ -23,62 +47,69 @@ class InvalidArgument(KVServiceError):
             shown = shown[:77] + "..."
         super().__init__(f"{field} = {shown}: {why}")
         self.field = field
+        self.description = f"{shown}: {why}"
+
+    @classmethod
+    def from_details(cls, message: str, field: str, description: str = "") -> InvalidArgument:
+        """Rebuilt from a received error (the field comes from its details, not from parsing the message)."""
+        exc = cls.__new__(cls)
+        KVServiceError.__init__(exc, message)
+        exc.field = field
+        exc.description = description
+        return exc
 
 
 class NotFound(KVServiceError):
-    code = grpc.StatusCode.NOT_FOUND
+    code = Code.NOT_FOUND
 
 
 class AlreadyExists(KVServiceError):
-    code = grpc.StatusCode.ALREADY_EXISTS
+    code = Code.ALREADY_EXISTS
 
 
 class FailedPrecondition(KVServiceError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    code = Code.FAILED_PRECONDITION
 
 
 class PermissionDenied(KVServiceError):
-    code = grpc.StatusCode.PERMISSION_DENIED
+    code = Code.PERMISSION_DENIED
 
 
 class Unauthenticated(KVServiceError):
-    code = grpc.StatusCode.UNAUTHENTICATED
+    code = Code.UNAUTHENTICATED
 
 
 class ResourceExhausted(KVServiceError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    code = Code.RESOURCE_EXHAUSTED
 
 
 class OutOfRange(KVServiceError):
-    code = grpc.StatusCode.OUT_OF_RANGE
+    code = Code.OUT_OF_RANGE
 
 
 class Unavailable(KVServiceError):
-    code = grpc.StatusCode.UNAVAILABLE
+    code = Code.UNAVAILABLE
 
 
 class Unimplemented(KVServiceError):
-    code = grpc.StatusCode.UNIMPLEMENTED
+    code = Code.UNIMPLEMENTED
 
 
-BY_CODE: dict[grpc.StatusCode, type[KVServiceError]] = {
+class DeadlineExceeded(KVServiceError):
+    code = Code.DEADLINE_EXCEEDED
+
+
+BY_CODE: dict[Code, type[KVServiceError]] = {
     cls.code: cls for cls in (NotFound, AlreadyExists, FailedPrecondition, PermissionDenied, Unauthenticated,
-                              ResourceExhausted, OutOfRange, Unavailable, Unimplemented)
+                              ResourceExhausted, OutOfRange, Unavailable, Unimplemented, DeadlineExceeded)
 }
 
 
-def from_rpc_error(err: grpc.RpcError) -> KVServiceError:
-    """The typed error for a failed call (clients raise these instead of raw RpcErrors)."""
-    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
-    details = err.details() if hasattr(err, "details") else str(err)
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        exc = InvalidArgument.__new__(InvalidArgument)
-        KVServiceError.__init__(exc, details or "")
-        exc.field = (details or "").split(" = ", 1)[0]
-        return exc
+def error_for(code: Code, message: str) -> KVServiceError:
+    """The typed error for `code` (any code without a class of its own: a plain KVServiceError)."""
     cls = BY_CODE.get(code)
-    if cls is None:
-        exc = KVServiceError(f"{code.name}: {details}")
-        exc.code = code
-        return exc
-    return cls(details or "")
+    if cls is not None:
+        return cls(message)
+    exc = KVServiceError(f"{code.name}: {message}")
+    exc.code = code
+    return exc

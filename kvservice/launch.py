@@ -83,22 +83,22 @@ def serve_command(args: list[str], log_level: str = "WARNING") -> list[str]:
 
 def start_serve(args: list[str], *, log: Path | None = None, log_level: str = "WARNING", timeout_s: float = 60.0,
                 env: dict[str, str] | None = None, cwd: str | Path | None = None,
-                death_signal: int | None = signal.SIGTERM, drain: bool = True) -> ServeProcess:
+                death_signal: int | None = signal.SIGTERM, drain: bool = True, quiet: bool = False) -> ServeProcess:
     """Starts `kvservice serve ARGS` and waits for its ready line.
 
     Args:
-        log: where its stderr goes (default: inherited).
+        log: where its stderr goes (default: inherited; `quiet`: nowhere).
         death_signal: sent to the child when this process dies (None: none; see `parent_death_signal`).
         drain: keep reading its stdout in a thread afterwards, so it never blocks on a full pipe.
     """
-    stderr = open(log, "w") if log is not None else None  # noqa: SIM115 - lives as long as the child
+    stderr = open(log, "w") if log is not None else (subprocess.DEVNULL if quiet else None)  # noqa: SIM115
     child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     # The checkout first, so a child runs this code even where another copy is installed.
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), child_env.get("PYTHONPATH", "")) if p)
     proc = subprocess.Popen(serve_command(args, log_level), stdout=subprocess.PIPE, stderr=stderr,
                             stdin=subprocess.DEVNULL, text=True, env=child_env, cwd=cwd,
                             preexec_fn=parent_death_signal(death_signal) if death_signal else None)
-    if stderr is not None:
+    if log is not None:
         stderr.close()  # the child holds its own descriptor
     target = wait_ready(proc, timeout_s, log=log)
     if drain:

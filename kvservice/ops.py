@@ -1,6 +1,7 @@
 """Domain records for the allocator API: the ops of a Step and their results.
 
-Clients build these; `kvservice.wire` turns them into protobuf and back; the allocator applies them.
+Clients build these; `kvservice.wire` turns them into protobuf and back; the allocator applies them
+(inside a `kvservice.commands.Step`).
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ class TransferOrder:
 
 
 @dataclass(slots=True)
-class DecodeBatchResult:
+class PackedResult:
     """Packed per-request outcomes of a DecodeBatchOp or an AdmitBatchOp (whose new blocks are each
     admitted request's whole table)."""
 
@@ -142,6 +143,9 @@ class DecodeBatchResult:
         return out
 
 
+DecodeBatchResult = PackedResult  # the name before admissions were packed too
+
+
 @dataclass(slots=True)
 class OpResult:
     request_id: str
@@ -152,7 +156,7 @@ class OpResult:
     num_scheduled_tokens: int = 0
     num_tokens: int = 0
     transfer: TransferOrder | None = None
-    batch: DecodeBatchResult | None = None
+    batch: PackedResult | None = None
     replaced: list[tuple[int, int, int]] = field(default_factory=list)  # (group, index, new block id)
 
     @property

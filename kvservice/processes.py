@@ -12,13 +12,16 @@ from collections.abc import Callable
 _PR_SET_PDEATHSIG = 1
 
 
-def parent_death_signal(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
+def parent_death_signal(sig: int = signal.SIGTERM, main_thread_only: bool = True) -> Callable[[], None] | None:
     """A `preexec_fn` that has the child receive `sig` when this process dies, even by SIGKILL (Linux).
 
     None (no such guard) off Linux or off the main thread: the signal fires when the *thread* that
     spawned the child exits, so a child spawned from a short-lived thread would be killed with it.
+    `main_thread_only=False` for a forked child that arms it itself (its parent thread is the forking one).
     """
-    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+    if not sys.platform.startswith("linux"):
+        return None
+    if main_thread_only and threading.current_thread() is not threading.main_thread():
         return None
     parent = os.getpid()
 

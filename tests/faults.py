@@ -10,12 +10,11 @@ import threading
 import time
 from pathlib import Path
 
-import grpc
-
 from kvservice._proto import allocator_pb2 as pb
 from kvservice.client import KVServiceClient
-from kvservice.errors import KVServiceError
+from kvservice.errors import Code, KVServiceError
 from kvservice.ops import AddRequestOp, AllocateOp, FreeOp, OpStatus
+from kvservice.wire import encode
 from tests.load_helpers import Supervisor, pool_stats
 
 
@@ -26,7 +25,7 @@ def _retry_exactly_once(client: KVServiceClient, pool: str, rid: str) -> None:
             r = client.step(pool, [AddRequestOp(rid, token_ids=[7] * 40), AllocateOp(rid, num_new_tokens=40)])
             break
         except KVServiceError as exc:
-            if exc.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            if exc.code not in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED):
                 raise
             time.sleep(0.05)
     assert r[0].status == OpStatus.OK, f"interrupted step applied twice: {r[0]}"
@@ -37,7 +36,7 @@ def disconnect_mid_step(target: str, pool: str, tag: str) -> str:
     """The client goes away while its Step is in flight, then reconnects and retries it."""
     client = KVServiceClient(target, retries=0)
     client.open_session()
-    msg = client.step_msg(pool, [AddRequestOp(tag, token_ids=[7] * 40), AllocateOp(tag, num_new_tokens=40)])
+    msg = encode.step_request(pool, [AddRequestOp(tag, token_ids=[7] * 40), AllocateOp(tag, num_new_tokens=40)])
     msg.session_id, msg.sequence = client.session_id, client.next_sequence
     future = client.stub.Step.future(msg, timeout=10)
     time.sleep(0.0005)
@@ -112,7 +111,7 @@ def flood(target: str, pool: str, max_message_bytes: int, threads: int = 6) -> s
         over.step(pool, [AddRequestOp("too-big", token_ids=[1] * (max_message_bytes // 4 + 1024))])
         results.append("over-limit accepted")
     except KVServiceError as exc:
-        assert exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+        assert exc.code == Code.RESOURCE_EXHAUSTED, exc
         results.append("over-limit RESOURCE_EXHAUSTED")
     finally:
         over.close()

@@ -27,7 +27,6 @@ from unittest import mock
 
 from kvservice._proto import allocator_pb2 as pb
 from kvservice.allocator import Allocator
-from kvservice.client import KVServiceClient
 from kvservice.core import ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheConfig, MambaSpec, SlidingWindowSpec
 from kvservice.errors import InvalidArgument, KVServiceError
 from kvservice.hashing import MultiModalItem, spec_fingerprint
@@ -37,7 +36,9 @@ from kvservice.server.auth import Authenticator, Principal
 from kvservice.server.metrics import Metrics
 from kvservice.server.servicer import AllocatorServicer, parse
 from kvservice.store.snapshot import state_digest
-from kvservice.wire import encode_add, encode_tokens
+from kvservice.wire import encode
+from kvservice.wire.encode import encode_add
+from kvservice.wire.fields import encode_u32
 
 METHODS = ("Step", "Allocate", "Free", "Fork", "RegisterPool", "CommitTransfer", "Lookup", "GetRequest",
            "OpenSession", "ResetPrefixCache", "Heartbeat", "GetStats")
@@ -81,7 +82,7 @@ class Fixture:
         full = KVCacheConfig(20, [FullAttentionSpec(16)])  # 12 blocks free: long lookaheads get NO_SPACE
         hybrid = KVCacheConfig(48, [FullAttentionSpec(16), SlidingWindowSpec(16, 32)])
         for pool_id, config, vocab in (("full", full, 1000), ("full-b", full, 1000), ("hybrid", hybrid, 0)):
-            msg = KVServiceClient.register_msg(pool_id, config, 256, 0, 1, True, vocab, "nhd",
+            msg = encode.register_request(pool_id, config, 256, 0, 1, True, vocab, "nhd",
                                                self.allocator.fingerprint)
             self.mutate(admin, "RegisterPool", msg)
         self.step(admin, "full", [AddRequestOp("r0", token_ids=PROMPT), AllocateOp("r0", num_new_tokens=80),
@@ -95,10 +96,10 @@ class Fixture:
                                                  num_tokens=40),
                                     AllocateOp("h1", 0, 40), AddRequestOp("r1", token_ids=list(range(20)))])
         self.step(acme, "full", [AddRequestOp("r0", token_ids=PROMPT[:24]), AllocateOp("r0", 0, 24)])
-        for pool in self.allocator.pools.values():
+        for pool in self.allocator.state.pools.values():
             if self.allocator.invariant_violation(pool):
                 raise AssertionError(self.allocator.invariant_violation(pool))
-        if "xfer-1" not in self.allocator.transfers.transfers:
+        if "xfer-1" not in self.allocator.state.transfers.transfers:
             raise AssertionError("the fixture's transfer did not open")
 
     def open(self, token: str) -> str:
@@ -106,12 +107,12 @@ class Fixture:
         return reply.session_id
 
     def mutate(self, session_id: str, method: str, msg) -> object:
-        session = self.allocator.sessions.sessions[session_id]
+        session = self.allocator.state.sessions.sessions[session_id]
         msg.session_id, msg.sequence = session_id, session.last_sequence + 1
         return call(self.servicer, method, msg, _auth(self.tokens[session.tenant]))
 
     def step(self, session_id: str, pool_id: str, ops) -> None:
-        reply = self.mutate(session_id, "Step", KVServiceClient.step_msg(pool_id, ops))
+        reply = self.mutate(session_id, "Step", encode.step_request(pool_id, ops))
         bad = [r for r in reply.results if r.status != pb.OK]
         if bad:
             raise AssertionError(f"fixture step failed: {bad}")
@@ -170,7 +171,7 @@ def last_outcome() -> str:
 
 def steer(fixture: Fixture, method: str, who: int, seq: int, pool: int, request) -> _Context:
     """Points the request at live state as the header bytes say; returns the caller's context."""
-    sessions = list(fixture.allocator.sessions.sessions.values())
+    sessions = list(fixture.allocator.state.sessions.sessions.values())
     session = sessions[(who & 3) % len(sessions)] if sessions and who & 3 != 3 else None
     tenant = session.tenant if session is not None else ""
     if who & 4:
@@ -218,7 +219,7 @@ def _digest(fixture: Fixture, method: str) -> str:
 
 def _check_invariants(fixture: Fixture, method: str) -> None:
     allocator = fixture.allocator
-    for pool in allocator.pools.values():
+    for pool in allocator.state.pools.values():
         violation = allocator.invariant_violation(pool)
         if violation:
             raise FuzzCrash(f"after {method}: pool {pool.pool_id!r}: {violation}")
@@ -272,7 +273,7 @@ def run_one(data: bytes) -> None:
 
 def _check_retry(fixture: Fixture, method: str, request, context: _Context, encoded: bytes, digest: str) -> None:
     """A retried mutation (same sequence) answers the stored reply and changes nothing (DESIGN §5)."""
-    session = fixture.allocator.sessions.sessions.get(request.session_id)
+    session = fixture.allocator.state.sessions.sessions.get(request.session_id)
     if session is None or session.last_sequence != request.sequence:
         return
     try:
@@ -317,25 +318,25 @@ def replay(inputs: Iterable[bytes], run: Callable[[bytes], None] = run_one) -> N
 
 def seed_inputs() -> dict[str, bytes]:
     """Valid requests for every method, built with the client's message builders: where fuzzing starts."""
-    step = KVServiceClient.step_msg
+    step = encode.step_request
     hashes = [bytes([i]) * 16 for i in range(3, 6)]
     add = pb.AllocateRequest(pool_id="full")
     encode_add(AddRequestOp("n1", token_ids=[5, 6, 7, 8] * 5, cache_salt="s", lora_name="l"), add.add)
     add.allocate.request_id, add.allocate.num_new_tokens = "n1", 20
     decode = pb.Op()
     decode.decode.request_ids.extend(["r0", "c0"])
-    decode.decode.num_computed_tokens = encode_tokens([80, 80])
-    decode.decode.append_token_ids = encode_tokens([9, 10])
-    lookup = pb.LookupRequest(token_ids=encode_tokens(PROMPT), pool_ids=["full", "full-b"])
+    decode.decode.num_computed_tokens = encode_u32([80, 80])
+    decode.decode.append_token_ids = encode_u32([9, 10])
+    lookup = pb.LookupRequest(token_ids=encode_u32(PROMPT), pool_ids=["full", "full-b"])
     fingerprint = spec_fingerprint()
-    register = KVServiceClient.register_msg("extra", KVCacheConfig(8, [FullAttentionSpec(16)]), 64, 0, 1, True, 0,
+    register = encode.register_request("extra", KVCacheConfig(8, [FullAttentionSpec(16)]), 64, 0, 1, True, 0,
                                             "", fingerprint)
-    chunked = KVServiceClient.register_msg("hybrid", KVCacheConfig(24, [FullAttentionSpec(32),
+    chunked = encode.register_request("hybrid", KVCacheConfig(24, [FullAttentionSpec(32),
                                                                        SlidingWindowSpec(16, 64),
                                                                        ChunkedLocalAttentionSpec(16, 64),
                                                                        MambaSpec(16)]), 128, 1, 1, True, 0, "",
                                            fingerprint)
-    dcp = KVServiceClient.register_msg("full", KVCacheConfig(16, [FullAttentionSpec(16)]), 256, 1, 2, False, 1000,
+    dcp = encode.register_request("full", KVCacheConfig(16, [FullAttentionSpec(16)]), 256, 1, 2, False, 1000,
                                        "nhd", fingerprint)
     seeds = {
         "step-add-allocate": encode_input("Step", step("full", [AddRequestOp("n0", token_ids=list(range(30))),
@@ -353,7 +354,7 @@ def seed_inputs() -> dict[str, bytes]:
                                                                       mm_items=(MultiModalItem("img", 4, 8),))])),
         "step-decode-op": encode_input("Step", step("hybrid", [DecodeBatchOp(["h0"], [50], [11], 1, 0)])),
         "allocate-add": encode_input("Allocate", add),
-        "allocate-transfer": encode_input("Allocate", KVServiceClient.allocate_msg(
+        "allocate-transfer": encode_input("Allocate", encode.allocate_request(
             "full-b", AllocateOp("y0", 0, 84, allow_transfer=True), AddRequestOp("y0", token_ids=[*PROMPT, 1, 2, 3,
                                                                                                    4]))),
         "free": encode_input("Free", pb.FreeRequest(pool_id="full", request_ids=["r1", "c0"])),

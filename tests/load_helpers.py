@@ -11,14 +11,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-
 from kvservice._proto import allocator_pb2 as pb
-from kvservice.errors import KVServiceError
+from kvservice.errors import Code, KVServiceError
 from kvservice.ops import AddRequestOp, AllocateOp, ForkOp, FreeOp, OpStatus
 from tests.service_helpers import ServerProcess, start_server
 
-TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+TRANSIENT = (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.CANCELLED)
 
 
 class Supervisor:

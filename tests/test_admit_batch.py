@@ -7,9 +7,8 @@ import zlib
 
 import pytest
 
-from kvservice.allocator import Allocator
+from kvservice.allocator.keys import client_request_id
 from kvservice.ops import AddRequestOp, AdmitBatchOp, AllocateOp, DecodeBatchOp, FreeOp, OpStatus
-from kvservice.pools import client_request_id
 from kvservice.store.snapshot import encode_state
 from tests.test_decode_batch_path import CASES, make
 
@@ -81,10 +80,10 @@ def pools(allocator) -> list[bytes]:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_admit_batch_equals_add_allocate_pairs(case, quota):
     cfg = CASES[case]
-    packed, s1 = make(Allocator, cfg, quota)
-    pairs, s2 = make(Allocator, cfg, quota)
+    packed, s1 = make(True, cfg, quota)
+    pairs, s2 = make(True, cfg, quota)
     if quota:  # a quota the traces run into
-        packed.usage.quotas["q"] = pairs.usage.quotas["q"] = cfg["blocks"] // 2
+        packed.state.usage.quotas["q"] = pairs.state.usage.quotas["q"] = cfg["blocks"] // 2
     rng = random.Random(zlib.crc32(f"admit/{case}/{quota}".encode()))
     live: dict[str, int] = {}
     next_id = [0]
@@ -93,19 +92,20 @@ def test_admit_batch_equals_add_allocate_pairs(case, quota):
         if live and rng.random() < 0.4:
             ids = rng.sample(sorted(live), rng.randint(1, len(live)))
             ops = rng.choice([[FreeOp(r) for r in ids], [DecodeBatchOp(ids, [live[r] for r in ids], [7] * len(ids))]])
-            r1, r2 = packed.step(s1, step + 2, packed.pool("p"), ops), pairs.step(s2, step + 2, pairs.pool("p"), ops)
+            r1, r2 = s1.step("p", ops), s2.step("p", ops)
             assert r1 == r2
         else:
             op, pair_ops = admissions(rng, set(live), next_id, cfg["max_len"])
-            r1 = packed.step(s1, step + 2, packed.pool("p"), [op])
-            r2 = pairs.step(s2, step + 2, pairs.pool("p"), pair_ops)
+            r1 = s1.step("p", [op])
+            r2 = s2.step("p", pair_ops)
             assert len(r1.results) == 1 and r1.copies == r2.copies
             for rid, got, want in expanded(op, r1.results[0], r2.results):
                 assert got == want, f"step {step}, entry {rid}: {op}"
                 outcomes.add(got[0] if isinstance(got, tuple) else got.status)
         assert pools(packed) == pools(pairs), f"step {step}"  # the sessions' last replies differ in shape
-        assert [(e.sequence, e.event) for e in packed.events.since(packed.events.oldest_sequence)] == \
-            [(e.sequence, e.event) for e in pairs.events.since(pairs.events.oldest_sequence)]
+        ev1, ev2 = packed.state.events, pairs.state.events
+        assert [(e.sequence, e.event) for e in ev1.since(ev1.oldest_sequence)] == \
+            [(e.sequence, e.event) for e in ev2.since(ev2.oldest_sequence)]
         assert packed.invariant_violation(packed.pool("p")) == ""
         live = {client_request_id(k): req.num_tokens for k, req in packed.pool("p").requests.items()}
     assert {OpStatus.OK, OpStatus.ALREADY_EXISTS} <= outcomes

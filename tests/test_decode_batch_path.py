@@ -1,7 +1,7 @@
-"""The core's fast paths (KVCacheManager.allocate_running_batch, used by DecodeBatchOp and by decode
-AllocateOps; KVCacheManager.admit, used by admissions) against the general path: random traces through
-two allocators, one with the fast paths and one without, must give equal replies and equal state (block
-for block, free-queue order, index, events) after every step."""
+"""The core's fast paths (`manager.fast_path`: allocate_running_batch, used by DecodeBatchOp and by decode
+AllocateOps; admit, used by admissions) against the general path: random traces through two allocators,
+one with the fast paths and one with them switched off (`AllocatorSettings.fast_path`), must give equal
+replies and equal state (block for block, free-queue order, index, events) after every step."""
 
 import random
 import zlib
@@ -10,27 +10,14 @@ from array import array
 import pytest
 
 from kvservice.allocator import Allocator
-from kvservice.core import FullAttentionSpec, KVCacheConfig, KVCacheManager, Request, SlidingWindowSpec
+from kvservice.allocator.keys import client_request_id
+from kvservice.commands import PoolSpec
+from kvservice.core import FullAttentionSpec, KVCacheConfig, KVCacheManager, PackedRows, Request, SlidingWindowSpec
 from kvservice.core.invariants import check_invariants
-from kvservice.core.kv_cache_manager import DecodeBatchOutput
 from kvservice.ops import AddRequestOp, AllocateOp, DecodeBatchOp, ForkOp, FreeOp, OpStatus
-from kvservice.pools import PoolSpec, client_request_id
 from kvservice.store.snapshot import state_digest
+from tests.allocator_helpers import InProcess
 from tests.core_helpers import admit, full_manager, pool_state
-
-
-class GeneralOnly(Allocator):
-    """The same allocator with the batch path switched off: every entry takes the general path."""
-
-    def _batch_path(self, pool, tenant, keys, reqs):
-        return None, reqs
-
-    def _running_path(self, pool, tenant, key):
-        return None
-
-    def _admit_path(self, pool, tenant):
-        return None
-
 
 CASES = {
     "full bs4": dict(groups=[FullAttentionSpec(4)], blocks=40, max_len=96, dcp=1, caching=True),
@@ -42,13 +29,13 @@ CASES = {
 }
 
 
-def make(cls, case, quota_tenant=False):
-    a = cls(hash_block_size=4, quotas={"q": 1000} if quota_tenant else None)
-    s = a.open_session("s", "q" if quota_tenant else "", "", 0.0)
+def make(fast: bool, case, quota_tenant=False):
+    a = Allocator(hash_block_size=4, quotas={"q": 1000} if quota_tenant else {}, fast_path=fast)
+    d = InProcess(a, tenant="q" if quota_tenant else "")
     spec = PoolSpec("p", KVCacheConfig(case["blocks"], case["groups"]), case["max_len"], dcp_world_size=case["dcp"],
                     enable_caching=case["caching"])
-    a.register_pool(s, 1, spec, a.fingerprint)
-    return a, s
+    d.register(spec)
+    return a, d
 
 
 def random_ops(rng: random.Random, live: dict[str, int], next_id: list[int], max_len: int) -> list:
@@ -110,8 +97,8 @@ def sync_live(a: Allocator, live: dict[str, int]) -> None:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_batch_path_equals_general_path(case, quota):
     cfg = CASES[case]
-    fast, s1 = make(Allocator, cfg, quota)
-    slow, s2 = make(GeneralOnly, cfg, quota)
+    fast, s1 = make(True, cfg, quota)
+    slow, s2 = make(False, cfg, quota)
     rng = random.Random(zlib.crc32(f"{case}/{quota}".encode()))
     live: dict[str, int] = {}
     next_id = [0]
@@ -119,16 +106,16 @@ def test_batch_path_equals_general_path(case, quota):
     seen = 1
     for step in range(400):
         ops = random_ops(rng, live, next_id, cfg["max_len"])
-        r1 = fast.step(s1, step + 2, fast.pool("p"), ops)
-        r2 = slow.step(s2, step + 2, slow.pool("p"), ops)
+        r1 = s1.step("p", ops)
+        r2 = s2.step("p", ops)
         assert r1 == r2, f"step {step}: {ops}"
         for r in r1.results:
             outcomes.add(r.status)
             if r.batch is not None:
                 outcomes.update(OpStatus(x) for x in r.batch.statuses)
-        assert [(e.sequence, e.event) for e in fast.events.since(seen)] == \
-            [(e.sequence, e.event) for e in slow.events.since(seen)]
-        seen = fast.events.next_sequence
+        assert [(e.sequence, e.event) for e in fast.state.events.since(seen)] == \
+            [(e.sequence, e.event) for e in slow.state.events.since(seen)]
+        seen = fast.state.events.next_sequence
         assert state_digest(fast) == state_digest(slow), f"step {step}: {ops}"
         assert fast.invariant_violation(fast.pool("p")) == ""
         sync_live(fast, live)
@@ -140,16 +127,17 @@ def test_batch_path_equals_general_path(case, quota):
 def test_allocate_running_matches_allocate_slots_and_declines_what_it_cannot_take():
     def pair():
         out = []
-        for _ in range(2):
-            m = full_manager(12, block_size=4, max_model_len=40)
+        for fast in (True, False):
+            m = full_manager(12, block_size=4, max_model_len=40, enable_fast_path=fast)
             r = Request("a", list(range(7)), 4)
             admit(m, r)
             out.append((m, r))
         return out
 
     (m1, r1), (m2, r2) = pair()
+    assert m2.fast_path is None
     for t in range(9):  # across two block boundaries (hashing and caching a full block included)
-        new = m1.allocate_running(r1, r1.num_tokens, 100 + t)
+        new = m1.fast_path.allocate_running(r1, r1.num_tokens, 100 + t)
         r2.append_output_token_ids([100 + t])
         r2.num_computed_tokens = r2.num_tokens - 1
         ref = m2.allocate_slots(r2, 1)
@@ -160,7 +148,7 @@ def test_allocate_running_matches_allocate_slots_and_declines_what_it_cannot_tak
 
     def unchanged(m, r, computed, token):
         before = pool_state(m), r.num_tokens, r.num_computed_tokens, list(r.block_hashes)
-        assert m.allocate_running(r, computed, token) is None
+        assert m.fast_path.allocate_running(r, computed, token) is None
         assert (pool_state(m), r.num_tokens, r.num_computed_tokens, list(r.block_hashes)) == before
 
     # Declined, nothing changed: not running, nothing to compute, a bad token, past max_model_len,
@@ -172,7 +160,7 @@ def test_allocate_running_matches_allocate_slots_and_declines_what_it_cannot_tak
     m = full_manager(12, block_size=4, max_model_len=40)
     long = Request("c", list(range(39)), 4)
     admit(m, long)
-    assert m.allocate_running(long, 39, 1) == []  # the 40th token fits max_model_len 40 (block 10 has room)
+    assert m.fast_path.allocate_running(long, 39, 1) == []  # the 40th token fits max_model_len 40 (block 10 has room)
     unchanged(m, long, 40, 1)  # a 41st would not
     m = full_manager(12, block_size=4)
     p = Request("p", list(range(6)), 4)
@@ -190,26 +178,28 @@ def test_batch_stops_at_the_first_entry_it_cannot_take():
     reqs = [Request(f"r{i}", list(range(10 * i, 10 * i + 5)), 4) for i in range(3)]
     for r in reqs:
         admit(m, r)
-    out = DecodeBatchOutput()
+    out = PackedRows()
     batch = [reqs[0], None, reqs[2]]
     computed = [5, 0, 5]
-    assert m.allocate_running_batch(batch, computed, [1, 2, 3], 1, 0, 0, out) == 1
+    assert m.fast_path.allocate_running_batch(batch, computed, [1, 2, 3], 1, 0, 0, out) == 1
     assert list(out.num_computed) == [5] and reqs[0].num_tokens == 6
-    assert m.allocate_running_batch(batch, computed, [1, 2, 3], 1, 0, 2, out) == 3
+    assert m.fast_path.allocate_running_batch(batch, computed, [1, 2, 3], 1, 0, 2, out) == 3
     assert list(out.num_computed) == [5, 5] and list(out.num_scheduled) == [1, 1] and reqs[2].num_tokens == 6
     assert reqs[1].num_tokens == 5  # the skipped entry was not touched
     sw = KVCacheManager(KVCacheConfig(12, [FullAttentionSpec(4), SlidingWindowSpec(4, sliding_window=8)]), 64)
-    assert sw.allocate_running_batch(batch, computed, [1, 2, 3], 1, 0, 0, out) == 0  # another layout: general
+    assert sw.fast_path is None  # another layout: the general path only
+    assert KVCacheManager(KVCacheConfig(12, [SlidingWindowSpec(4, sliding_window=8)]), 64).fast_path is None
 
 
 @pytest.mark.parametrize("seed", range(8))
 def test_admit_equals_get_computed_blocks_then_allocate_slots(seed):
-    """KVCacheManager.admit against the two calls it stands for, on random admissions and frees of
-    prompts sharing prefixes in a pool that fills up: cached-free hits to rescue, evictions, NO_SPACE,
-    delayed caching and duplicate hashes (a delayed request cached after an equal one)."""
+    """FastPath.admit against the two calls it stands for (on a manager with the fast path off), on random
+    admissions and frees of prompts sharing prefixes in a pool that fills up: cached-free hits to rescue,
+    evictions, NO_SPACE, delayed caching and duplicate hashes (a delayed request cached after an equal one)."""
     rng = random.Random(seed)
     num_blocks = rng.choice([10, 16, 30])
-    fast, slow = (full_manager(num_blocks, block_size=4, max_model_len=64, enable_events=True) for _ in range(2))
+    fast, slow = (full_manager(num_blocks, block_size=4, max_model_len=64, enable_events=True, enable_fast_path=on)
+                  for on in (True, False))
     families = [[rng.randrange(20) for _ in range(40)] for _ in range(3)]
     live: list[tuple[Request, Request]] = []
     delayed: list[tuple[Request, Request, int]] = []  # and the tokens they hold
@@ -232,7 +222,7 @@ def test_admit_equals_get_computed_blocks_then_allocate_slots(seed):
             a, b = Request(f"r{step}", prompt, 4), Request(f"r{step}", prompt, 4)
             if rng.random() < 0.2:
                 a.num_preemptions = b.num_preemptions = 1  # counted apart in the stats
-            got = fast.admit(a, budget, lookahead, delay)
+            got = fast.fast_path.admit(a, budget, lookahead, delay)
             hits, num_hit = slow.get_computed_blocks(b)
             new = slow.allocate_slots(b, min(budget, b.num_tokens - num_hit), num_hit, hits, lookahead, delay)
             assert got is not None and got[1] == num_hit
@@ -257,14 +247,13 @@ def test_admit_declines_what_it_cannot_take():
     m = full_manager(12, block_size=4)
     r = Request("a", list(range(9)), 4)
     before = pool_state(m)
-    assert m.admit(r, 0) is None and m.admit(r, 9, -1) is None  # bad counts: allocate_slots says why
+    assert m.fast_path.admit(r, 0) is None and m.fast_path.admit(r, 9, -1) is None  # bad counts: the general path
     r.num_computed_tokens = 4
-    assert m.admit(r, 5) is None  # not a fresh admission
+    assert m.fast_path.admit(r, 5) is None  # not a fresh admission
     r.num_computed_tokens = 0
-    assert m.admit(Request("b", [1], 8), 1) is None  # hashed at another block size
+    assert m.fast_path.admit(Request("b", [1], 8), 1) is None  # hashed at another block size
     assert pool_state(m) == before and m.prefix_cache_totals.queries == 0
-    assert m.admit(r, 9)[0] is not None and m.admit(r, 9) is None  # it holds blocks now
-    for manager in (KVCacheManager(KVCacheConfig(12, [FullAttentionSpec(4), SlidingWindowSpec(4, 8)]), 64),
-                    full_manager(12, block_size=4, enable_caching=False), full_manager(12, block_size=8,
-                                                                                      hash_block_size=4)):
-        assert manager.admit(Request("c", [1, 2, 3], 4), 3) is None  # the general path's layouts
+    assert m.fast_path.admit(r, 9)[0] is not None and m.fast_path.admit(r, 9) is None  # it holds blocks now
+    for manager in (full_manager(12, block_size=4, enable_caching=False), full_manager(12, block_size=8,
+                                                                                       hash_block_size=4)):
+        assert manager.fast_path.admit(Request("c", [1, 2, 3], 4), 3) is None  # the general path's cases

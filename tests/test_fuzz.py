@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvservice.allocator import Allocator
+from kvservice.allocator.requests import RequestBook
 from kvservice.errors import InvalidArgument
 from tests import fuzz_targets
 from tests.fuzz.crashes import CrashLog
@@ -45,14 +45,14 @@ def test_sequence_files_round_trip():
 
 def test_harness_catches_planted_bugs(monkeypatch, tmp_path):
     seeds = fuzz_targets.seed_inputs()
-    original = Allocator._free_op
+    original = RequestBook.free_op
 
     def crashing(self, pool, session, op):
         if op.request_id == "r1":
             raise KeyError(op.request_id)
         return original(self, pool, session, op)
 
-    monkeypatch.setattr(Allocator, "_free_op", crashing)
+    monkeypatch.setattr(RequestBook, "free_op", crashing)
     with pytest.raises(fuzz_targets.FuzzCrash, match="KeyError"):
         fuzz_targets.replay([seeds["free"]])
     with pytest.raises(fuzz_targets.FuzzCrash) as info:
@@ -65,7 +65,7 @@ def test_harness_catches_planted_bugs(monkeypatch, tmp_path):
         original(self, pool, session, op)
         raise InvalidArgument("request_ids", op.request_id, "planted")
 
-    monkeypatch.setattr(Allocator, "_free_op", half_applied)
+    monkeypatch.setattr(RequestBook, "free_op", half_applied)
     with pytest.raises(fuzz_targets.FuzzCrash, match="changed the state"):
         fuzz_targets.replay([seeds["free"]])
 

@@ -10,7 +10,7 @@ import pytest
 
 from kvservice._proto import allocator_pb2 as pb
 from kvservice.core import FullAttentionSpec, KVCacheConfig
-from kvservice.errors import KVServiceError, Unavailable
+from kvservice.errors import Code, KVServiceError, Unavailable
 from kvservice.ops import AddRequestOp, AdmitBatchOp, AllocateOp, ForkOp, FreeOp, OpStatus
 from tests.redis_helpers import RedisServer
 from tests.service_helpers import start_server
@@ -77,7 +77,7 @@ class Crashy:
             try:
                 return fn(*args)
             except KVServiceError as exc:
-                assert exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), exc
+                assert exc.code in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED), exc
                 assert self.proc.proc.wait(10) is not None  # only the kill makes calls fail
                 self.proc = self.spawn(self.port)
                 # The channel may still be backing off from the refused reconnects during the restart
@@ -244,9 +244,9 @@ def test_require_persistence_refuses_while_redis_is_down(redis_server, tmp_path)
     redis_server.kill()
     try:
         refused = 0
-        for i in range(20):
+        for _ in range(20):  # the same request, as a client retries an unacknowledged one
             try:
-                client.step("p", [AddRequestOp(f"x{i}", token_ids=[1, 2, 3])])
+                client.step("p", [AddRequestOp("x", token_ids=[1, 2, 3])])
             except Unavailable:
                 refused += 1
             time.sleep(0.1)
@@ -263,6 +263,7 @@ def test_require_persistence_refuses_while_redis_is_down(redis_server, tmp_path)
     c2 = proc.client()
     assert c2.get_request("p", "a").num_tokens == 40  # nothing acknowledged was lost
     del acked
+    client.close()
     proc.stop()
 
 
@@ -279,7 +280,7 @@ def test_a_second_allocator_fences_the_first(redis_server, tmp_path):
         for _ in range(30):
             c1.step("p", [AddRequestOp(f"zombie{time.monotonic_ns()}", token_ids=[1])])
             time.sleep(0.1)
-    assert info.value.code in (grpc.StatusCode.UNAVAILABLE,)
+    assert info.value.code in (Code.UNAVAILABLE,)
     assert first.proc.wait(15) == 3  # a fenced allocator exits
     with grpc.insecure_channel(second.target) as ch:
         status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status

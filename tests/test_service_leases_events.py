@@ -30,7 +30,7 @@ def short(tmp_path_factory):
 
 
 def test_lease_expiry_frees_the_sessions_requests(short):
-    owner, watcher = short.client(), short.client()
+    owner, watcher = short.client(heartbeat=False), short.client()  # owner sends nothing: its lease lapses
     owner.register_pool("lease", small_config(64, 16), max_model_len=512)
     owner.step("lease", [AddRequestOp("r", token_ids=list(range(40))), AllocateOp("r", num_new_tokens=40)])
     keeper = short.client()
@@ -107,11 +107,14 @@ def test_prometheus_metrics(short):
     c.register_pool("metrics", small_config(64, 16), max_model_len=512)
     c.step("metrics", [AddRequestOp("m", token_ids=list(range(20))), AllocateOp("m", num_new_tokens=20)])
     body = urllib.request.urlopen(f"http://127.0.0.1:{short.metrics_port}/metrics", timeout=5).read().decode()
-    assert 'kvservice_pool_usage{pool="metrics"}' in body
+    assert 'kvservice_pool_usage_ratio{pool="metrics"}' in body
     assert 'kvservice_pool_free_blocks{pool="metrics"} 61.0' in body
+    assert 'kvservice_pool_capacity_blocks{pool="metrics"} 63.0' in body
+    assert 'kvservice_pool_prefix_queried_tokens_total{pool="metrics"} 20.0' in body
     assert 'kvservice_rpc_latency_seconds_bucket{le="0.001",method="Step"}' in body
-    assert "kvservice_lease_expiries_total" in body and "kvservice_pool_prefix_hit_rate" in body
+    assert "kvservice_lease_expiries_total" in body and "process_resident_memory_bytes" in body
     assert 'kvservice_persistence_state{state="off"} 1.0' in body
+    assert 'kvservice_persistence_state{state="ok"} 0.0' in body
 
     def outcomes():
         text = urllib.request.urlopen(f"http://127.0.0.1:{short.metrics_port}/metrics", timeout=5).read().decode()

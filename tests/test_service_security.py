@@ -2,6 +2,8 @@
 
 import datetime
 import ipaddress
+import subprocess
+import sys
 
 import grpc
 import pytest
@@ -10,7 +12,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from kvservice.errors import InvalidArgument, KVServiceError, PermissionDenied, Unauthenticated, Unavailable
+from kvservice.errors import Code, InvalidArgument, KVServiceError, PermissionDenied, Unauthenticated, Unavailable
 from kvservice.ops import AddRequestOp, AllocateOp, OpStatus
 from tests.service_helpers import small_config, start_server
 
@@ -66,45 +68,45 @@ def test_reset_needs_an_admin_token(secured):
 
 def test_tenants_never_share_prefixes_requests_or_events(secured):
     a, b = secured.client("tok-a"), secured.client("tok-b")
-    a.register_pool("shared", small_config(64, 16), max_model_len=512)
+    a.register_pool("pool-a", small_config(64, 16), max_model_len=512)
+    b.register_pool("pool-b", small_config(64, 16), max_model_len=512)
     prompt = list(range(64))
     start = a.get_stats().event_sequence + 1
-    r = a.step("shared", [AddRequestOp("r", token_ids=prompt), AllocateOp("r", num_new_tokens=64)])
+    r = a.step("pool-a", [AddRequestOp("r", token_ids=prompt), AllocateOp("r", num_new_tokens=64)])
     a_blocks = set(r[1].new_block_ids[0])
-    # Same request id, same prompt, even the same client-computed hashes: no hit, no shared block.
-    r = b.step("shared", [AddRequestOp("r", block_hashes=b.hash_prompt(prompt), num_tokens=64),
+    # Same request id, same prompt, even the same client-computed hashes: no hit in b's own pool.
+    r = b.step("pool-b", [AddRequestOp("r", block_hashes=b.hash_prompt(prompt), num_tokens=64),
                           AllocateOp("r", num_new_tokens=64)])
     assert r[0].status == OpStatus.OK and r[1].num_computed_tokens == 0
-    assert not a_blocks & set(r[1].new_block_ids[0])
-    assert a.lookup(prompt + [1]).tokens("shared") == 64 and b.lookup(prompt).tokens("shared") == 48
+    # Each tenant's Lookup sees only its own pools.
+    assert {h.pool_id for h in a.lookup(prompt + [1]).hits} == {"pool-a"}
+    assert {h.pool_id for h in b.lookup(prompt).hits} == {"pool-b"}
+    assert a.lookup(prompt + [1]).tokens("pool-a") == 64
     # Tenant a's own repeat hits its own blocks.
-    r = a.step("shared", [AddRequestOp("r2", token_ids=prompt), AllocateOp("r2", num_new_tokens=64)])
+    r = a.step("pool-a", [AddRequestOp("r2", token_ids=prompt), AllocateOp("r2", num_new_tokens=64)])
     assert r[1].num_computed_tokens == 48
     a_blocks |= set(r[1].new_block_ids[0])
     # Each tenant sees only its own events, in its own (tenant-free) hashes.
     seen_a = [e for e in _drain(a, start)]
-    seen_b = [e for e in _drain(b, start)]
+    seen_b = [e for e in _drain(b, start, "pool-b")]
     assert seen_a and seen_b
+    assert {e.pool_id for e in seen_a} == {"pool-a"} and {e.pool_id for e in seen_b} == {"pool-b"}
     assert {h for e in seen_a for h in e.block_hashes} == set(a.hash_prompt(prompt))
     assert all(set(e.block_ids) <= a_blocks for e in seen_a)
-    assert not {bid for e in seen_b for bid in e.block_ids} & a_blocks
-    # Requests are per tenant: b cannot read or free a's.
-    assert b.get_request("shared", "r").block_ids != a.get_request("shared", "r").block_ids
-    a.free("shared", "r", "r2")
-    assert b.get_request("shared", "r").running
-    b.free("shared", "r")
+    a.free("pool-a", "r", "r2")
+    b.free("pool-b", "r")
     a.close()
     b.close()
 
 
-def _drain(client, start):
-    """Every event visible to `client` from `start` (the stream stays open: read until a deadline)."""
+def _drain(client, start, pool_id="pool-a"):
+    """Every event of `pool_id` visible to `client` from `start` (the stream stays open: read until a deadline)."""
     out = []
     try:
-        for e in client.watch_events(["shared"], start_sequence=start, timeout_s=2):
+        for e in client.watch_events([pool_id], start_sequence=start, timeout_s=2):
             out.append(e)
     except KVServiceError as exc:
-        assert exc.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert exc.code == Code.DEADLINE_EXCEEDED
     return out
 
 
@@ -203,6 +205,13 @@ def test_mutual_tls_requires_a_client_certificate(pki):
             with pytest.raises(Unavailable):
                 bad.get_stats()
             bad.close()
+        # `kvservice status` speaks mutual TLS too (issue 13, point 11).
+        status = [sys.executable, "-m", "kvservice.cli", "status", "--target", proc.target, "--tls-ca", pki["ca"]]
+        ok = subprocess.run([*status, "--tls-cert", pki["client_cert"], "--tls-key", pki["client_key"]],
+                            capture_output=True, text=True, timeout=60)
+        assert ok.returncode == 0 and "mtls" in ok.stdout, ok.stderr
+        refused = subprocess.run(status, capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 1 and "UNAVAILABLE" in refused.stderr and "--tls-cert" in refused.stderr
     finally:
         proc.stop()
 

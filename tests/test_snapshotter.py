@@ -7,8 +7,9 @@ import pytest
 from kvservice._proto import allocator_pb2 as pb
 from kvservice.core import FullAttentionSpec, KVCacheConfig
 from kvservice.ops import AddRequestOp, AllocateOp, FreeOp
+from kvservice.settings import AllocatorSettings
 from kvservice.store.redis_store import RedisStore
-from kvservice.store.snapshotter import AllocatorOptions, snapshot_once
+from kvservice.store.snapshotter import snapshot_once
 from tests.redis_helpers import RedisServer
 from tests.service_helpers import start_server
 
@@ -38,7 +39,7 @@ def test_standby_snapshot_equals_the_leaders_state(redis_server, tmp_path):
         async def standby():
             store = RedisStore(redis_server.url, "standby")
             store.epoch = await store.leader()
-            result = await snapshot_once(store, AllocatorOptions(quotas={"t": 1000}))
+            result = await snapshot_once(store, AllocatorSettings(quotas={"t": 1000}))
             usage = await store.usage()
             await store.close()
             return result, usage

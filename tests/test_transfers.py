@@ -5,10 +5,11 @@ import time
 import pytest
 
 from kvservice.allocator import Allocator
+from kvservice.commands import PoolSpec
 from kvservice.core import FullAttentionSpec, KVCacheConfig
 from kvservice.ops import AddRequestOp, AllocateOp, FreeOp, OpStatus
-from kvservice.pools import PoolSpec
 from kvservice.store.snapshot import dump, load, state_digest
+from tests.allocator_helpers import InProcess
 from tests.service_helpers import start_server
 
 CFG = KVCacheConfig(33, [FullAttentionSpec(4)])
@@ -17,16 +18,15 @@ LAYOUT = "block=4;dcp=1"
 
 def allocator_with_pools(min_tokens=8):
     a = Allocator(hash_block_size=4, min_transfer_tokens=min_tokens)
-    s = a.open_session("s", "", "", 0.0)
-    for seq, pid in enumerate(["A", "B", "C"], start=1):
+    s = InProcess(a)
+    for pid in ["A", "B", "C"]:
         layout = LAYOUT if pid != "C" else "other-layout"
-        a.register_pool(s, seq, PoolSpec(pid, CFG, 256, kv_layout=layout), a.fingerprint)
+        s.register(PoolSpec(pid, CFG, 256, kv_layout=layout))
     return a, s
 
 
 def step(a, s, pool_id, ops):
-    s_seq = s.last_sequence + 1
-    return a.step(s, s_seq, a.pool(pool_id), ops)
+    return s.step(pool_id, ops)
 
 
 def test_transfer_order_pins_source_and_commit_caches_destination():
@@ -48,10 +48,10 @@ def test_transfer_order_pins_source_and_commit_caches_destination():
     # Before the commit the request cannot allocate again, nor fork.
     again = step(a, s, "B", [AllocateOp("r", num_computed_tokens=31, num_new_tokens=1, append_token_ids=[1])])
     assert again[0].status == OpStatus.FAILED_PRECONDITION and t.transfer_id in again[0].message
-    done = a.commit_transfer(s, s.last_sequence + 1, a.pool("B"), t.transfer_id, abort=False)
+    done = s.commit_transfer("B", t.transfer_id, abort=False)
     assert done[0].status == OpStatus.OK
     assert a.pool("A").manager.block_pool.get_num_free_blocks() == 32  # pins dropped
-    assert a.lookup("", token_ids=prompt + [1], pool_ids=["B"])[0][0].num_cached_tokens == 28  # now cached on B
+    assert a.lookup("", token_ids=prompt + [1], pool_ids=["B"]).tokens("B") == 28  # now cached on B
     assert a.invariant_violation(a.pool("B")) == ""
 
 
@@ -76,11 +76,11 @@ def test_abort_frees_the_destination_and_unpins_the_source():
     r = step(a, s, "B", [AddRequestOp("x", token_ids=prompt + [7]),
                          AllocateOp("x", num_new_tokens=64, allow_transfer=True)])
     t = r[1].transfer
-    done = a.commit_transfer(s, s.last_sequence + 1, a.pool("B"), t.transfer_id, abort=True)
+    done = s.commit_transfer("B", t.transfer_id, abort=True)
     assert done[0].status == OpStatus.OK and "aborted" in done[0].message
     assert a.pool("B").requests == {} and a.pool("B").manager.block_pool.get_num_free_blocks() == 32
     assert a.pool("A").manager.block_pool.get_num_free_blocks() == 32
-    assert a.commit_transfer(s, s.last_sequence + 1, a.pool("B"), t.transfer_id, abort=False)[0].status == \
+    assert s.commit_transfer("B", t.transfer_id, abort=False)[0].status == \
         OpStatus.NOT_FOUND
 
 
@@ -90,10 +90,10 @@ def test_epoch_change_of_the_source_aborts():
     step(a, s, "A", [AddRequestOp("r", token_ids=prompt), AllocateOp("r", num_new_tokens=30), FreeOp("r")])
     step(a, s, "B", [AddRequestOp("x", token_ids=prompt + [7]), AllocateOp("x", num_new_tokens=64,
                                                                           allow_transfer=True)])
-    a.bump_epoch("A")
+    a.registry.bump_epoch("A")
     r = step(a, s, "B", [AllocateOp("x", num_computed_tokens=28, num_new_tokens=1)])
     assert r[0].status == OpStatus.EPOCH_CHANGED and "transfer" in r[0].message
-    assert not a.transfers.transfers and a.pool("B").manager.block_pool.get_num_free_blocks() == 32
+    assert not a.state.transfers.transfers and a.pool("B").manager.block_pool.get_num_free_blocks() == 32
 
 
 def test_pending_transfer_survives_a_snapshot():
@@ -107,9 +107,7 @@ def test_pending_transfer_survives_a_snapshot():
     load(dump(a), b, 0.0)
     assert state_digest(b) == before
     assert b.invariant_violation(b.pool("A")) == ""
-    sess = b.sessions.sessions["s"]
-    assert b.commit_transfer(sess, sess.last_sequence + 1, b.pool("B"), r[1].transfer.transfer_id,
-                             abort=False)[0].status == OpStatus.OK
+    assert InProcess.resume(b, "s").commit_transfer("B", r[1].transfer.transfer_id)[0].status == OpStatus.OK
     assert b.pool("A").manager.block_pool.get_num_free_blocks() == 32
 
 
@@ -117,7 +115,7 @@ def test_lease_lapse_aborts_transfers_over_rpc(tmp_path):
     proc = start_server("--session-ttl", "1", "--hash-block-size", "4", "--min-transfer-tokens", "8",
                         log_dir=tmp_path)
     try:
-        owner = proc.client(hash_block_size=4)
+        owner = proc.client(hash_block_size=4, heartbeat=False)  # its lease must lapse
         watcher = proc.client(hash_block_size=4)
         for pid in ("A", "B"):
             owner.register_pool(pid, CFG, max_model_len=256, kv_layout=LAYOUT)
@@ -168,10 +166,11 @@ def test_kv_aware_placement():
     a, s = allocator_with_pools()
     prompt = list(range(30))
     step(a, s, "B", [AddRequestOp("r", token_ids=prompt), AllocateOp("r", num_new_tokens=30), FreeOp("r")])
-    hits, best = a.lookup("", token_ids=prompt + [1])
-    assert best == "B" and {h.pool_id: h.num_cached_tokens for h in hits} == {"A": 0, "B": 28, "C": 0}
+    found = a.lookup("", token_ids=prompt + [1])
+    assert found.best_pool_id == "B"
+    assert {h.pool_id: h.num_cached_tokens for h in found.hits} == {"A": 0, "B": 28, "C": 0}
     # Cold prompts: the same prompt always lands on the same pool, different ones spread out (and never on
     # B, whose free blocks hold someone's cached prefix).
-    picks = [a.lookup("", token_ids=[1000 + i] * 9)[1] for i in range(32)]
-    assert picks == [a.lookup("", token_ids=[1000 + i] * 9)[1] for i in range(32)]
+    picks = [a.lookup("", token_ids=[1000 + i] * 9).best_pool_id for i in range(32)]
+    assert picks == [a.lookup("", token_ids=[1000 + i] * 9).best_pool_id for i in range(32)]
     assert set(picks) == {"A", "C"}

@@ -1,7 +1,8 @@
 """Protobuf <-> domain translation: the hot paths equal their plain definitions.
 
-`serialize_step` must give `SerializeToString()`'s bytes; the inline checks of `decode_add` and
-`decode_batch` must accept, reject and name exactly what the full checks do.
+`serialize_step` must give `SerializeToString()`'s bytes; `decode_add` (which formats field paths only for
+an error) must accept, reject and name exactly what the field rules applied one by one do; `decode_batch`'s
+whole-list id check names the first bad id as `check_id` would.
 """
 
 from array import array
@@ -12,16 +13,12 @@ from hypothesis import strategies as st
 
 from kvservice._proto import allocator_pb2 as pb
 from kvservice.errors import InvalidArgument
+from kvservice.hashing import MultiModalItem
 from kvservice.ops import AddRequestOp, AdmitBatchOp, AllocateOp, DecodeBatchOp, ForkOp, FreeOp
-from kvservice.wire import (
-    _decode_add_slow,
-    check_id,
-    decode_add,
-    decode_admit,
-    decode_batch,
-    encode_op,
-    serialize_step,
-)
+from kvservice.wire.decode import decode_add, decode_admit, decode_batch
+from kvservice.wire.encode import encode_op
+from kvservice.wire.fields import check_id, check_name, decode_hashes, decode_u32
+from kvservice.wire.framing import serialize_step
 
 MAX_LEN, VOCAB, HASH_BS = 64, 1000, 16
 
@@ -65,16 +62,50 @@ TOKENS = st.one_of(st.lists(st.integers(0, 1200), min_size=1, max_size=70).map(l
                    st.sampled_from([b"", b"\x01", b"\x01\x00\x00\x00\x02"]))
 
 
+def reference_add(a: pb.AddRequestOp, vocab: int, f: str = "ops[3].add") -> AddRequestOp:
+    """The add op's rules, one check after another, each field's path formatted up front."""
+    request_id = check_id(f"{f}.request_id", a.request_id)
+    mm = tuple(MultiModalItem(check_id(f"{f}.mm_items[{j}].identifier", m.identifier), m.offset, m.length)
+               for j, m in enumerate(a.mm_items))
+    if a.block_hashes:
+        if a.token_ids:
+            raise InvalidArgument(f"{f}.token_ids", f"<{len(a.token_ids)} bytes>", "send token_ids or block_hashes, "
+                                                                                   "not both")
+        if a.cache_salt or mm:
+            raise InvalidArgument(f"{f}.cache_salt" if a.cache_salt else f"{f}.mm_items", "...",
+                                  "with block_hashes the client hashes salt and multimodal items itself")
+        hashes = decode_hashes(f"{f}.block_hashes", a.block_hashes)
+        if a.num_tokens == 0 or a.num_tokens > MAX_LEN:
+            raise InvalidArgument(f"{f}.num_tokens", a.num_tokens, f"must be in [1, max_model_len {MAX_LEN}]")
+        if len(hashes) != a.num_tokens // HASH_BS:
+            raise InvalidArgument(f"{f}.block_hashes", f"<{len(hashes)} hashes>", f"{a.num_tokens} tokens need "
+                                  f"{a.num_tokens // HASH_BS} hashes at hash block size {HASH_BS}")
+        return AddRequestOp(request_id, None, hashes, a.num_tokens, None, check_name(f"{f}.lora_name", a.lora_name))
+    tokens = decode_u32(f"{f}.token_ids", a.token_ids, vocab)
+    if not tokens:
+        raise InvalidArgument(f"{f}.token_ids", "<0 bytes>", "a request needs at least one token (or block_hashes "
+                                                             "with num_tokens)")
+    if len(tokens) > MAX_LEN:
+        raise InvalidArgument(f"{f}.token_ids", f"<{len(tokens)} tokens>", f"exceeds max_model_len {MAX_LEN}")
+    if a.num_tokens and a.num_tokens != len(tokens):
+        raise InvalidArgument(f"{f}.num_tokens", a.num_tokens, f"disagrees with the {len(tokens)} token ids")
+    for j, m in enumerate(mm):
+        if m.length == 0 or m.offset + m.length > len(tokens):
+            raise InvalidArgument(f"{f}.mm_items[{j}]", (m.offset, m.length), "must lie inside the prompt")
+    return AddRequestOp(request_id, tokens, None, len(tokens), check_name(f"{f}.cache_salt", a.cache_salt),
+                        check_name(f"{f}.lora_name", a.lora_name), mm)
+
+
 def check_add(a: pb.AddRequestOp, vocab: int) -> None:
     fast = outcome(decode_add, a, MAX_LEN, vocab, HASH_BS, "ops", 3)
-    assert fast == outcome(_decode_add_slow, a, MAX_LEN, vocab, HASH_BS, "ops[3].add")
+    assert fast == outcome(reference_add, a, vocab)
     if isinstance(fast, AddRequestOp) and fast.token_ids is not None:
         assert fast.token_ids.tolist() == array("I", a.token_ids).tolist()
 
 
 @given(IDS, TOKENS, NAMES, NAMES, st.sampled_from([0, 0, 0, 5, 16, 80, None]), st.sampled_from([False] * 3 + [True]),
        st.sampled_from([False] * 3 + [True]), st.sampled_from([0, VOCAB]))
-def test_decode_add_inline_checks_equal_the_full_checks(request_id, tokens, salt, lora, num_tokens, with_hashes,
+def test_decode_add_equals_its_rules_one_by_one(request_id, tokens, salt, lora, num_tokens, with_hashes,
                                                         with_mm, vocab):
     n = len(tokens) // 4 if num_tokens is None else num_tokens  # None: the matching count
     a = pb.AddRequestOp(request_id=request_id, token_ids=tokens, cache_salt=salt, lora_name=lora, num_tokens=n)

@@ -7,22 +7,34 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WalEntry(_message.Message):
-    __slots__ = ("kind", "session_id", "request", "tenant", "client_name", "session_ids", "pool_ids")
-    KIND_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("legacy_kind", "session_id", "request", "tenant", "client_name", "session_ids", "pool_ids", "command", "rpc", "resync", "admin", "resume_session_id", "last_acked_sequence")
+    LEGACY_KIND_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
     POOL_IDS_FIELD_NUMBER: _ClassVar[int]
-    kind: str
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    RPC_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
+    ADMIN_FIELD_NUMBER: _ClassVar[int]
+    RESUME_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_ACKED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    legacy_kind: str
     session_id: str
     request: bytes
     tenant: str
     client_name: str
     session_ids: _containers.RepeatedScalarFieldContainer[str]
     pool_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, kind: _Optional[str] = ..., session_id: _Optional[str] = ..., request: _Optional[bytes] = ..., tenant: _Optional[str] = ..., client_name: _Optional[str] = ..., session_ids: _Optional[_Iterable[str]] = ..., pool_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    command: int
+    rpc: int
+    resync: bool
+    admin: bool
+    resume_session_id: str
+    last_acked_sequence: int
+    def __init__(self, legacy_kind: _Optional[str] = ..., session_id: _Optional[str] = ..., request: _Optional[bytes] = ..., tenant: _Optional[str] = ..., client_name: _Optional[str] = ..., session_ids: _Optional[_Iterable[str]] = ..., pool_ids: _Optional[_Iterable[str]] = ..., command: _Optional[int] = ..., rpc: _Optional[int] = ..., resync: _Optional[bool] = ..., admin: _Optional[bool] = ..., resume_session_id: _Optional[str] = ..., last_acked_sequence: _Optional[int] = ...) -> None: ...
 
 class RequestState(_message.Message):
     __slots__ = ("key", "has_token_ids", "token_ids", "num_tokens", "num_prompt_tokens", "num_computed_tokens", "num_preemptions", "block_hashes", "namespace", "cache_salt", "has_cache_salt", "lora_name", "has_lora_name", "hash_seed", "mm_identifiers", "mm_offsets", "mm_lengths", "chain_tip", "owner", "block_size")
@@ -135,7 +147,7 @@ class PoolState(_message.Message):
     def __init__(self, register_request: _Optional[bytes] = ..., pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., manager: _Optional[_Union[ManagerState, _Mapping]] = ..., requests: _Optional[_Iterable[_Union[RequestState, _Mapping]]] = ..., tombstone_keys: _Optional[_Iterable[str]] = ..., tombstone_reasons: _Optional[_Iterable[str]] = ..., owner_tenant: _Optional[str] = ...) -> None: ...
 
 class SessionState(_message.Message):
-    __slots__ = ("session_id", "tenant", "client_name", "last_sequence", "reply_kind", "reply", "request_pool_ids", "request_keys")
+    __slots__ = ("session_id", "tenant", "client_name", "last_sequence", "reply_kind", "reply", "request_pool_ids", "request_keys", "last_digest")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +156,7 @@ class SessionState(_message.Message):
     REPLY_FIELD_NUMBER: _ClassVar[int]
     REQUEST_POOL_IDS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_KEYS_FIELD_NUMBER: _ClassVar[int]
+    LAST_DIGEST_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tenant: str
     client_name: str
@@ -152,7 +165,8 @@ class SessionState(_message.Message):
     reply: bytes
     request_pool_ids: _containers.RepeatedScalarFieldContainer[str]
     request_keys: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., client_name: _Optional[str] = ..., last_sequence: _Optional[int] = ..., reply_kind: _Optional[str] = ..., reply: _Optional[bytes] = ..., request_pool_ids: _Optional[_Iterable[str]] = ..., request_keys: _Optional[_Iterable[str]] = ...) -> None: ...
+    last_digest: int
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., client_name: _Optional[str] = ..., last_sequence: _Optional[int] = ..., reply_kind: _Optional[str] = ..., reply: _Optional[bytes] = ..., request_pool_ids: _Optional[_Iterable[str]] = ..., request_keys: _Optional[_Iterable[str]] = ..., last_digest: _Optional[int] = ...) -> None: ...
 
 class TransferState(_message.Message):
     __slots__ = ("transfer_id", "session_id", "src_pool", "holder", "dst_pool", "dst_key", "src_block_ids", "dst_block_ids", "num_tokens")

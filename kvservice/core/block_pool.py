@@ -52,6 +52,20 @@ class BlockHashToBlockMap:
             return entry
         return next(iter(entry.values()))
 
+    def get_cached_prefix(self, block_hashes: Sequence[BlockHash], group_suffix: bytes,
+                          max_blocks: int) -> list[KVCacheBlock]:
+        """The blocks cached under block_hashes[0], [1], ... (the first block of each), up to the first
+        miss or `max_blocks`: one group's prefix lookup in one loop (the fast path's admission)."""
+        get = self._cache.get
+        out: list[KVCacheBlock] = []
+        append = out.append
+        for i in range(max_blocks):
+            entry = get(block_hashes[i] + group_suffix)
+            if entry is None:
+                break
+            append(entry if type(entry) is KVCacheBlock else next(iter(entry.values())))
+        return out
+
     def insert(self, key: BlockHashWithGroupId, block: KVCacheBlock) -> None:
         entry = self._cache.get(key)
         if entry is None:
@@ -212,9 +226,9 @@ class BlockPool:
         remove = self.free_block_queue.remove
         for group_blocks in blocks:
             for block in group_blocks:
-                if block.is_null:
-                    continue
-                if block.ref_cnt == 0:
+                if block.ref_cnt == 0:  # the null block's count stays 0: one test for a shared hit
+                    if block.is_null:
+                        continue
                     remove(block)
                 block.ref_cnt += 1
 

@@ -56,9 +56,13 @@ class FreeBlockQueue:
         return out
 
     def remove(self, block: KVCacheBlock) -> None:
-        if block.prev_free_block is None or block.next_free_block is None:
+        prev, nxt = block.prev_free_block, block.next_free_block
+        if prev is None or nxt is None:
             raise RuntimeError(f"remove() of block {block.block_id}, which is not in the free queue")
-        self._unlink(block)
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
 
     def _unlink(self, block: KVCacheBlock) -> None:
         block.prev_free_block.next_free_block = block.next_free_block

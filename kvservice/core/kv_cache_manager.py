@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import numbers
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvservice.core.block import KVCacheBlock, make_block_hash_with_group_id
+from kvservice.core.block import KVCacheBlock
 from kvservice.core.block_pool import BlockPool
 from kvservice.core.coordinator import KVCacheCoordinator
 from kvservice.core.events import KVCacheEvent
+from kvservice.core.fast_path import FastPath, PackedRows
 from kvservice.core.request import Request
-from kvservice.core.specs import FullAttentionSpec, KVCacheConfig, effective_block_size, gcd_block_size
-from kvservice.hashing import MAX_TOKEN_ID
+from kvservice.core.specs import KVCacheConfig, effective_block_size, gcd_block_size
+from kvservice.core.stats import PrefixCacheRecorder, PrefixCacheStats, PrefixCacheTotals
 
-_GROUP0 = make_block_hash_with_group_id(b"", 0)  # the index key suffix of KV-cache group 0
+DecodeBatchOutput = PackedRows  # transitional alias for kvservice/allocator.py (see allocate_running below)
 
 
 @dataclass(slots=True)
@@ -35,52 +35,6 @@ class KVCacheBlocks:
 
     def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
         return KVCacheBlocks(tuple(list(a) + list(b) for a, b in zip(self.blocks, other.blocks)))
-
-
-@dataclass(slots=True)
-class DecodeBatchOutput:
-    """Rows `allocate_running_batch` appends, one per entry taken (a single group: one count each)."""
-
-    num_new_blocks: array = field(default_factory=lambda: array("I"))
-    new_block_ids: array = field(default_factory=lambda: array("I"))
-    num_computed: array = field(default_factory=lambda: array("I"))
-    num_scheduled: array = field(default_factory=lambda: array("I"))
-
-
-@dataclass(slots=True)
-class PrefixCacheStats:
-    """Prefix-cache lookups since the last `make_prefix_cache_stats()` (in tokens)."""
-
-    requests: int = 0
-    queries: int = 0
-    hits: int = 0
-    preempted_requests: int = 0
-    preempted_queries: int = 0
-    preempted_hits: int = 0
-    reset: bool = False
-
-    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
-        if preempted:
-            self.preempted_requests += 1
-            self.preempted_queries += num_tokens
-            self.preempted_hits += num_hits
-        else:
-            self.requests += 1
-            self.queries += num_tokens
-            self.hits += num_hits
-
-
-@dataclass(slots=True)
-class PrefixCacheTotals:
-    """Cumulative lookups over the manager's life, for hit-rate metrics."""
-
-    queries: int = 0
-    hits: int = 0
-    requests: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
 
 
 def _checked_counts(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens) -> tuple[int, int, int]:
@@ -105,6 +59,8 @@ class KVCacheManager:
         enable_events: bool = False,
         dcp_world_size: int = 1,
         hash_block_size: int | None = None,
+        *,
+        enable_fast_path: bool = True,
     ) -> None:
         if not isinstance(max_model_len, int) or max_model_len <= 0:
             raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
@@ -125,12 +81,26 @@ class KVCacheManager:
         self.coordinator = KVCacheCoordinator(config, self.block_pool, hash_block_size, dcp_world_size)
         self.num_kv_cache_groups = len(config.groups)
         self.scheduler_block_size = self.coordinator.scheduler_block_size
-        self.prefix_cache_stats = PrefixCacheStats()
-        self.prefix_cache_totals = PrefixCacheTotals()
+        self._stats = PrefixCacheRecorder()
         self._empty = tuple(() for _ in config.groups)
-        # allocate_running's fast path: one full-attention group (no skipped blocks, no alignment).
         managers = self.coordinator.managers
-        self._single_full = managers[0] if len(managers) == 1 and type(config.groups[0]) is FullAttentionSpec else None
+        # The public switch: None when off or when the layout does not qualify (not one full-attention group).
+        self.fast_path: FastPath | None = None
+        if enable_fast_path and FastPath.qualifies(managers):
+            self.fast_path = FastPath(managers[0], self.block_pool, self._stats, hash_block_size, max_model_len,
+                                      enable_caching)
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return self._stats.interval
+
+    @prefix_cache_stats.setter
+    def prefix_cache_stats(self, stats: PrefixCacheStats) -> None:
+        self._stats.interval = stats
+
+    @property
+    def prefix_cache_totals(self) -> PrefixCacheTotals:
+        return self._stats.totals
 
     @property
     def usage(self) -> float:
@@ -148,11 +118,7 @@ class KVCacheManager:
         if not self.enable_caching:
             return KVCacheBlocks(tuple([] for _ in self._empty)), 0
         blocks, num_hit_tokens = self.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
-        self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens, request.num_preemptions > 0)
-        totals = self.prefix_cache_totals
-        totals.queries += request.num_tokens
-        totals.hits += num_hit_tokens
-        totals.requests += 1
+        self._stats.record(request.num_tokens, num_hit_tokens, request.num_preemptions > 0)
         return KVCacheBlocks(blocks), num_hit_tokens
 
     def num_blocks_needed(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
@@ -210,164 +176,6 @@ class KVCacheManager:
             coordinator.cache_blocks(request, min(num_tokens_main, request.num_tokens))
         return KVCacheBlocks(new_blocks, replaced)
 
-    def allocate_running(self, request: Request, num_computed_tokens: int, token: int | None = None,
-                         num_new_tokens: int = 1, num_lookahead_tokens: int = 0) -> list[KVCacheBlock] | None:
-        """One decode step of a running request in a single full-attention pool, in one call: appends
-        `token` (None: nothing), sets `num_computed_tokens`, then does exactly what
-        `allocate_slots(request, min(num_new_tokens, uncomputed), 0, None, num_lookahead_tokens)`
-        would. The scheduler's (or the service's) decode step without the general path's cost.
-
-        Returns:
-            The new blocks (possibly none), or None when this is not the simple case (another layout,
-            a request not running, a written block shared with another table, not enough free blocks,
-            past max_model_len, nothing left to compute, a bad token): then nothing changed and
-            `allocate_slots` decides, with its reasons.
-        """
-        manager = self._single_full
-        if manager is None or request.request_id not in manager.num_cached_block:
-            return None  # not running (e.g. an admission): the general path, without building rows
-        out = DecodeBatchOutput()
-        if not self.allocate_running_batch((request,), (num_computed_tokens,), None if token is None else (token,),
-                                           num_new_tokens, num_lookahead_tokens, 0, out):
-            return None
-        num_new = out.num_new_blocks[0]
-        return manager.req_to_blocks[request.request_id][-num_new:] if num_new else []
-
-    def admit(self, request: Request, num_new_tokens: int, num_lookahead_tokens: int = 0,
-              delay_cache_blocks: bool = False) -> tuple[list[KVCacheBlock] | None, int] | None:
-        """A waiting request's first allocation in a single full-attention pool, in one call: exactly
-        `hits, n = get_computed_blocks(request)` then `allocate_slots(request, min(num_new_tokens,
-        request.num_tokens - n), n, hits, num_lookahead_tokens, delay_cache_blocks)`, without the general
-        path's layers (one lookup loop, one touch, one allocation, one caching call).
-
-        Returns:
-            (the request's whole table, or None when it does not fit, and its hit tokens), or None when
-            this is not the simple case (another layout, caching off, a coarser block than the hash block,
-            a request holding blocks or computed tokens): then nothing changed and the general path decides.
-        """
-        manager = self._single_full
-        request_id = request.request_id
-        if (manager is None or not self.enable_caching or manager.hash_ratio != 1
-                or request.block_size != self.hash_block_size or request.num_computed_tokens
-                or request_id in manager.req_to_blocks or type(num_new_tokens) is not int or num_new_tokens < 1
-                or type(num_lookahead_tokens) is not int or num_lookahead_tokens < 0):
-            return None
-        bs, max_len = manager.block_size, self.max_model_len
-        block_pool = self.block_pool
-        index = block_pool.cached_block_hash_to_block._cache  # get_one_block, inline: one call per hit
-        hashes = request.block_hashes
-        num_tokens = request.num_tokens
-        table: list[KVCacheBlock] = []
-        for i in range(min((num_tokens - 1) // bs, len(hashes))):  # never the whole prompt
-            entry = index.get(hashes[i] + _GROUP0)
-            if entry is None:
-                break
-            table.append(entry if type(entry) is KVCacheBlock else next(iter(entry.values())))
-        num_hits = len(table)
-        num_hit_tokens = num_hits * bs
-        self.prefix_cache_stats.record(num_tokens, num_hit_tokens, request.num_preemptions > 0)
-        totals = self.prefix_cache_totals
-        totals.queries += num_tokens
-        totals.hits += num_hit_tokens
-        totals.requests += 1
-        num_main = min(num_hit_tokens, max_len) + min(num_new_tokens, num_tokens - num_hit_tokens)
-        num_required = -(-min(num_main + num_lookahead_tokens, max_len) // bs)
-        num_new_blocks = num_required - num_hits if num_required > num_hits else 0
-        num_evictable = sum(1 for block in table if block.ref_cnt == 0)  # hits leave the free queue too
-        free_queue = block_pool.free_block_queue
-        if num_new_blocks + num_evictable > free_queue.num_free_blocks:
-            return None, num_hit_tokens
-        for block in table:  # touch
-            if block.ref_cnt == 0:
-                free_queue.remove(block)
-            block.ref_cnt += 1
-        manager.req_to_blocks[request_id] = table
-        manager.num_cached_block[request_id] = num_hits
-        if num_new_blocks:
-            table.extend(block_pool.get_new_blocks(num_new_blocks))
-        num_full = (num_main if num_main < num_tokens else num_tokens) // bs
-        if not delay_cache_blocks and num_full > num_hits:
-            block_pool.cache_full_blocks(request, table, num_hits, num_full, bs, manager.kv_cache_group_id, hashes)
-            manager.num_cached_block[request_id] = num_full
-        return table, num_hit_tokens
-
-    def allocate_running_batch(self, requests: Sequence[Request | None], num_computed_tokens: Sequence[int],
-                               token_ids: Sequence[int] | None, num_new_tokens: int, num_lookahead_tokens: int,
-                               start: int, out: DecodeBatchOutput) -> int:
-        """`allocate_running` over requests[start:] in order, with one token each from `token_ids`
-        (None: no tokens), stopping at the first entry it does not take (None entries included).
-
-        Returns:
-            The index of that entry (len(requests) when all were taken); `out` got one row per
-            entry taken. The caller decides the stopped entry (e.g. with `allocate_slots`), then
-            resumes after it, so every entry sees the pool as its predecessors left it.
-        """
-        manager = self._single_full
-        if manager is None or num_new_tokens < 1 or num_lookahead_tokens < 0:
-            return start
-        req_to_blocks, num_cached, cache_blocks = manager.req_to_blocks, manager.num_cached_block, manager.cache_blocks
-        bs, hash_bs, max_len = manager.block_size, self.hash_block_size, self.max_model_len
-        free_queue, get_new_blocks = self.block_pool.free_block_queue, self.block_pool.get_new_blocks
-        caching = self.enable_caching
-        counts, ids = out.num_new_blocks, out.new_block_ids
-        computed_out, scheduled_out = out.num_computed, out.num_scheduled
-        token = None
-        for i in range(start, len(requests)):
-            req = requests[i]
-            if req is None or req.block_size != hash_bs:
-                return i
-            request_id = req.request_id
-            blocks = req_to_blocks.get(request_id)
-            if blocks is None or request_id not in num_cached:
-                return i
-            computed = num_computed_tokens[i]
-            num_tokens = req._num_tokens
-            if token_ids is not None:
-                token = token_ids[i]
-                if req._token_ids is None or not 0 <= token <= MAX_TOKEN_ID:
-                    return i
-                num_tokens += 1
-            if not 0 <= computed < num_tokens or num_tokens > max_len:
-                return i
-            scheduled = num_tokens - computed
-            if scheduled > num_new_tokens:
-                scheduled = num_new_tokens
-            num_main = computed + scheduled
-            num_need = num_main + num_lookahead_tokens
-            if num_need > max_len:
-                num_need = max_len
-            num_required = -(-num_need // bs)
-            num_held = len(blocks)
-            j, last = computed // bs, (num_held if num_held < num_required else num_required)
-            while j < last:
-                if blocks[j].ref_cnt > 1:  # shared (or pinned): copy-on-write decides
-                    return i
-                j += 1
-            num_new = num_required - num_held
-            if num_new > free_queue.num_free_blocks:
-                return i
-            if token is not None:
-                req._token_ids.append(token)
-                req._num_tokens = num_tokens
-                if num_tokens % hash_bs == 0:
-                    req.hash_full_blocks()
-            req.num_computed_tokens = computed
-            if num_new > 0:
-                new_blocks = get_new_blocks(num_new)
-                blocks.extend(new_blocks)
-                counts.append(num_new)
-                for block in new_blocks:
-                    ids.append(block.block_id)
-            else:
-                counts.append(0)
-            computed_out.append(computed)
-            scheduled_out.append(scheduled)
-            if caching:
-                num_cacheable = num_main if num_main < num_tokens else num_tokens
-                if num_cached[request_id] < num_cacheable // bs:
-                    cache_blocks(req, num_cacheable)
-        return len(requests)
-
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Caches full blocks up to `num_computed_tokens` (after a delayed allocation)."""
         if self.enable_caching:
@@ -422,5 +230,4 @@ class KVCacheManager:
         return self.block_pool.take_events()
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
-        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
-        return stats
+        return self._stats.take_interval()

@@ -173,6 +173,16 @@ class SingleTypeManager:
         # Hits (and the nulls padding skipped ones) are already cached.
         self.num_cached_block[request_id] = len(req_blocks)
 
+    def adopt_blocks(self, request_id: str, hits: list[KVCacheBlock], num_new_blocks: int) -> list[KVCacheBlock]:
+        """A new request's table in one step when none of its blocks is skipped (the fast path's
+        admission): touches `hits` (cached), appends `num_new_blocks` fresh ones; the list becomes the table."""
+        self.block_pool.touch((hits,))
+        self.num_cached_block[request_id] = len(hits)
+        if num_new_blocks:
+            hits.extend(self.block_pool.get_new_blocks(num_new_blocks))
+        self.req_to_blocks[request_id] = hits
+        return hits
+
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
         req_blocks = self.req_to_blocks.setdefault(request_id, [])
         num_new = cdiv(num_tokens, self.block_size) - len(req_blocks)

@@ -53,7 +53,7 @@ class Request:
         self.namespace = namespace
         self.num_prompt_tokens = len(tokens)
         self._token_ids: array | None = tokens  # compact: 4 bytes a token
-        self._num_tokens = self.num_prompt_tokens
+        self.num_tokens = self.num_prompt_tokens
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self._chain_tip: bytes = root_hash(hash_seed)
@@ -82,17 +82,13 @@ class Request:
         req.namespace = namespace
         req.num_prompt_tokens = num_tokens
         req._token_ids = None
-        req._num_tokens = 0
+        req.num_tokens = 0
         req.num_computed_tokens = 0
         req.num_preemptions = 0
         req._chain_tip = b""
         req.block_hashes = []
         req.append_block_hashes(block_hashes, num_tokens)
         return req
-
-    @property
-    def num_tokens(self) -> int:
-        return self._num_tokens
 
     @property
     def has_token_ids(self) -> bool:
@@ -121,12 +117,25 @@ class Request:
             self._token_ids.extend(token_ids)  # already uint32: nothing to validate
         else:
             self._token_ids.extend(token_array(token_ids, "output_token_ids"))  # validated first
-        self._num_tokens = len(self._token_ids)
+        self.num_tokens = len(self._token_ids)
         self.hash_full_blocks()
+
+    def append_token_id(self, token_id: int) -> None:
+        """Appends one generated token (a decode step's common case, no list built) and hashes the block
+        it completes."""
+        tokens = self._token_ids
+        if tokens is None:
+            raise ValueError(f"request {self.request_id!r} was added by block hashes: append hashes, not tokens")
+        if not 0 <= token_id <= MAX_TOKEN_ID:
+            raise TokenIdError(f"output token id {token_id} is not a token id in [0, 2**32)")
+        tokens.append(token_id)
+        self.num_tokens += 1
+        if self.num_tokens % self.block_size == 0:
+            self.hash_full_blocks()
 
     def hash_full_blocks(self) -> None:
         """Hashes every full block of tokens not hashed yet."""
-        num_full = self._num_tokens // self.block_size
+        num_full = self.num_tokens // self.block_size
         first = len(self.block_hashes)
         if num_full > first:
             bs = self.block_size
@@ -139,7 +148,7 @@ class Request:
             raise ValueError(f"request {self.request_id!r} was added with token ids: append tokens, not hashes")
         if not isinstance(num_new_tokens, int) or num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be a non-negative int, got {num_new_tokens!r}")
-        num_tokens = self._num_tokens + num_new_tokens
+        num_tokens = self.num_tokens + num_new_tokens
         expected = num_tokens // self.block_size - len(self.block_hashes)
         if len(block_hashes) != expected:
             raise ValueError(f"request {self.request_id!r}: {num_tokens} tokens need {expected} new block hashes "
@@ -147,19 +156,19 @@ class Request:
         for i, h in enumerate(block_hashes):
             if not isinstance(h, bytes) or len(h) != HASH_BYTES:
                 raise ValueError(f"block_hashes[{i}] must be {HASH_BYTES} bytes, got {h!r:.40}")
-        self._num_tokens = num_tokens
+        self.num_tokens = num_tokens
         ns = self.namespace
         self.block_hashes.extend(BlockHash(h + ns) for h in block_hashes)
 
     def truncate(self, num_tokens: int) -> None:
         """Drops tokens (and the hashes of blocks they completed) past `num_tokens`: the undo of an
         append whose allocation did not happen."""
-        if not 0 <= num_tokens <= self._num_tokens:
-            raise ValueError(f"cannot truncate request {self.request_id!r} of {self._num_tokens} tokens "
+        if not 0 <= num_tokens <= self.num_tokens:
+            raise ValueError(f"cannot truncate request {self.request_id!r} of {self.num_tokens} tokens "
                              f"to {num_tokens}")
         if self._token_ids is not None:
             del self._token_ids[num_tokens:]
-        self._num_tokens = num_tokens
+        self.num_tokens = num_tokens
         del self.block_hashes[num_tokens // self.block_size:]
         if self._token_ids is not None:
             self._chain_tip = self.block_hashes[-1][:HASH_BYTES] if self.block_hashes else root_hash(self.hash_seed)
@@ -168,7 +177,7 @@ class Request:
         """A copy under a new id: same tokens, hashes and computed count."""
         child = Request.__new__(Request)
         for name in ("block_size", "cache_salt", "lora_name", "hash_seed", "mm_items", "namespace",
-                     "num_prompt_tokens", "_num_tokens", "num_computed_tokens", "_chain_tip"):
+                     "num_prompt_tokens", "num_tokens", "num_computed_tokens", "_chain_tip"):
             setattr(child, name, getattr(self, name))
         child.request_id = child_request_id
         child.num_preemptions = 0
@@ -189,5 +198,5 @@ class Request:
             self.block_hashes.extend(new)
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, num_tokens={self._num_tokens}, "
+        return (f"Request({self.request_id!r}, num_tokens={self.num_tokens}, "
                 f"num_computed_tokens={self.num_computed_tokens}, blocks_hashed={len(self.block_hashes)})")

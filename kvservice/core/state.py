@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvservice.core.free_queue import FreeBlockQueue
-from kvservice.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from kvservice.core.kv_cache_manager import KVCacheManager
+from kvservice.core.stats import PrefixCacheStats
 
 _STATS_FIELDS = ("requests", "queries", "hits", "preempted_requests", "preempted_queries", "preempted_hits")
 

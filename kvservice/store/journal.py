@@ -7,9 +7,7 @@ instead (a consistent point-in-time copy that costs the event loop one fork and 
 follows). A resync after a Redis outage always forks: the mutations acknowledged meanwhile exist only in
 this process's memory.
 
-States: "ok" (every mutation is in the WAL before its reply), "degraded" (Redis is down: mutations are
-acknowledged from memory; a fresh snapshot is written as soon as Redis answers), "down" (Redis is
-down under --require-persistence: mutations are refused), "fenced" (another allocator took over).
+States: `kvservice.store.base.PersistenceState`.
 """
 
 from __future__ import annotations
@@ -19,6 +17,7 @@ import contextlib
 import gc
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -26,11 +25,14 @@ from collections.abc import Callable
 
 import redis
 
-from kvservice._proto import state_pb2 as st
 from kvservice.allocator import Allocator
+from kvservice.commands import Barrier, Command
 from kvservice.errors import Unavailable
 from kvservice.processes import parent_death_signal
-from kvservice.store.redis_store import FencedError, RedisStore, write_pending_snapshot_sync
+from kvservice.store import wal
+from kvservice.store.base import Journal, JournalStats
+from kvservice.store.base import PersistenceState as PS
+from kvservice.store.redis_store import FencedError, LeaderLostError, RedisStore, write_pending_snapshot_sync
 from kvservice.store.snapshot import dump
 
 logger = logging.getLogger(__name__)
@@ -38,7 +40,7 @@ logger = logging.getLogger(__name__)
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.ResponseError, OSError)
 
 
-class PersistentJournal:
+class PersistentJournal(Journal):
     def __init__(self, store: RedisStore, allocator: Allocator, require_persistence: bool = False,
                  snapshot_every: int = 50_000, snapshot_interval_s: float = 60.0,
                  on_fenced: Callable[[str], None] | None = None, snapshot_mode: str = "standby",
@@ -51,7 +53,7 @@ class PersistentJournal:
         self.snapshot_every = snapshot_every
         self.snapshot_interval_s = snapshot_interval_s
         self.on_fenced = on_fenced
-        self.state = "ok"
+        self.state = PS.OK
         self._queue: list[tuple[bytes, asyncio.Future | None]] = []
         self._wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -62,8 +64,11 @@ class PersistentJournal:
         self.standby_options = standby_options or []
         self._standby: subprocess.Popen | None = None
         self._snapshots_at_start: int | None = None
-        self.stats = {"entries": 0, "bytes": 0, "batches": 0, "snapshots": 0, "snapshot_failures": 0,
-                      "last_snapshot_bytes": 0, "last_snapshot_s": 0.0, "wal_lag": 0}
+        self.stats = JournalStats()
+
+    @property
+    def leader_epoch(self) -> int:
+        return self.store.epoch
 
     def start(self) -> None:
         """Starts the WAL writer and the health watch (and the standby snapshotter). Call from the main
@@ -93,26 +98,25 @@ class PersistentJournal:
         for task in self._tasks:
             with contextlib.suppress(BaseException):
                 await task
+        await self.store.close()
 
     # ---- the servicer's interface --------------------------------------------------------------
     def check_writable(self) -> None:
-        if self.state == "fenced":
+        if self.state is PS.FENCED:
             raise Unavailable("this allocator was fenced by a newer one and is shutting down; reconnect")
-        if self.state != "ok" and self.require_persistence:
-            raise Unavailable("persistence is unavailable (Redis is down) and --require-persistence is set; "
-                              "retry when it is back")
+        if self.state is not PS.OK and self.require_persistence:
+            why = ("Redis is back and the resync snapshot is being written" if self.state is PS.RESYNCING
+                   else "Redis is down")
+            raise Unavailable(f"persistence is not durable yet ({why}) and --require-persistence is set; retry "
+                              f"with the same sequence shortly")
 
-    async def record(self, kind: str, *, session_id: str = "", request: bytes = b"", tenant: str = "",
-                     client_name: str = "", session_ids=(), pool_ids=()) -> None:
-        """Logs one applied mutation (`request`: the RPC's request as it arrived); returns once it is in
-        Redis (or, degraded, at once). Must be called right after the mutation, before any await, so the
-        WAL order is the apply order."""
-        entry = st.WalEntry(kind=kind, session_id=session_id, tenant=tenant, client_name=client_name,
-                            session_ids=session_ids, pool_ids=pool_ids, request=request)
-        raw = entry.SerializeToString()
-        if self.state == "degraded":
+    async def record(self, command: Command) -> None:
+        """Logs one applied command; returns once it is in Redis (or, degraded, at once). Must be called
+        right after the command was applied, before any await, so the WAL order is the apply order."""
+        raw = wal.encode(command)
+        if self.state is PS.DEGRADED:
             return  # acknowledged from memory; the resync snapshot will cover it
-        if self.state != "ok":
+        if self.state not in (PS.OK, PS.RESYNCING):
             raise Unavailable("persistence is unavailable; the mutation was not acknowledged")
         future = asyncio.get_running_loop().create_future()
         self._queue.append((raw, future))
@@ -126,17 +130,22 @@ class PersistentJournal:
             self._wakeup.clear()
             while self._queue:
                 batch, self._queue = self._queue, []
+                started = time.perf_counter()
                 try:
                     ids = await self.store.append([raw for raw, _ in batch])
                 except FencedError as exc:
                     self._fenced(str(exc), batch)
                     return
-                except REDIS_ERRORS as exc:
-                    self._outage(exc, batch)
+                except (LeaderLostError, *REDIS_ERRORS) as exc:
+                    self._outage(exc, batch)  # the watch takes a lost leader key back, then resyncs
                     continue
-                self.stats["entries"] += len(batch)
-                self.stats["bytes"] += sum(len(raw) for raw, _ in batch)
-                self.stats["batches"] += 1
+                elapsed = time.perf_counter() - started
+                self.stats.append_seconds += elapsed
+                if self.write_observer is not None:
+                    self.write_observer(elapsed)
+                self.stats.entries += len(batch)
+                self.stats.bytes += sum(len(raw) for raw, _ in batch)
+                self.stats.batches += 1
                 self._since_snapshot += len(batch)
                 for (_, future), entry_id in zip(batch, ids):
                     if future is not None and not future.done():
@@ -147,14 +156,14 @@ class PersistentJournal:
 
     def _outage(self, exc: BaseException, batch) -> None:
         if self.require_persistence:
-            self.state = "down"
+            self.state = PS.DOWN
             logger.error("Redis unavailable (%r): refusing mutations until it is back (--require-persistence)", exc)
             for _, future in batch:
                 if future is not None and not future.done():
                     future.set_exception(Unavailable(f"persistence failed ({exc!r}); the mutation was not "
                                                      "acknowledged: retry with the same sequence"))
         else:
-            self.state = "degraded"
+            self.state = PS.DEGRADED
             logger.error("Redis unavailable (%r): serving from memory (degraded) until it is back", exc)
             for _, future in batch:
                 if future is not None and not future.done():
@@ -168,7 +177,7 @@ class PersistentJournal:
         self._queue = []
 
     def _fenced(self, message: str, batch) -> None:
-        self.state = "fenced"
+        self.state = PS.FENCED
         logger.critical("fenced: %s", message)
         for _, future in batch + self._queue:
             if future is not None and not future.done():
@@ -179,47 +188,65 @@ class PersistentJournal:
 
     # ---- health: leadership, outages, periodic snapshots ---------------------------------------
     async def _watch(self) -> None:
-        while self.state != "fenced":
+        while self.state is not PS.FENCED:
             await asyncio.sleep(0.5)
             try:
                 leader = await self.store.leader()
+                if leader is None:
+                    leader = await self._leader_lost()
             except REDIS_ERRORS as exc:
-                if self.state == "ok":
+                if self.state in (PS.OK, PS.RESYNCING):
                     self._outage(exc, [])
                 continue
             if leader != self.store.epoch:
                 self._fenced(f"the leader is epoch {leader}, this allocator holds {self.store.epoch}", [])
                 return
-            if self.state in ("degraded", "down") and self._snapshot_task is None:
+            if self.state in (PS.DEGRADED, PS.DOWN) and self._snapshot_task is None:
                 logger.warning("Redis is back: writing a fresh snapshot to resync")
                 self.snapshot(resync=True)
             elif self.snapshot_mode == "fork":
-                if (self.state == "ok" and self._since_snapshot and self._snapshot_task is None
+                if (self.state is PS.OK and self._since_snapshot and self._snapshot_task is None
                         and time.monotonic() - self._last_snapshot >= self.snapshot_interval_s):
                     self.snapshot()
             else:
                 await self._watch_standby()
 
+    async def _leader_lost(self) -> int | None:
+        """Redis answers without our leader key: it lost its data, and with it the WAL and the snapshot. Only
+        this process's memory holds the state now: take the key back (if still absent), serve degraded
+        (refuse under --require-persistence) and resync from memory. Returns the leader epoch after."""
+        self.stats.redis_data_losses += 1
+        logger.critical("Redis lost this allocator's data (the leader key of epoch %d is gone): taking leadership "
+                        "back and writing a fresh snapshot from memory; serving %s until it is committed",
+                        self.store.epoch, "nothing" if self.require_persistence else "degraded")
+        if not await self.store.retake_leadership():
+            return await self.store.leader()  # another allocator wrote the key meanwhile: fenced
+        if self.state in (PS.OK, PS.RESYNCING):
+            self._outage(LeaderLostError("Redis lost its data"), [])
+        return self.store.epoch
+
     async def _watch_standby(self) -> None:
         with contextlib.suppress(*REDIS_ERRORS):
             committed = await self.store.snapshots_committed()  # by the standby and by resyncs alike
-            if self._snapshots_at_start is None:
+            if self._snapshots_at_start is None or committed < self._snapshots_at_start:  # (Redis lost its count)
                 self._snapshots_at_start = committed
-            self.stats["snapshots"] = committed - self._snapshots_at_start
-        if self._standby is not None and self._standby.poll() is not None and self.state != "fenced":
+            self.stats.snapshots = committed - self._snapshots_at_start
+            self.stats.last_snapshot_at = await self.store.last_snapshot_at()
+        if self._standby is not None and self._standby.poll() is not None and self.state is not PS.FENCED:
             logger.warning("the standby snapshotter exited with %s: restarting it", self._standby.returncode)
             self._start_standby()
 
     def snapshot(self, resync: bool = False) -> asyncio.Task:
         """Starts a snapshot: a barrier entry marks the WAL position, a forked child serializes the
         state as of that instant, then the snapshot is committed and the WAL trimmed behind it."""
-        barrier = st.WalEntry(kind="barrier", pool_ids=["resync"] if resync else []).SerializeToString()
+        barrier = wal.encode(Barrier(resync))
         future = asyncio.get_running_loop().create_future()
         self._queue.append((barrier, future))
         self._wakeup.set()
         if resync:
-            # From the barrier on, mutations are logged again (after it); the snapshot covers the rest.
-            self.state = "ok"
+            # From the barrier on, mutations are logged again (after it), but a crash before the snapshot
+            # commits would lose what only it covers: not OK (durable) until then.
+            self.state = PS.RESYNCING
         pid = self._fork_child()
         self._since_snapshot = 0
         self._last_snapshot = time.monotonic()
@@ -227,11 +254,15 @@ class PersistentJournal:
         return self._snapshot_task
 
     def _fork_child(self) -> int:
+        # The child holds a copy of every descriptor, the gRPC port's too: it must not outlive this process.
+        arm = parent_death_signal(signal.SIGKILL, main_thread_only=False)
         pid = os.fork()
         if pid == 0:  # the child: no event loop, no gRPC, no logging: serialize, write, exit
             code = 1
             gc.disable()  # never traverse objects other (now absent) threads were mutating
             try:
+                if arm is not None:
+                    arm()
                 os.nice(10)  # serializing must not take CPU time from serving
                 start = time.perf_counter()
                 data = dump(self.allocator)
@@ -250,21 +281,25 @@ class PersistentJournal:
             wal_id = await barrier
             if os.waitstatus_to_exitcode(status) != 0 or wal_id is None:
                 raise RuntimeError(f"snapshot child exited with {os.waitstatus_to_exitcode(status)}")
-            self.stats["wal_lag"] = await self.store.commit_snapshot(wal_id, "fork")
+            self.stats.wal_lag = await self.store.commit_snapshot(wal_id, "fork")
+            if resync and self.state is PS.RESYNCING:
+                self.state = PS.OK
+                logger.warning("resync snapshot committed: persistence is ok again")
             if self.snapshot_mode == "fork":
-                self.stats["snapshots"] += 1
-            self.stats["last_snapshot_s"] = time.perf_counter() - start
+                self.stats.snapshots += 1
+            self.stats.last_snapshot_s = time.perf_counter() - start
+            self.stats.last_snapshot_at = time.time()
             usage = await self.store.usage()
-            self.stats["last_snapshot_bytes"] = usage["snapshot_bytes"]
+            self.stats.last_snapshot_bytes = usage["snapshot_bytes"]
             logger.info("snapshot committed at WAL id %s (%d bytes, %d WAL entries left)", wal_id,
                         usage["snapshot_bytes"], usage["wal_entries"])
         except FencedError as exc:
             self._fenced(str(exc), [])
         except BaseException as exc:  # noqa: BLE001 - any failure leaves the WAL untrimmed, which is safe
-            self.stats["snapshot_failures"] += 1
+            self.stats.snapshot_failures += 1
             logger.error("snapshot failed: %r", exc)
-            if resync and self.state == "ok":
-                self.state = "down" if self.require_persistence else "degraded"
+            if resync and self.state is PS.RESYNCING:
+                self.state = PS.DOWN if self.require_persistence else PS.DEGRADED
             if isinstance(exc, asyncio.CancelledError):
                 raise
         finally:

@@ -8,9 +8,13 @@ Keys under a namespace `ns`:
     ns:snapshot:wal_id   the WAL id the snapshot covers (entries after it are replayed)
     ns:snapshot:pending:W  a snapshot being written by writer W (renamed into place when complete)
     ns:snapshot:count    snapshots committed
+    ns:snapshot:at       when the last one was committed (Unix seconds, Redis's clock)
 
 Every write goes through a Lua script that first checks `ns:leader` against the writer's epoch, so
-an old allocator that lives on after a new one started can never write (fencing).
+an old allocator that lives on after a new one started can never write (fencing). A missing leader key
+means Redis lost its data (no AOF, a wiped volume, a failover to an empty replica): the leader takes the
+key back, only if it is still absent (`retake_leadership`), and resyncs. Any other epoch in the key (a
+newer one, or an older one written after Redis lost ours) fences: an allocator never fights for it.
 """
 
 from __future__ import annotations
@@ -18,13 +22,35 @@ from __future__ import annotations
 import redis
 import redis.asyncio as aioredis
 
-FENCED_PREFIX = "FENCED"
+FENCED_PREFIX, LOST_PREFIX = "FENCED", "LEADERLOST"
 
 _CHECK = """
 local leader = redis.call('GET', KEYS[1])
-if leader ~= ARGV[1] then
-  return redis.error_reply('FENCED: this allocator holds epoch ' .. ARGV[1] .. ', the leader is ' .. tostring(leader))
+if not leader then
+  return redis.error_reply('LEADERLOST: the leader key is gone (Redis lost its data); epoch ' .. ARGV[1])
 end
+if leader ~= ARGV[1] then
+  return redis.error_reply('FENCED: this allocator holds epoch ' .. ARGV[1] .. ', the leader is ' .. leader)
+end
+"""
+# Takes the leader key back after Redis lost it, only if it is still absent: 1, else 0 (fenced).
+RETAKE = """
+if redis.call('GET', KEYS[1]) then return 0 end
+local counter = tonumber(redis.call('GET', KEYS[2]) or '0')
+if counter < tonumber(ARGV[1]) then redis.call('SET', KEYS[2], ARGV[1]) end
+redis.call('SET', KEYS[1], ARGV[1])
+return 1
+"""
+# A new leader: the next epoch, above any epoch the leader key holds (the counter may have been lost).
+ACQUIRE = """
+local epoch = redis.call('INCR', KEYS[2])
+local leader = tonumber(redis.call('GET', KEYS[1]) or '0')
+if leader >= epoch then
+  epoch = leader + 1
+  redis.call('SET', KEYS[2], epoch)
+end
+redis.call('SET', KEYS[1], epoch)
+return epoch
 """
 APPEND = _CHECK + """
 local ids = {}
@@ -50,6 +76,7 @@ end
 redis.call('RENAME', KEYS[2], KEYS[3])
 redis.call('SET', KEYS[4], ARGV[2])
 redis.call('INCR', KEYS[6])
+redis.call('SET', KEYS[7], redis.call('TIME')[1])
 redis.call('XTRIM', KEYS[5], 'MINID', ARGV[2])
 return redis.call('XLEN', KEYS[5])
 """
@@ -57,6 +84,10 @@ return redis.call('XLEN', KEYS[5])
 
 class FencedError(RuntimeError):
     """Another allocator took over: this one must stop serving."""
+
+
+class LeaderLostError(RuntimeError):
+    """Redis no longer holds this allocator's leader key (it lost its data): take it back and resync."""
 
 
 def is_fenced(exc: BaseException) -> bool:
@@ -71,12 +102,14 @@ class RedisStore:
         ns = namespace
         self.k_epoch, self.k_leader, self.k_wal = f"{ns}:epoch", f"{ns}:leader", f"{ns}:wal"
         self.k_snapshot, self.k_snapshot_id = f"{ns}:snapshot", f"{ns}:snapshot:wal_id"
-        self.k_snapshot_count = f"{ns}:snapshot:count"
+        self.k_snapshot_count, self.k_snapshot_at = f"{ns}:snapshot:count", f"{ns}:snapshot:at"
         self.redis = aioredis.Redis.from_url(url, socket_timeout=socket_timeout_s,
                                              socket_connect_timeout=socket_timeout_s)
         self._append = self.redis.register_script(APPEND)
         self._commit = self.redis.register_script(COMMIT_SNAPSHOT)
         self._set_pending = self.redis.register_script(SET_PENDING)
+        self._retake = self.redis.register_script(RETAKE)
+        self._acquire = self.redis.register_script(ACQUIRE)
         self.epoch = 0
 
     async def close(self) -> None:
@@ -87,13 +120,18 @@ class RedisStore:
 
     async def acquire_leadership(self) -> int:
         """Takes the leader key with a new epoch: from now on older allocators are fenced."""
-        self.epoch = int(await self.redis.incr(self.k_epoch))
-        await self.redis.set(self.k_leader, self.epoch)
+        self.epoch = int(await self._acquire(keys=[self.k_leader, self.k_epoch]))
         return self.epoch
 
-    async def leader(self) -> int:
+    async def leader(self) -> int | None:
+        """The leader's epoch, or None when the key is gone."""
         value = await self.redis.get(self.k_leader)
-        return int(value) if value is not None else 0
+        return int(value) if value is not None else None
+
+    async def retake_leadership(self) -> bool:
+        """After Redis lost the leader key: takes it back with this allocator's epoch, atomically, if it is still
+        absent (False: another allocator wrote it meanwhile, and this one is fenced)."""
+        return bool(await self._retake(keys=[self.k_leader, self.k_epoch], args=[self.epoch]))
 
     async def append(self, entries: list[bytes]) -> list[bytes]:
         """Appends entries in order, in one round trip, if this allocator still leads."""
@@ -109,11 +147,16 @@ class RedisStore:
         """Makes `writer`'s pending snapshot current (it covers WAL entries up to `wal_id`) unless a newer
         one is already in place, and trims the WAL behind it. Returns the WAL length left (-1: superseded)."""
         return int(await self._fenced(self._commit, [self.k_leader, self.pending_key(writer), self.k_snapshot,
-                                                     self.k_snapshot_id, self.k_wal, self.k_snapshot_count],
+                                                     self.k_snapshot_id, self.k_wal, self.k_snapshot_count,
+                                                     self.k_snapshot_at],
                                       [self.epoch, wal_id]))
 
     async def snapshots_committed(self) -> int:
         return int(await self.redis.get(self.k_snapshot_count) or 0)
+
+    async def last_snapshot_at(self) -> float:
+        """Unix time (Redis's clock) of the last committed snapshot; 0: none."""
+        return float(await self.redis.get(self.k_snapshot_at) or 0)
 
     async def _fenced(self, script, keys, args):
         try:
@@ -121,6 +164,8 @@ class RedisStore:
         except redis.ResponseError as exc:
             if is_fenced(exc):
                 raise FencedError(str(exc)) from None
+            if str(exc).startswith(LOST_PREFIX):
+                raise LeaderLostError(str(exc)) from None
             raise
 
     async def load(self, batch: int = 10_000) -> tuple[bytes | None, bytes | None, list[tuple[bytes, bytes]]]:
@@ -146,7 +191,8 @@ class RedisStore:
     async def reset(self) -> None:
         """Deletes this namespace's state (operators only: `kvservice serve --reset-state`)."""
         pending = [k async for k in self.redis.scan_iter(match=f"{self.namespace}:snapshot:pending:*")]
-        await self.redis.delete(self.k_wal, self.k_snapshot, self.k_snapshot_id, self.k_snapshot_count, *pending)
+        await self.redis.delete(self.k_wal, self.k_snapshot, self.k_snapshot_id, self.k_snapshot_count,
+                                self.k_snapshot_at, *pending)
 
 
 def write_pending_snapshot_sync(url: str, namespace: str, epoch: int, data: bytes, writer: str = "fork") -> None:

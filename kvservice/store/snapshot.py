@@ -10,16 +10,26 @@ import xxhash
 
 from kvservice._proto import allocator_pb2 as pb
 from kvservice._proto import state_pb2 as st
-from kvservice.allocator import Allocator, RegisterResult
+from kvservice.allocator import Allocator, AllocatorState
+from kvservice.allocator.keys import tenant_of
+from kvservice.allocator.pools import Pool
+from kvservice.allocator.sessions import Session
+from kvservice.allocator.transfers import Transfer
 from kvservice.core import Request
 from kvservice.core.block_pool import gc_paused
 from kvservice.core.state import GroupTables, ManagerState, export_manager_state, import_manager_state
 from kvservice.hashing import HASH_BYTES, MultiModalItem
 from kvservice.ops import StepResult
-from kvservice.pools import SEP, Pool
-from kvservice.sessions import Session
-from kvservice.transfers import Transfer
-from kvservice.wire import decode_pool_spec, decode_step_result, decode_tokens, encode_config, encode_step_result
+from kvservice.results import RegisterResult
+from kvservice.wire.decode import decode_pool_spec
+from kvservice.wire.encode import encode_config
+from kvservice.wire.fields import decode_u32
+from kvservice.wire.replies import (
+    decode_register_result,
+    decode_step_result,
+    encode_register_result,
+    encode_step_result,
+)
 
 MAGIC = b"KVSNAP1\n"
 
@@ -33,18 +43,20 @@ def _u32(values) -> bytes:
 
 
 def _from_u32(data: bytes, what: str) -> array:
-    return decode_tokens(what, data)
+    return decode_u32(what, data)
 
 
 # ---- encode --------------------------------------------------------------------------------------
 def encode_state(allocator: Allocator) -> st.Snapshot:
-    snap = st.Snapshot(hash_block_size=allocator.hash_block_size, hash_seed=allocator.hash_seed,
-                       next_event_sequence=allocator.events.next_sequence, lease_expiries=allocator.lease_expiries)
-    for pool_id in sorted(allocator.pools):
-        snap.pools.append(_encode_pool(allocator.pools[pool_id]))
-    for session_id in sorted(allocator.sessions.sessions):
-        snap.sessions.append(_encode_session(allocator.sessions.sessions[session_id]))
-    book = allocator.transfers
+    state = allocator.state
+    settings = state.settings
+    snap = st.Snapshot(hash_block_size=settings.hash_block_size, hash_seed=settings.hash_seed,
+                       next_event_sequence=state.events.next_sequence, lease_expiries=state.lease_expiries)
+    for pool_id in sorted(state.pools):
+        snap.pools.append(_encode_pool(state.pools[pool_id]))
+    for session_id in sorted(state.sessions.sessions):
+        snap.sessions.append(_encode_session(state.sessions.sessions[session_id]))
+    book = state.transfers
     snap.next_transfer = book.next_id
     for transfer_id in sorted(book.transfers):
         t = book.transfers[transfer_id]
@@ -105,17 +117,13 @@ def _encode_request(req: Request, owner: str) -> st.RequestState:
 
 def _encode_session(s: Session) -> st.SessionState:
     out = st.SessionState(session_id=s.session_id, tenant=s.tenant, client_name=s.client_name,
-                          last_sequence=s.last_sequence)
+                          last_sequence=s.last_sequence, last_digest=s.last_digest)
     if isinstance(s.last_reply, StepResult):
         out.reply_kind = "step"
         out.reply = encode_step_result(s.last_reply, pb.StepResponse()).SerializeToString(deterministic=True)
     elif isinstance(s.last_reply, RegisterResult):
-        r = s.last_reply
         out.reply_kind = "register"
-        out.reply = pb.RegisterPoolResponse(
-            pool_id=r.pool_id, epoch=r.epoch, new_epoch=r.new_epoch, hash_block_size=r.hash_block_size,
-            hash_seed=r.hash_seed, num_requests_failed=r.num_requests_failed,
-            scheduler_block_size=r.scheduler_block_size).SerializeToString(deterministic=True)
+        out.reply = encode_register_result(s.last_reply).SerializeToString(deterministic=True)
     for pool_id in sorted(s.requests):
         for key in sorted(s.requests[pool_id]):
             out.request_pool_ids.append(pool_id)
@@ -132,17 +140,16 @@ def load(data: bytes, allocator: Allocator, now: float) -> None:
     fingerprint = data[len(MAGIC):len(MAGIC) + 16].decode(errors="replace")
     checksum = data[len(MAGIC) + 16:len(MAGIC) + 32]
     payload = data[len(MAGIC) + 32:]
+    settings = allocator.settings
     if fingerprint != allocator.fingerprint:
         raise SnapshotError(f"snapshot was written for hash spec {fingerprint!r}, this allocator uses "
-                            f"{allocator.fingerprint!r} (seed {allocator.hash_seed!r}, block "
-                            f"{allocator.hash_block_size}): start with the same --hash-seed/--hash-block-size")
+                            f"{allocator.fingerprint!r} (seed {settings.hash_seed!r}, block "
+                            f"{settings.hash_block_size}): start with the same --hash-seed/--hash-block-size")
     if xxhash.xxh3_128_digest(payload) != checksum:
         raise SnapshotError("snapshot checksum mismatch: the snapshot is corrupt")
     try:
         snap = st.Snapshot.FromString(payload)
-        staged = Allocator(allocator.hash_block_size, allocator.hash_seed, allocator.sessions.ttl_s,
-                           allocator.events.retained, allocator.usage.quotas, allocator.transfers.min_tokens,
-                           allocator.max_requests_per_session, allocator.max_pool_blocks)
+        staged = AllocatorState(settings)
         with gc_paused():
             _decode_into(snap, staged, now)
     except SnapshotError:
@@ -150,22 +157,18 @@ def load(data: bytes, allocator: Allocator, now: float) -> None:
     except Exception as exc:
         raise SnapshotError(f"snapshot could not be decoded: {exc!r}") from exc
     # Only a fully decoded state replaces the allocator's (never a half-loaded one).
-    allocator.pools = staged.pools
-    allocator.sessions = staged.sessions
-    allocator.events.next_sequence = staged.events.next_sequence
-    allocator.usage = staged.usage
-    allocator.transfers = staged.transfers
-    allocator.lease_expiries = staged.lease_expiries
+    allocator.state.replace(staged)
 
 
-def _decode_into(snap: st.Snapshot, allocator: Allocator, now: float) -> None:
-    if snap.hash_block_size != allocator.hash_block_size or snap.hash_seed != allocator.hash_seed:
+def _decode_into(snap: st.Snapshot, state: AllocatorState, now: float) -> None:
+    settings = state.settings
+    if snap.hash_block_size != settings.hash_block_size or snap.hash_seed != settings.hash_seed:
         raise SnapshotError("snapshot hash spec does not match its header")
-    allocator.events.next_sequence = snap.next_event_sequence
-    allocator.lease_expiries = snap.lease_expiries
+    state.events.next_sequence = snap.next_event_sequence
+    state.lease_expiries = snap.lease_expiries
     for ps in snap.pools:
-        spec = decode_pool_spec(pb.RegisterPoolRequest.FromString(ps.register_request), allocator.hash_block_size)
-        pool = Pool(spec, allocator.hash_block_size, allocator.hash_seed)
+        spec = decode_pool_spec(pb.RegisterPoolRequest.FromString(ps.register_request), settings.hash_block_size)
+        pool = state.new_pool(spec)
         pool.owner_tenant = ps.owner_tenant
         m = ps.manager
         lengths = _from_u32(m.index_key_lengths, "index_key_lengths")
@@ -179,34 +182,32 @@ def _decode_into(snap: st.Snapshot, allocator: Allocator, now: float) -> None:
         groups = [GroupTables(list(g.request_keys), _from_u32(g.num_blocks, "num_blocks"),
                               _from_u32(g.block_ids, "block_ids"), list(g.running_keys),
                               _from_u32(g.num_cached_block, "num_cached_block")) for g in m.groups]
-        state = ManagerState(ref_cnts, _from_u32(m.free_order, "free_order"), keys,
-                             _from_u32(m.index_block_ids, "index_block_ids"), groups,
-                             list(zip(_from_u32(m.copy_src, "copy_src"), _from_u32(m.copy_dst, "copy_dst"))),
-                             m.evictions, (m.total_queries, m.total_hits, m.total_requests),
-                             tuple(m.interval_stats), m.interval_reset)
-        import_manager_state(pool.manager, state)
+        manager_state = ManagerState(ref_cnts, _from_u32(m.free_order, "free_order"), keys,
+                                     _from_u32(m.index_block_ids, "index_block_ids"), groups,
+                                     list(zip(_from_u32(m.copy_src, "copy_src"), _from_u32(m.copy_dst, "copy_dst"))),
+                                     m.evictions, (m.total_queries, m.total_hits, m.total_requests),
+                                     tuple(m.interval_stats), m.interval_reset)
+        import_manager_state(pool.manager, manager_state)
         for rs in ps.requests:
             pool.requests[rs.key] = _decode_request(rs)
             if rs.owner:
                 pool.owner[rs.key] = rs.owner
         for key, reason in zip(ps.tombstone_keys, ps.tombstone_reasons):
             pool.tombstones[key] = reason
-        allocator.pools[pool.pool_id] = pool
+        state.pools[pool.pool_id] = pool
         for key in pool.requests:
-            tenant = key.split(SEP, 1)[0] if SEP in key else ""
-            allocator.usage.update(tenant, pool, key)
+            state.usage.update(tenant_of(key), pool, key)
     for ss in snap.sessions:
-        session = allocator.sessions.open(ss.session_id, ss.tenant, ss.client_name, now)
+        session = state.sessions.open(ss.session_id, ss.tenant, ss.client_name, now)
         session.last_sequence = ss.last_sequence
+        session.last_digest = ss.last_digest
         if ss.reply_kind == "step":
             session.last_reply = decode_step_result(pb.StepResponse.FromString(ss.reply))
         elif ss.reply_kind == "register":
-            r = pb.RegisterPoolResponse.FromString(ss.reply)
-            session.last_reply = RegisterResult(r.pool_id, r.epoch, r.new_epoch, r.hash_block_size, r.hash_seed,
-                                                r.num_requests_failed, r.scheduler_block_size)
+            session.last_reply = decode_register_result(pb.RegisterPoolResponse.FromString(ss.reply))
         for pool_id, key in zip(ss.request_pool_ids, ss.request_keys):
             session.own(pool_id, key)
-    book = allocator.transfers
+    book = state.transfers
     book.next_id = snap.next_transfer or 1
     for ts in snap.transfers:
         t = Transfer(ts.transfer_id, ts.session_id, ts.src_pool, ts.holder, ts.dst_pool, ts.dst_key,
@@ -233,7 +234,7 @@ def _decode_request(rs: st.RequestState) -> Request:
         req._token_ids = tokens
     else:
         req._token_ids = None
-    req._num_tokens = rs.num_tokens
+    req.num_tokens = rs.num_tokens
     req.num_computed_tokens = rs.num_computed_tokens
     req.num_preemptions = rs.num_preemptions
     req._chain_tip = rs.chain_tip

@@ -7,7 +7,7 @@ forks or serializes for a periodic snapshot: only a resync after a Redis outage 
 never logged) needs the leader's own memory. Writes are fenced with the leader's epoch, so a standby of
 a replaced leader can do no harm and exits.
 
-    python -m kvservice.store.snapshotter --redis-url URL --namespace NS --epoch E [allocator options]
+    python -m kvservice.store.snapshotter --redis-url URL --namespace NS --epoch E [allocator flags]
 """
 
 from __future__ import annotations
@@ -18,11 +18,10 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 
-from kvservice._proto import state_pb2 as st
 from kvservice.allocator import Allocator
-from kvservice.hashing import DEFAULT_HASH_BLOCK_SIZE, DEFAULT_HASH_SEED
+from kvservice.settings import AllocatorSettings, add_arguments, from_args
+from kvservice.store import wal
 from kvservice.store.recovery import recover
 from kvservice.store.redis_store import FencedError, RedisStore
 from kvservice.store.snapshot import dump
@@ -31,45 +30,16 @@ logger = logging.getLogger("kvservice.snapshotter")
 WRITER = "standby"
 
 
-@dataclass(slots=True)
-class AllocatorOptions:
-    """Everything that changes how the state machine applies an entry: must equal the leader's."""
-
-    hash_block_size: int = DEFAULT_HASH_BLOCK_SIZE
-    hash_seed: str = DEFAULT_HASH_SEED
-    quotas: dict[str, int] = field(default_factory=dict)
-    min_transfer_tokens: int = 64
-    max_requests_per_session: int = 1_000_000
-    max_pool_blocks: int = 1 << 22
-
-    def allocator(self) -> Allocator:
-        return Allocator(self.hash_block_size, self.hash_seed, quotas=self.quotas,
-                         min_transfer_tokens=self.min_transfer_tokens,
-                         max_requests_per_session=self.max_requests_per_session,
-                         max_pool_blocks=self.max_pool_blocks)
-
-    def argv(self) -> list[str]:
-        out = ["--hash-block-size", str(self.hash_block_size), "--hash-seed", self.hash_seed,
-               "--min-transfer-tokens", str(self.min_transfer_tokens),
-               "--max-requests-per-session", str(self.max_requests_per_session),
-               "--max-pool-blocks", str(self.max_pool_blocks)]
-        for tenant, blocks in sorted(self.quotas.items()):
-            out += ["--quota", f"{tenant}={blocks}"]
-        return out
-
-
-async def snapshot_once(store: RedisStore, options: AllocatorOptions) -> dict | None:
+async def snapshot_once(store: RedisStore, settings: AllocatorSettings) -> dict | None:
     """Writes a snapshot covering the WAL as it is now; None when there is nothing new or the WAL has an
     unresolved gap (the leader resyncs that one from its memory)."""
     snapshot, covered, entries = await store.load()
     if not entries:
         return None
-    for _, raw in entries:
-        entry = st.WalEntry.FromString(raw)
-        if entry.kind == "barrier" and "resync" in entry.pool_ids:
-            return None
+    if any(wal.is_resync(raw) for _, raw in entries):
+        return None
     start = time.perf_counter()
-    allocator = options.allocator()
+    allocator = Allocator(settings)
     info = recover(allocator, snapshot, entries)
     data = dump(allocator)
     last_id = entries[-1][0]
@@ -78,7 +48,7 @@ async def snapshot_once(store: RedisStore, options: AllocatorOptions) -> dict | 
     return {"entries": info["replayed"], "bytes": len(data), "wal_left": left, "seconds": time.perf_counter() - start}
 
 
-async def run(url: str, namespace: str, epoch: int, options: AllocatorOptions, every: int, interval_s: float,
+async def run(url: str, namespace: str, epoch: int, settings: AllocatorSettings, every: int, interval_s: float,
               poll_s: float = 0.25) -> int:
     store = RedisStore(url, namespace, socket_timeout_s=30)
     store.epoch = epoch
@@ -94,7 +64,7 @@ async def run(url: str, namespace: str, epoch: int, options: AllocatorOptions, e
                 # The entry a snapshot covers stays in the stream, so one entry means nothing new.
                 if pending <= 1 or (pending < every and time.monotonic() - last < interval_s):
                     continue
-                result = await snapshot_once(store, options)
+                result = await snapshot_once(store, settings)
                 last = time.monotonic()
                 if result is not None:
                     logger.info("snapshot: %(entries)d entries replayed, %(bytes)d bytes, %(wal_left)d WAL "
@@ -116,20 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epoch", type=int, required=True)
     parser.add_argument("--every", type=int, default=50_000)
     parser.add_argument("--interval", type=float, default=60.0)
-    parser.add_argument("--hash-block-size", type=int, default=DEFAULT_HASH_BLOCK_SIZE)
-    parser.add_argument("--hash-seed", default=DEFAULT_HASH_SEED)
-    parser.add_argument("--quota", action="append", default=[])
-    parser.add_argument("--min-transfer-tokens", type=int, default=64)
-    parser.add_argument("--max-requests-per-session", type=int, default=1_000_000)
-    parser.add_argument("--max-pool-blocks", type=int, default=1 << 22)
+    add_arguments(parser, AllocatorSettings)  # the leader passes its own (AllocatorSettings.to_argv)
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.nice(10)  # replaying must not take CPU time from serving
-    quotas = {t: int(b) for t, _, b in (q.partition("=") for q in args.quota)}
-    options = AllocatorOptions(args.hash_block_size, args.hash_seed, quotas, args.min_transfer_tokens,
-                               args.max_requests_per_session, args.max_pool_blocks)
-    return asyncio.run(run(args.redis_url, args.namespace, args.epoch, options, args.every, args.interval))
+    settings = from_args(AllocatorSettings, args)
+    return asyncio.run(run(args.redis_url, args.namespace, args.epoch, settings, args.every, args.interval))
 
 
 if __name__ == "__main__":

@@ -1,68 +1,30 @@
-"""Many pools (one per engine instance, each its own KVCacheManager) and the prefix index across them.
-
-Tenants: request ids and block hashes are namespaced by tenant before they reach the core, so two
-tenants never share a request id, a prefix, or a timing difference between hit and miss.
-"""
+"""A pool (one engine instance's KV memory: its KVCacheManager, live requests and their owners) and the
+per-tenant block usage that quotas are checked against."""
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from kvservice.core import KVCacheConfig, KVCacheManager, Request
+from kvservice.commands import PoolSpec
+from kvservice.core import KVCacheManager, Request
 from kvservice.core.specs import effective_block_size
-from kvservice.hashing import HASH_BYTES, BlockHash
+from kvservice.hashing import BlockHash
 
-SEP = "\x1f"  # request ids may not contain control characters, so this never collides
 MAX_TOMBSTONES = 10_000
-
-
-def request_key(tenant: str, request_id: str) -> str:
-    """The core's request id: the client's, namespaced by tenant."""
-    return f"{tenant}{SEP}{request_id}" if tenant else request_id
-
-
-def client_request_id(key: str) -> str:
-    return key.rsplit(SEP, 1)[-1]
-
-
-def namespace(tenant: str) -> bytes:
-    return tenant.encode()
-
-
-def raw_hash(core_hash: bytes) -> bytes:
-    """The tenant-free hash a client computed, from the core's namespaced one."""
-    return core_hash[:HASH_BYTES]
-
-
-@dataclass(slots=True)
-class PoolSpec:
-    pool_id: str
-    config: KVCacheConfig
-    max_model_len: int
-    dcp_world_size: int = 1
-    enable_caching: bool = True
-    vocab_size: int = 0
-    kv_layout: str = ""
-    epoch: int = 0
-
-    def same_shape(self, other: PoolSpec) -> bool:
-        return (self.config == other.config and self.max_model_len == other.max_model_len
-                and self.dcp_world_size == other.dcp_world_size and self.enable_caching == other.enable_caching
-                and self.vocab_size == other.vocab_size and self.kv_layout == other.kv_layout)
 
 
 class Pool:
     """One KV memory space: its manager, its live requests and who owns them."""
 
-    def __init__(self, spec: PoolSpec, hash_block_size: int, hash_seed: str) -> None:
+    def __init__(self, spec: PoolSpec, hash_block_size: int, hash_seed: str, fast_path: bool = True) -> None:
         self.spec = spec
         self.pool_id = spec.pool_id
         self.epoch = spec.epoch
         self.hash_seed = hash_seed
         self.manager = KVCacheManager(spec.config, spec.max_model_len, spec.enable_caching, enable_events=True,
-                                      dcp_world_size=spec.dcp_world_size, hash_block_size=hash_block_size)
+                                      dcp_world_size=spec.dcp_world_size, hash_block_size=hash_block_size,
+                                      enable_fast_path=fast_path)
         self.requests: dict[str, Request] = {}
         self.owner: dict[str, str] = {}  # request key -> session id
         self.owner_tenant = ""  # the tenant that registered the pool

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvservice.allocator.keys import SEP
+from kvservice.allocator.pools import Pool
 from kvservice.core import FullAttentionSpec, KVCacheBlocks, Request
 from kvservice.ops import TransferOrder
-from kvservice.pools import SEP, Pool
 
 
 @dataclass(slots=True)
@@ -57,7 +58,8 @@ class TransferBook:
         best: tuple[Pool, int] | None = None
         for pool_id in sorted(pools):  # sorted: replay after recovery picks the same source
             other = pools[pool_id]
-            if other is dst or not transferable(other) or not same_layout(other, dst):
+            if (other is dst or other.owner_tenant != dst.owner_tenant or not transferable(other)
+                    or not same_layout(other, dst)):
                 continue
             hit = other.cached_prefix_tokens(req.block_hashes, req.num_tokens)
             if best is None or hit > best[1]:

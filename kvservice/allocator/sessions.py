@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvservice.errors import FailedPrecondition, NotFound, PermissionDenied
+from kvservice.ops import StepResult
+from kvservice.results import RegisterResult
+
+Reply = StepResult | RegisterResult  # what a sequenced command answers (and answers again to a retry)
 
 
 @dataclass(slots=True)
@@ -13,7 +17,8 @@ class Session:
     tenant: str
     client_name: str = ""
     last_sequence: int = 0
-    last_reply: object = None  # the reply of last_sequence, answered again to a retry
+    last_reply: Reply | None = None  # the reply of last_sequence, answered again to a retry
+    last_digest: int = 0  # the body identity of last_sequence's request (0: unknown)
     expires_at: float = 0.0
     # pool id -> request keys this session added or forked (freed with it when its lease lapses)
     requests: dict[str, set[str]] = field(default_factory=dict)
@@ -25,6 +30,33 @@ class Session:
         keys = self.requests.get(pool_id)
         if keys is not None:
             keys.discard(key)
+
+    def num_requests(self) -> int:
+        return sum(map(len, self.requests.values()))
+
+    def replay(self, sequence: int, digest: int) -> Reply | None:
+        """The stored reply when `sequence` retries the last applied request; None when it is the next.
+
+        Raises:
+            FailedPrecondition: out of order, or the last sequence again with another body (a different
+                request reusing an applied sequence must not get the old reply).
+        """
+        if sequence == self.last_sequence + 1:
+            return None
+        if sequence == self.last_sequence and self.last_reply is not None:
+            if digest and self.last_digest and digest != self.last_digest:
+                raise FailedPrecondition(
+                    f"sequence {sequence} of session {self.session_id!r} was applied to a different request; "
+                    f"send new requests with sequence {sequence + 1}")
+            return self.last_reply
+        raise FailedPrecondition(
+            f"sequence {sequence} out of order for session {self.session_id!r}: the last applied is "
+            f"{self.last_sequence}, so send {self.last_sequence + 1} (or retry {self.last_sequence})")
+
+    def commit(self, sequence: int, digest: int, reply: Reply) -> None:
+        self.last_sequence = sequence
+        self.last_digest = digest
+        self.last_reply = reply
 
 
 class SessionTable:
@@ -49,18 +81,6 @@ class SessionTable:
         if now is not None:
             session.expires_at = now + self.ttl_s
         return session
-
-    @staticmethod
-    def check_sequence(session: Session, sequence: int) -> object | None:
-        """The stored reply when `sequence` is a retry of the last applied one; None when it is the
-        next one; FailedPrecondition otherwise."""
-        if sequence == session.last_sequence + 1:
-            return None
-        if sequence == session.last_sequence and session.last_reply is not None:
-            return session.last_reply
-        raise FailedPrecondition(
-            f"sequence {sequence} out of order for session {session.session_id!r}: the last applied is "
-            f"{session.last_sequence}, so send {session.last_sequence + 1} (or retry {session.last_sequence})")
 
     def expired(self, now: float) -> list[Session]:
         return [s for s in self.sessions.values() if s.expires_at <= now]

@@ -58,12 +58,16 @@ class EventLog:
         return self._batches[0][0] if self._batches else self.next_sequence
 
     def since(self, start: int) -> Iterator[LoggedEvent]:
-        """Events with sequence >= start. Raises OutOfRange when start fell out of the window."""
+        """Events with sequence >= start. Raises OutOfRange when start fell out of the window, or lies past
+        the next event (the sequence a watcher of new events starts from)."""
         oldest = self.oldest_sequence
         if start < oldest:
             raise OutOfRange(f"start_sequence {start} is older than the oldest retained event {oldest} "
                              f"(retention {self.retained} events); resume from {oldest} or later")
-        if start >= self.next_sequence:
+        if start > self.next_sequence:
+            raise OutOfRange(f"start_sequence {start} is past the newest event {self.next_sequence - 1}; start at "
+                             f"{self.next_sequence} (or omit it) to watch new events")
+        if start == self.next_sequence:
             return iter(())
         batches = list(self._batches)
         first = bisect.bisect_right([b[0] for b in batches], start) - 1

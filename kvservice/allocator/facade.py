@@ -1,0 +1,299 @@
+"""The Allocator: `apply(command)` is the only way its state changes, and the only place a sequence is
+checked and a reply stored; the rest are reads. No I/O and no clock of its own (times are arguments),
+so the same commands always reach the same state, block for block: what the WAL replays.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvservice.allocator.batches import Batches
+from kvservice.allocator.keys import SEP, client_request_id, request_key
+from kvservice.allocator.placement import Placement
+from kvservice.allocator.pools import Pool
+from kvservice.allocator.registry import PoolRegistry
+from kvservice.allocator.requests import RequestBook
+from kvservice.allocator.schedule import Scheduler
+from kvservice.allocator.sessions import Reply, Session
+from kvservice.allocator.state import AllocatorState
+from kvservice.commands import (
+    Barrier,
+    Command,
+    CommitTransfer,
+    ExpireSessions,
+    OpenSession,
+    RegisterPool,
+    ResetPrefixCache,
+    RetirePools,
+    Step,
+    digest,
+)
+from kvservice.core import Request
+from kvservice.core.invariants import InvariantError, check_invariants
+from kvservice.errors import InvalidArgument, NotFound
+from kvservice.ops import (
+    AddRequestOp,
+    AdmitBatchOp,
+    AllocateOp,
+    DecodeBatchOp,
+    FreeOp,
+    Op,
+    OpResult,
+    OpStatus,
+    StepResult,
+)
+from kvservice.results import LookupResult, PoolStats, RequestInfo, ResetResult, SessionOpened
+from kvservice.settings import AllocatorSettings
+
+logger = logging.getLogger(__name__)
+Guard = Callable[[], None]  # raises when a mutation must not happen now (e.g. persistence is down)
+
+
+def _no_guard() -> None:
+    return None
+
+
+@dataclass(slots=True)
+class Applied:
+    """A command's reply, and whether the state changed (only then is the command journaled)."""
+
+    reply: Reply | SessionOpened | ResetResult | list[str] | None
+    mutated: bool
+
+
+class Allocator:
+    """    Allocator.apply ─┬─ PoolRegistry (pools, epochs)        Placement (lookup, routing)
+                         ├─ Batches ── Scheduler (one request: plan, then apply)
+                         └─ RequestBook (requests, owners, sessions' requests, transfers' aborts)
+    all over one AllocatorState (pools, sessions, event log, quotas' usage, transfers)."""
+
+    def __init__(self, settings: AllocatorSettings | None = None, **overrides) -> None:
+        """`overrides`: AllocatorSettings fields (e.g. `Allocator(hash_block_size=4)`)."""
+        if settings is None:
+            settings = AllocatorSettings(**overrides)
+        elif overrides:
+            raise TypeError("give settings or field overrides, not both")
+        self.state = AllocatorState(settings)
+        self.book = RequestBook(self.state)
+        self.scheduler = Scheduler(self.state, self.book)
+        self.batches = Batches(self.state, self.book, self.scheduler)
+        self.registry = PoolRegistry(self.state, self.book)
+        self.placement = Placement(self.state)
+
+    @property
+    def settings(self) -> AllocatorSettings:
+        return self.state.settings
+
+    @property
+    def fingerprint(self) -> str:
+        return self.state.fingerprint
+
+    # ---- the one way to change the state ------------------------------------------------------
+    def apply(self, command: Command, now: float, guard: Guard = _no_guard) -> Applied:
+        """Applies `command` as of time `now`; `guard()` is called right before the first change, and
+        before a retry is answered from the stored reply."""
+        kind = type(command)
+        if kind is Step:
+            return self._sequenced(command, now, guard, self._step)
+        if kind is RegisterPool:
+            return self._sequenced(command, now, guard, self._register)
+        if kind is CommitTransfer:
+            return self._sequenced(command, now, guard, self._commit_transfer)
+        if kind is OpenSession:
+            return self._open_session(command, now, guard)
+        if kind is ExpireSessions:
+            guard()
+            closed = [s for s in command.session_ids if s in self.state.sessions.sessions]
+            for session_id in closed:
+                self.book.close_session(session_id)
+            return Applied(closed, True)
+        if kind is ResetPrefixCache:
+            return self._reset(command, guard)
+        if kind is RetirePools:
+            guard()
+            for pool_id in command.pool_ids:
+                if pool_id in self.state.pools:
+                    self.registry.bump_epoch(pool_id)
+            return Applied(None, True)
+        if kind is Barrier:
+            return Applied(None, False)
+        raise TypeError(f"not a command: {command!r}")
+
+    def _sequenced(self, command, now: float, guard: Guard, handler) -> Applied:
+        if command.sequence == 0:
+            raise InvalidArgument("sequence", 0, "sequences start at 1 (OpenSession returns next_sequence)")
+        sessions = self.state.sessions
+        if command.tenant is None:  # a replayed entry from before commands named their tenant
+            session = sessions.get(command.session_id, sessions.sessions[command.session_id].tenant, now)
+        else:
+            session = sessions.get(command.session_id, command.tenant, now)
+        body = digest(command.wire)
+        stored = session.replay(command.sequence, body)
+        if stored is not None:
+            guard()  # a stored reply is an acknowledgement too: never one that may not be durable
+            return Applied(stored, False)
+        reply = handler(session, command, guard)
+        session.commit(command.sequence, body, reply)
+        return Applied(reply, True)
+
+    def _step(self, session: Session, command: Step, guard: Guard) -> StepResult:
+        pool = self.state.pool(command.pool_id, session.tenant, command.admin)
+        ops = command.decode_ops(pool.spec, pool.hash_block_size)  # validated before anything changes
+        guard()
+        return self.run_ops(pool, session, command.sequence, ops)
+
+    def run_ops(self, pool: Pool, session: Session, sequence: int, ops: Sequence[Op]) -> StepResult:
+        """Applies validated ops in order; per-op outcomes are statuses."""
+        tenant = session.tenant
+        results = []
+        append = results.append
+        for op in ops:
+            kind = type(op)
+            if kind is AllocateOp:
+                key = f"{tenant}{SEP}{op.request_id}" if tenant else op.request_id  # request_key, inline: per op
+                append(self.scheduler.allocate_op(pool, session, key, op))
+            elif kind is AddRequestOp:
+                append(self.book.add(pool, session, op))
+            elif kind is DecodeBatchOp:
+                append(self.batches.decode(pool, session, op))
+            elif kind is AdmitBatchOp:
+                append(self.batches.admit(pool, session, op))
+            elif kind is FreeOp:
+                append(self.book.free_op(pool, session, op))
+            else:
+                append(self.book.fork(pool, session, op))
+        result = StepResult(sequence, results, pool.manager.take_block_copies())
+        self.state.drain(pool)
+        return result
+
+    def _register(self, session: Session, command: RegisterPool, guard: Guard):
+        current = self.registry.check(session, command)
+        guard()
+        return self.registry.register(session, command, current)
+
+    def _commit_transfer(self, session: Session, command: CommitTransfer, guard: Guard) -> StepResult:
+        """Commit: the destination's copied blocks become cached. Abort: the destination request is freed.
+        Either way the source pins drop."""
+        state = self.state
+        pool = state.pool(command.pool_id, session.tenant, command.admin)
+        guard()
+        transfer = state.transfers.transfers.get(command.transfer_id)
+        owner = state.sessions.sessions.get(transfer.session_id) if transfer is not None else None
+        if transfer is None or transfer.dst_pool != pool.pool_id or (owner is not None
+                                                                     and owner.tenant != session.tenant):
+            result = OpResult(command.transfer_id, OpStatus.NOT_FOUND,
+                              f"no pending transfer {command.transfer_id!r} into pool {pool.pool_id!r}")
+        elif command.abort:
+            request_id = client_request_id(transfer.dst_key)
+            self.book.abort_transfer(transfer)
+            result = OpResult(request_id, OpStatus.OK, f"transfer {command.transfer_id} aborted; request freed")
+        else:
+            state.transfers.close(transfer, state.pools, commit=True)
+            result = OpResult(client_request_id(transfer.dst_key), OpStatus.OK)
+        for p in {transfer.src_pool, transfer.dst_pool} if transfer is not None else ():
+            if p in state.pools:
+                state.drain(state.pools[p])
+        return StepResult(command.sequence, [result], [])
+
+    def _open_session(self, command: OpenSession, now: float, guard: Guard) -> Applied:
+        """A new session, or a resumed one; a resume whose client saw more acknowledged than this state
+        holds starts new epochs for the pools it used (their blocks may have been handed out since)."""
+        state = self.state
+        sessions = state.sessions
+        failed: list[str] = []
+        session, mutated = None, False
+        if command.resume_session_id:
+            if command.resume_session_id in sessions.sessions:
+                session = sessions.get(command.resume_session_id, command.tenant, now)
+            recovered = session.last_sequence if session is not None else 0
+            if command.last_acked_sequence > recovered:
+                used = set(command.resume_pool_ids) | (set(session.requests) if session is not None else set())
+                pools = state.pools
+                # Only the caller's own pools (an admin: any): a stale resume must not wipe anyone else's.
+                failed = sorted(p for p in used if p in pools
+                                and (command.admin or pools[p].owner_tenant == command.tenant))
+                guard()
+                mutated = True
+                for pool_id in failed:
+                    self.registry.bump_epoch(pool_id)
+                logger.warning("session %s resumed at sequence %d, ahead of the recovered %d: new epochs for %s",
+                               command.resume_session_id, command.last_acked_sequence, recovered, failed)
+        if session is None:
+            guard()
+            mutated = True
+            session = sessions.open(command.session_id, command.tenant, command.client_name, now)
+        return Applied(SessionOpened(session.session_id, session.tenant, session.last_sequence + 1,
+                                     int(sessions.ttl_s * 1000), failed), mutated)
+
+    def _reset(self, command: ResetPrefixCache, guard: Guard) -> Applied:
+        state = self.state
+        pools = [state.pool(p) for p in command.pool_ids] if command.pool_ids else list(state.pools.values())
+        guard()
+        done, refused = [], []
+        for pool in pools:
+            (done if pool.manager.reset_prefix_cache() else refused).append(pool.pool_id)
+            state.drain(pool)
+        return Applied(ResetResult(done, refused), True)
+
+    # ---- reads ---------------------------------------------------------------------------------
+    def renew(self, session_id: str, tenant: str, now: float) -> Session:
+        """The caller's session, its lease renewed (a heartbeat)."""
+        return self.state.sessions.get(session_id, tenant, now)
+
+    def expired_sessions(self, now: float) -> list[str]:
+        return [s.session_id for s in self.state.sessions.expired(now)]
+
+    def pool(self, pool_id: str) -> Pool:
+        return self.state.pool(pool_id)
+
+    def get_request(self, tenant: str, pool_id: str, request_id: str, admin: bool = True) -> tuple[Pool, Request]:
+        pool = self.state.pool(pool_id, tenant, admin)
+        key = request_key(tenant, request_id)
+        req = pool.requests.get(key)
+        if req is None:
+            reason = pool.tombstones.get(key)
+            raise NotFound(reason or f"request {request_id!r} not found in pool {pool_id!r}")
+        return pool, req
+
+    def request_info(self, tenant: str, pool_id: str, request_id: str, admin: bool = True) -> RequestInfo:
+        pool, req = self.get_request(tenant, pool_id, request_id, admin)
+        key = req.request_id
+        return RequestInfo(request_id, pool.pool_id, req.num_tokens, req.num_computed_tokens,
+                           pool.manager.get_block_ids(key), len(req.block_hashes),
+                           pool.manager.coordinator.is_running(key), pool.owner.get(key, ""))
+
+    def pool_stats(self, tenant: str = "", admin: bool = True, check_invariants: bool = False) -> list[PoolStats]:
+        """Per pool the caller sees (its tenant's; an admin: all). `check_invariants` walks every block."""
+        transfers = self.state.transfers.transfers.values()
+        out = []
+        for pool in self.state.visible_pools(tenant, admin):
+            m = pool.manager
+            bp = m.block_pool
+            totals = m.prefix_cache_totals
+            out.append(PoolStats(pool.pool_id, pool.epoch, bp.num_blocks, bp.get_num_free_blocks(), bp.get_usage(),
+                                 len(pool.requests), totals.hit_rate, totals.queries, totals.hits, bp.num_evictions,
+                                 len(bp.cached_block_hash_to_block),
+                                 self.invariant_violation(pool) if check_invariants else "",
+                                 sum(1 for t in transfers if pool.pool_id in (t.src_pool, t.dst_pool))))
+        return out
+
+    def lookup(self, tenant: str, token_ids=None, block_hashes: Sequence[bytes] | None = None, num_tokens: int = 0,
+               cache_salt: str | None = None, lora_name: str | None = None,
+               pool_ids: Sequence[str] = (), admin: bool = True) -> LookupResult:
+        return self.placement.lookup(tenant, token_ids, block_hashes, num_tokens, cache_salt, lora_name, pool_ids,
+                                     admin)
+
+    def invariant_violation(self, pool: Pool) -> str:
+        try:
+            check_invariants(pool.manager)
+        except InvariantError as exc:
+            return str(exc)
+        live = {req.request_id for req in pool.requests.values()}
+        live |= {t.holder for t in self.state.transfers.transfers.values() if t.src_pool == pool.pool_id}
+        for manager in pool.manager.coordinator.managers:
+            stray = set(manager.req_to_blocks) - live
+            if stray:
+                return f"blocks held for unknown requests {sorted(map(client_request_id, stray))[:5]}"
+        return ""

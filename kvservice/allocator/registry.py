@@ -1,0 +1,93 @@
+"""Pools and their epochs: registration (a pool belongs to the tenant that registered it), a new epoch when
+its workers restarted (their memory is gone: every in-flight request fails), forced epochs after a stale
+recovery (DESIGN §6)."""
+
+from __future__ import annotations
+
+import logging
+
+from kvservice.allocator.pools import Pool
+from kvservice.allocator.requests import RequestBook
+from kvservice.allocator.sessions import Session
+from kvservice.allocator.state import AllocatorState
+from kvservice.commands import RegisterPool
+from kvservice.core import AllBlocksCleared
+from kvservice.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from kvservice.results import RegisterResult
+
+logger = logging.getLogger(__name__)
+
+
+class PoolRegistry:
+    def __init__(self, state: AllocatorState, book: RequestBook) -> None:
+        self.state = state
+        self.book = book
+
+    def check(self, session: Session, command: RegisterPool) -> Pool | None:
+        """Raises when the registration is refused; returns the pool registered now, if any."""
+        state = self.state
+        spec = command.spec
+        limit = state.settings.max_pool_blocks
+        if spec.config.num_blocks > limit:
+            raise InvalidArgument("config.num_blocks", spec.config.num_blocks,
+                                  f"exceeds this allocator's limit of {limit} blocks per pool "
+                                  f"(kvservice serve --max-pool-blocks)")
+        current = state.pools.get(spec.pool_id)
+        if current is not None and not command.admin and current.owner_tenant != session.tenant:
+            raise PermissionDenied(f"pool {spec.pool_id!r} belongs to another tenant; only it or an admin may "
+                                   f"re-register it")
+        if command.fingerprint != state.fingerprint:
+            settings = state.settings
+            raise FailedPrecondition(
+                f"hash_fingerprint {command.fingerprint!r} does not match the allocator's {state.fingerprint!r} "
+                f"(seed {settings.hash_seed!r}, hash block size {settings.hash_block_size}); hash with the same spec")
+        if current is not None and spec.epoch < current.epoch:
+            raise FailedPrecondition(f"pool {spec.pool_id!r}: epoch {spec.epoch} is older than the registered "
+                                     f"epoch {current.epoch}")
+        if current is not None and spec.epoch == current.epoch and not current.spec.same_shape(spec):
+            raise FailedPrecondition(f"pool {spec.pool_id!r} is registered at epoch {spec.epoch} with another "
+                                     f"config; register with a higher epoch to replace it")
+        return current
+
+    def register(self, session: Session, command: RegisterPool, current: Pool | None) -> RegisterResult:
+        """Registers (or re-registers) a pool; `check` passed."""
+        spec = command.spec
+        if current is not None and spec.epoch == current.epoch:
+            return self._result(current, False, 0)
+        pool = self.state.new_pool(spec)  # validates the config
+        pool.owner_tenant = current.owner_tenant if current is not None else session.tenant
+        failed = self._retire(current, pool) if current is not None else 0
+        self.state.pools[spec.pool_id] = pool
+        return self._result(pool, True, failed)
+
+    def bump_epoch(self, pool_id: str) -> None:
+        """Forces a new epoch (stale recovery): same config, fresh memory."""
+        old = self.state.pools[pool_id]
+        pool = self.state.new_pool(old.spec.with_epoch(old.epoch + 1))
+        pool.owner_tenant = old.owner_tenant
+        self._retire(old, pool)
+        self.state.pools[pool_id] = pool
+
+    def _result(self, pool: Pool, new_epoch: bool, failed: int) -> RegisterResult:
+        return RegisterResult(pool.pool_id, pool.epoch, new_epoch, pool.hash_block_size,
+                              self.state.settings.hash_seed, failed, pool.manager.scheduler_block_size)
+
+    def _retire(self, old: Pool, new: Pool) -> int:
+        """A new epoch: every in-flight request fails (and every transfer from or to the pool)."""
+        state = self.state
+        for transfer in state.transfers.involving(old.pool_id):
+            self.book.abort_transfer(transfer, reason=f"pool {old.pool_id!r} restarted (epoch {new.epoch})")
+        new.tombstones = old.tombstones
+        reason = (f"pool {old.pool_id!r} started epoch {new.epoch} (was {old.epoch}): its KV memory is gone; "
+                  f"re-add the request")
+        for key in list(old.requests):
+            session = state.sessions.sessions.get(old.owner.get(key, ""))
+            if session is not None:
+                session.disown(old.pool_id, key)
+            old.bury(key, reason)
+        state.usage.drop_pool(old.pool_id)
+        state.events.extend(old.pool_id, [*old.manager.take_events(), AllBlocksCleared()])
+        old.manager.block_pool.release()
+        logger.warning("pool %s: epoch %d -> %d, %d requests failed", old.pool_id, old.epoch, new.epoch,
+                       len(old.requests))
+        return len(old.requests)

@@ -1,0 +1,169 @@
+"""Commands: one typed record per mutation of the allocator's state.
+
+    gRPC request --wire.decode--> Command --Allocator.apply--> reply --journal (WAL)--> encoded reply
+    WAL entry   --store.wal.decode--> Command --Allocator.apply--> (recovery, the standby snapshotter)
+
+Every mutation takes this one path, live and in replay, so the rebuilt state equals the lost one. A
+sequenced command (it carries a session's sequence number) is answered again, unchanged, when retried
+with the same sequence and the same body; `wire` is the request as it arrived, which the WAL keeps and
+whose digest tells a retry from a different request reusing the sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import xxhash
+
+from kvservice.core import KVCacheConfig
+from kvservice.ops import Op
+
+
+class CommandKind(IntEnum):
+    """The WAL's entry kinds (stored as numbers: never renumber)."""
+
+    OPEN_SESSION = 1
+    REGISTER_POOL = 2
+    STEP = 3
+    COMMIT_TRANSFER = 4
+    EXPIRE_SESSIONS = 5
+    RESET_PREFIX_CACHE = 6
+    RETIRE_POOLS = 7
+    BARRIER = 8
+
+
+class StepRpc(IntEnum):
+    """Which RPC carried a Step's ops (the WAL re-parses the request bytes as that message)."""
+
+    STEP = 0
+    ALLOCATE = 1
+    FREE = 2
+    FORK = 3
+
+
+@dataclass(slots=True)
+class PoolSpec:
+    """What RegisterPool declares about one KV memory space."""
+
+    pool_id: str
+    config: KVCacheConfig
+    max_model_len: int
+    dcp_world_size: int = 1
+    enable_caching: bool = True
+    vocab_size: int = 0
+    kv_layout: str = ""
+    epoch: int = 0
+
+    def same_shape(self, other: PoolSpec) -> bool:
+        return (self.config == other.config and self.max_model_len == other.max_model_len
+                and self.dcp_world_size == other.dcp_world_size and self.enable_caching == other.enable_caching
+                and self.vocab_size == other.vocab_size and self.kv_layout == other.kv_layout)
+
+    def with_epoch(self, epoch: int) -> PoolSpec:
+        return PoolSpec(self.pool_id, self.config, self.max_model_len, self.dcp_world_size, self.enable_caching,
+                        self.vocab_size, self.kv_layout, epoch)
+
+
+# Decodes a Step's ops once its pool is known (its limits validate them): (pool spec, hash block size) -> ops.
+OpsDecoder = Callable[[PoolSpec, int], list[Op]]
+
+
+def digest(wire: bytes) -> int:
+    """The body identity of a sequenced request (0: unknown, e.g. built in process: never compared)."""
+    return xxhash.xxh3_64_intdigest(wire) | 1 if wire else 0
+
+
+@dataclass(slots=True)
+class OpenSession:
+    """A new session, or the resumption of `resume_session_id` by a client that saw `last_acked_sequence`
+    acknowledged: if the state is behind that, the pools it used start new epochs (DESIGN §6)."""
+
+    session_id: str
+    tenant: str
+    client_name: str = ""
+    resume_session_id: str = ""
+    last_acked_sequence: int = 0
+    resume_pool_ids: Sequence[str] = ()
+    admin: bool = True
+    kind = CommandKind.OPEN_SESSION
+
+
+@dataclass(slots=True)
+class RegisterPool:
+    session_id: str
+    tenant: str
+    sequence: int
+    spec: PoolSpec
+    fingerprint: str
+    admin: bool = True
+    wire: bytes = b""
+    kind = CommandKind.REGISTER_POOL
+
+
+@dataclass(slots=True)
+class Step:
+    """Ops applied in order to one pool (the Step, Allocate, Free and Fork RPCs alike)."""
+
+    session_id: str
+    tenant: str
+    sequence: int
+    pool_id: str
+    ops: Sequence[Op] | OpsDecoder
+    rpc: StepRpc = StepRpc.STEP
+    wire: bytes = b""
+    admin: bool = True  # an admin may step on any tenant's pool; others only on their own
+    kind = CommandKind.STEP
+
+    def decode_ops(self, spec: PoolSpec, hash_block_size: int) -> Sequence[Op]:
+        return self.ops(spec, hash_block_size) if callable(self.ops) else self.ops
+
+
+@dataclass(slots=True)
+class CommitTransfer:
+    session_id: str
+    tenant: str
+    sequence: int
+    pool_id: str
+    transfer_id: str
+    abort: bool = False
+    wire: bytes = b""
+    admin: bool = True
+    kind = CommandKind.COMMIT_TRANSFER
+
+
+@dataclass(slots=True)
+class ExpireSessions:
+    """Sessions whose lease lapsed (chosen by the server's clock; replay frees the same ones)."""
+
+    session_ids: list[str] = field(default_factory=list)
+    kind = CommandKind.EXPIRE_SESSIONS
+
+
+@dataclass(slots=True)
+class ResetPrefixCache:
+    pool_ids: list[str] = field(default_factory=list)  # empty: every pool
+    kind = CommandKind.RESET_PREFIX_CACHE
+
+
+@dataclass(slots=True)
+class RetirePools:
+    """New epochs for these pools (what a stale resume did, in WAL entries written before OpenSession
+    carried the resume)."""
+
+    pool_ids: list[str] = field(default_factory=list)
+    kind = CommandKind.RETIRE_POOLS
+
+
+@dataclass(slots=True)
+class Barrier:
+    """Marks a WAL position (a snapshot covers what precedes it). `resync`: mutations acknowledged while
+    Redis was away are not in the WAL before this point; only the resync snapshot covers them."""
+
+    resync: bool = False
+    kind = CommandKind.BARRIER
+
+
+Command = OpenSession | RegisterPool | Step | CommitTransfer | ExpireSessions | ResetPrefixCache | RetirePools | Barrier
+Sequenced = RegisterPool | Step | CommitTransfer

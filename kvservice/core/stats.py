@@ -1,0 +1,69 @@
+"""Prefix-cache lookup counters, shared by the general path and the fast paths of one manager."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Prefix-cache lookups since the last `make_prefix_cache_stats()` (in tokens)."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+    reset: bool = False
+
+    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+        if preempted:
+            self.preempted_requests += 1
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hits
+        else:
+            self.requests += 1
+            self.queries += num_tokens
+            self.hits += num_hits
+
+
+@dataclass(slots=True)
+class PrefixCacheTotals:
+    """Cumulative lookups over the manager's life, for hit-rate metrics."""
+
+    queries: int = 0
+    hits: int = 0
+    requests: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclass(slots=True)
+class PrefixCacheRecorder:
+    """The interval's stats and the life totals, recorded together once per lookup. A record of its
+    own (not the manager) so the fast path can share it without a reference cycle to the manager."""
+
+    interval: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    totals: PrefixCacheTotals = field(default_factory=PrefixCacheTotals)
+
+    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+        interval = self.interval
+        if preempted:
+            interval.preempted_requests += 1
+            interval.preempted_queries += num_tokens
+            interval.preempted_hits += num_hits
+        else:
+            interval.requests += 1
+            interval.queries += num_tokens
+            interval.hits += num_hits
+        totals = self.totals
+        totals.queries += num_tokens
+        totals.hits += num_hits
+        totals.requests += 1
+
+    def take_interval(self) -> PrefixCacheStats:
+        stats, self.interval = self.interval, PrefixCacheStats()
+        return stats

@@ -1,0 +1,104 @@
+"""Result records of the allocator API other than a Step's (those are in `kvservice.ops`): what the
+allocator returns, what the wire carries and what the clients hand to their callers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RegisterResult:
+    pool_id: str
+    epoch: int
+    new_epoch: bool
+    hash_block_size: int
+    hash_seed: str
+    num_requests_failed: int
+    scheduler_block_size: int
+
+
+@dataclass(slots=True)
+class SessionOpened:
+    """OpenSession's reply: the session (new, or the resumed one) and the pools a stale resume restarted."""
+
+    session_id: str
+    tenant: str
+    next_sequence: int
+    ttl_ms: int
+    pools_failed: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class PoolHit:
+    pool_id: str
+    num_cached_tokens: int
+    num_free_blocks: int
+
+
+@dataclass(slots=True)
+class LookupResult:
+    hits: list[PoolHit]
+    best_pool_id: str
+
+    def tokens(self, pool_id: str) -> int:
+        return next((h.num_cached_tokens for h in self.hits if h.pool_id == pool_id), 0)
+
+
+@dataclass(slots=True)
+class ResetResult:
+    reset_pool_ids: list[str]
+    refused_pool_ids: list[str]
+
+
+@dataclass(slots=True)
+class RequestInfo:
+    request_id: str
+    pool_id: str
+    num_tokens: int
+    num_computed_tokens: int
+    block_ids: tuple[list[int], ...]
+    num_block_hashes: int
+    running: bool
+    session_id: str = ""
+
+
+@dataclass(slots=True)
+class PoolStats:
+    pool_id: str
+    epoch: int
+    num_blocks: int
+    num_free_blocks: int
+    usage: float
+    num_requests: int
+    prefix_hit_rate: float
+    prefix_queries: int
+    prefix_hits: int
+    evictions: int
+    num_cached_blocks: int
+    invariant_violation: str
+    num_pending_transfers: int = 0
+
+
+@dataclass(slots=True)
+class Stats:
+    pools: dict[str, PoolStats]
+    num_sessions: int
+    persistence: str
+    event_sequence: int
+    lease_expiries: int
+    hash_fingerprint: str
+    hash_block_size: int
+    state_digest: str = ""
+    leader_epoch: int = 0
+
+
+@dataclass(slots=True)
+class Event:
+    sequence: int
+    pool_id: str
+    kind: str  # "stored" | "removed" | "cleared"
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None = None
+    token_ids: list[int] | None = None
+    block_ids: list[int] | None = None
+    group_idx: int = 0

@@ -1,0 +1,126 @@
+"""Client side: domain records -> the protobuf requests the server decodes (`kvservice.wire.decode`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvservice._proto import allocator_pb2 as pb
+from kvservice.core import ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
+from kvservice.ops import AddRequestOp, AdmitBatchOp, AllocateOp, DecodeBatchOp, ForkOp, FreeOp, Op
+from kvservice.wire.fields import encode_u32
+
+
+def encode_config(config: KVCacheConfig, max_model_len: int, dcp_world_size: int = 1, enable_caching: bool = True,
+                  vocab_size: int = 0, kv_layout: str = "") -> pb.KVCacheConfig:
+    msg = pb.KVCacheConfig(num_blocks=config.num_blocks, max_model_len=max_model_len, dcp_world_size=dcp_world_size,
+                           disable_prefix_caching=not enable_caching, vocab_size=vocab_size, kv_layout=kv_layout)
+    for spec in config.groups:
+        g = msg.groups.add()
+        if isinstance(spec, FullAttentionSpec):
+            g.full_attention.block_size = spec.block_size
+        elif isinstance(spec, SlidingWindowSpec):
+            g.sliding_window.block_size = spec.block_size
+            g.sliding_window.sliding_window = spec.sliding_window
+        elif isinstance(spec, ChunkedLocalAttentionSpec):
+            g.chunked_local.block_size = spec.block_size
+            g.chunked_local.attention_chunk_size = spec.attention_chunk_size
+        else:
+            g.mamba.block_size = spec.block_size
+    return msg
+
+
+def encode_op(op: Op, msg: pb.Op) -> None:
+    """Fills `msg` from a domain op."""
+    if isinstance(op, AllocateOp):
+        encode_allocate(op, msg.allocate)
+    elif isinstance(op, AddRequestOp):
+        encode_add(op, msg.add)
+    elif isinstance(op, DecodeBatchOp):
+        d = msg.decode
+        d.request_ids.extend(op.request_ids)
+        d.num_computed_tokens = encode_u32(op.num_computed_tokens)
+        if op.append_token_ids is not None:
+            d.append_token_ids = encode_u32(op.append_token_ids)
+        d.num_new_tokens = op.num_new_tokens
+        d.num_lookahead_tokens = op.num_lookahead_tokens
+    elif isinstance(op, AdmitBatchOp):
+        a = msg.admit
+        a.request_ids.extend(op.request_ids)
+        a.token_ids = b"".join(encode_u32(p) for p in op.prompts)
+        a.num_prompt_tokens = encode_u32([len(p) for p in op.prompts])
+        if op.num_new_tokens is not None:
+            a.num_new_tokens = encode_u32(op.num_new_tokens)
+        a.num_lookahead_tokens = op.num_lookahead_tokens
+        if op.cache_salts is not None:
+            a.cache_salts.extend(s or "" for s in op.cache_salts)
+        if op.lora_names is not None:
+            a.lora_names.extend(name or "" for name in op.lora_names)
+    elif isinstance(op, FreeOp):
+        msg.free.request_id = op.request_id
+    elif isinstance(op, ForkOp):
+        msg.fork.parent_request_id = op.parent_request_id
+        msg.fork.child_request_id = op.child_request_id
+    else:
+        raise TypeError(f"not an op: {op!r}")
+
+
+def encode_allocate(op: AllocateOp, a: pb.AllocateOp) -> None:
+    a.request_id = op.request_id
+    a.num_computed_tokens = op.num_computed_tokens
+    a.num_new_tokens = op.num_new_tokens
+    if op.append_token_ids is not None:
+        a.append_token_ids = encode_u32(op.append_token_ids)
+    if op.append_block_hashes is not None:
+        a.append_block_hashes = b"".join(op.append_block_hashes)
+    a.num_append_tokens = op.num_append_tokens
+    a.num_lookahead_tokens = op.num_lookahead_tokens
+    a.delay_cache_blocks = op.delay_cache_blocks
+    a.allow_transfer = op.allow_transfer
+
+
+def encode_add(op: AddRequestOp, a: pb.AddRequestOp) -> None:
+    a.request_id = op.request_id
+    if op.block_hashes is not None:
+        a.block_hashes = b"".join(op.block_hashes)
+        a.num_tokens = op.num_tokens
+    else:
+        a.token_ids = encode_u32(op.token_ids or [])
+    a.cache_salt = op.cache_salt or ""
+    a.lora_name = op.lora_name or ""
+    for m in op.mm_items:
+        a.mm_items.add(identifier=m.identifier, offset=m.offset, length=m.length)
+
+
+# ---- requests ------------------------------------------------------------------------------------
+def register_request(pool_id: str, config: KVCacheConfig, max_model_len: int, epoch: int, dcp_world_size: int,
+                     enable_caching: bool, vocab_size: int, kv_layout: str, fingerprint: str) -> pb.RegisterPoolRequest:
+    return pb.RegisterPoolRequest(pool_id=pool_id, epoch=epoch, hash_fingerprint=fingerprint,
+                                  config=encode_config(config, max_model_len, dcp_world_size, enable_caching,
+                                                       vocab_size, kv_layout))
+
+
+def step_request(pool_id: str, ops: Sequence[Op]) -> pb.StepRequest:
+    msg = pb.StepRequest(pool_id=pool_id)
+    add = msg.ops.add
+    for op in ops:
+        encode_op(op, add())
+    return msg
+
+
+def allocate_request(pool_id: str, op: AllocateOp, add: AddRequestOp | None) -> pb.AllocateRequest:
+    msg = pb.AllocateRequest(pool_id=pool_id)
+    if add is not None:
+        encode_add(add, msg.add)
+    encode_allocate(op, msg.allocate)
+    return msg
+
+
+def lookup_request(token_ids, block_hashes, num_tokens: int, cache_salt: str | None, lora_name: str | None,
+                   pool_ids: Sequence[str]) -> pb.LookupRequest:
+    msg = pb.LookupRequest(cache_salt=cache_salt or "", lora_name=lora_name or "", pool_ids=list(pool_ids),
+                           num_tokens=num_tokens)
+    if block_hashes is not None:
+        msg.block_hashes = b"".join(block_hashes)
+    else:
+        msg.token_ids = encode_u32(token_ids)
+    return msg
