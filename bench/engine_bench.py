@@ -3,7 +3,9 @@
 - tokens/s and the allocator's share of each step, with prefix caching on vs off, on a workload whose
   requests share 4 system prompts;
 - peak concurrent requests in a fixed pool: paged allocation (with and without prefix sharing) vs a
-  contiguous-reservation baseline that reserves max_model_len per request (the PagedAttention headline).
+  contiguous-reservation baseline that reserves max_model_len per request (the PagedAttention headline);
+- side by side with transformers: the same shared-prefix workload on a random-init Llama checkpoint through
+  `worker.LLM` and through transformers' batched `generate()` (tokens/s ratio, KV memory of each).
 
     python bench/engine_bench.py [--requests 48]
 
@@ -27,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench.common import bar_plot, table, write_json  # noqa: E402
+from bench.hf_side_by_side import side_by_side  # noqa: E402
 from kvservice.client import KVServiceClient  # noqa: E402
 from kvservice.launch import start_serve  # noqa: E402
 from worker.actor import LocalWorkers, PoolLayout  # noqa: E402
@@ -77,6 +80,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--pool-blocks", type=int, default=129, help="pool for the concurrency comparison")
+    parser.add_argument("--reps", type=int, default=3, help="runs of each side in the transformers comparison")
     args = parser.parse_args()
     torch.set_num_threads(1)
     server = start_serve(["--port", "0", "--no-persistence"], log_level="ERROR")
@@ -89,6 +93,8 @@ def main() -> int:
         print("peak concurrency in a fixed pool ...", flush=True)
         fixed_on = run(target, "fixed-paged", reqs, args.pool_blocks, True)
         fixed_off = run(target, "fixed-paged-nocache", reqs, args.pool_blocks, False)
+        print("worker.LLM vs transformers' batched generate() (same checkpoint, same workload) ...", flush=True)
+        hf = side_by_side(target, args.requests, reps=args.reps)
     finally:
         server.stop()
     capacity = (args.pool_blocks - 1) * 16
@@ -120,7 +126,18 @@ def main() -> int:
                  "preemptions"], rows))
     print(f"paged vs contiguous (max_model_len): {fixed_on['peak_running'] / max(1, contiguous_max):.1f}x "
           f"concurrent requests")
+    print()
+    print(table(["generation (same Llama checkpoint, same requests)", "tokens/s", "wall s", "KV memory MiB"],
+                [["worker.LLM (continuous batching, prefix cache, paged KV)", hf["llm"]["tokens_per_s"],
+                  hf["llm"]["wall_s"], hf["llm"]["kv_bytes"] / 2**20],
+                 ["transformers generate(), one left-padded batch", hf["transformers"]["tokens_per_s"],
+                  hf["transformers"]["wall_s"], hf["transformers"]["kv_bytes"] / 2**20]]))
+    print(f"LLM.generate vs transformers generate(): {hf['ratio']:.2f}x tokens/s (target >= 1.5x: "
+          f"{'met' if hf['ratio'] >= 1.5 else 'not met'}), "
+          f"{hf['transformers']['kv_bytes'] / hf['llm']['kv_bytes']:.1f}x less KV memory, "
+          f"{hf['identical_outputs']}/{hf['requests']} outputs identical (medians of {args.reps} runs)")
     path = write_json("engine", {"requests": args.requests, "caching_on": on, "caching_off": off,
+                                 "transformers_side_by_side": hf,
                                  "speedup_caching": speedup, "fixed_pool_blocks": args.pool_blocks,
                                  "paged_sharing": fixed_on, "paged_no_sharing": fixed_off,
                                  "contiguous_max_len": contiguous_max, "contiguous_exact": contiguous_exact})

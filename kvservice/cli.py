@@ -1,4 +1,4 @@
-"""`kvservice serve | status | demo | bench | deploy`."""
+"""`kvservice serve | status | demo | generate | bench | deploy`."""
 
 from __future__ import annotations
 
@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("demo", help="end-to-end demo (allocator + Ray workers + a tiny model); options after it go "
                                "to worker/demo.py (e.g. --requests, --dcp, --backend, --num-blocks)", add_help=False)
+    sub.add_parser("generate", help="generate with a Hugging Face checkpoint on kvservice's paged KV; options after "
+                                   "it go to worker/generate.py (--model DIR, --prompt or --prompt-ids, --max-tokens)",
+                   add_help=False)
     sub.add_parser("bench", help="run every benchmark (same as `make bench`)")
     sub.add_parser("deploy", help="bring the allocator, pools and engines up on a Ray cluster; options after it go "
                                  "to worker/deploy.py (e.g. --address, --pools, --add-pools, --smoke, --teardown)",
@@ -88,6 +91,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo_main(args.demo_args)
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    from worker.generate import main as generate_main  # torch and transformers load only for generate
+    return generate_main(args.demo_args)
+
+
 def cmd_deploy(args: argparse.Namespace) -> int:
     from worker.deploy import main as deploy_main  # Ray and torch load only for deploy
     return deploy_main(args.deploy_args)
@@ -96,12 +104,12 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command not in ("demo", "deploy"):
+    if extra and args.command not in ("demo", "deploy", "generate"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.demo_args = args.deploy_args = extra
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return {"serve": cmd_serve, "status": cmd_status, "demo": cmd_demo, "bench": cmd_bench,
-            "deploy": cmd_deploy}[args.command](args)
+            "deploy": cmd_deploy, "generate": cmd_generate}[args.command](args)
 
 
 if __name__ == "__main__":

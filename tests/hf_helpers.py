@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-import worker.hf  # noqa: F401  - sets TRITON_INTERPRET; transformers is imported after it, in the functions
+from worker.hf.checkpoint import save_random_model  # worker.hf first: it sets TRITON_INTERPRET
 
 VOCAB = 256
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -30,13 +30,8 @@ ARCHITECTURES = {  # name -> (config class, model class, config fields), classes
 
 def save_model(arch: str, directory: Path, seed: int = 0, **overrides) -> Path:
     """A random-init `arch` model written to `directory` as a checkpoint (config + safetensors)."""
-    import transformers
     config_name, model_name, extra = ARCHITECTURES[arch]
-    config = getattr(transformers, config_name)(**{**SHAPE, **extra, **overrides})
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(config).to(torch.float32).eval()
-    model.save_pretrained(directory)
-    return directory
+    return save_random_model(config_name, model_name, {**SHAPE, **extra, **overrides}, directory, seed)
 
 
 class Reference:
@@ -53,3 +48,16 @@ class Reference:
         out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
                                   do_sample=False, pad_token_id=0)
         return out[0, len(prompt):].tolist()
+
+
+def save_char_tokenizer(directory: Path) -> None:
+    """A character-level tokenizer of the model's vocabulary (ids 0..3 special), beside the checkpoint."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    chars = [chr(c) for c in range(32, 32 + VOCAB - len(specials))]
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + chars)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(directory)

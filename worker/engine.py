@@ -17,74 +17,21 @@ from typing import Protocol
 import torch
 
 from kvservice.client import KVServiceClient
-from kvservice.core import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
+from kvservice.core import KVCacheConfig, SlidingWindowSpec
 from kvservice.ops import OpStatus
 from worker.batch import RowUpdate, StepBatch
+from worker.engine_config import EngineConfig, EngineStats, KVCacheSpec
 from worker.request import EngineRequest, RequestState
 from worker.sampling import SamplingParams, sample
 from worker.step_plan import Growth, StepPlan, StepReplies, batch_growths, growth
 
-KVCacheSpec = FullAttentionSpec | SlidingWindowSpec
+__all__ = ["Engine", "EngineConfig", "EngineStats", "KVCacheSpec", "Workers"]
 
 
 class Workers(Protocol):
     """The ranks of one pool: every rank executes the same batch; logits come back once."""
 
     def execute(self, batch: StepBatch) -> torch.Tensor: ...
-
-
-@dataclass(slots=True)
-class EngineConfig:
-    pool_id: str = "engine-0"
-    num_blocks: int = 512  # includes the null block
-    block_size: int = 16  # per rank; an allocator block spans block_size * dcp_world_size tokens
-    dcp_world_size: int = 1
-    max_model_len: int = 2048
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    epoch: int = 0
-    enable_prefix_caching: bool = True
-    allow_transfers: bool = False  # adopt prefixes cached on other pools (needs their workers: `peers`)
-    kv_layout: str = ""  # pools exchange blocks only with equal layouts (PoolLayout.kv_layout)
-    kv_cache_groups: tuple[KVCacheSpec, ...] = ()  # the model's groups (empty: one full-attention group)
-    eos_token_ids: tuple[int, ...] = ()  # end a sequence unless its SamplingParams say ignore_eos
-
-    @property
-    def groups(self) -> tuple[KVCacheSpec, ...]:
-        return self.kv_cache_groups or (FullAttentionSpec(self.block_size),)
-
-    @property
-    def max_num_rows(self) -> int:
-        """Block-table rows the workers need (running requests plus those being freed or forked)."""
-        return 2 * self.max_num_seqs + 8
-
-    @property
-    def max_num_blocks_per_req(self) -> int:
-        return -(-self.max_model_len // (self.block_size * self.dcp_world_size))
-
-
-@dataclass(slots=True)
-class EngineStats:
-    steps: int = 0
-    prompt_tokens: int = 0
-    hit_tokens: int = 0
-    computed_tokens: int = 0
-    generated_tokens: int = 0
-    preemptions: int = 0
-    copies: int = 0
-    forks: int = 0
-    transfers: int = 0
-    transferred_tokens: int = 0
-    transfer_s: float = 0.0
-    peak_blocks: int = 0
-    peak_running: int = 0
-    allocator_s: float = 0.0
-    model_s: float = 0.0
-    total_s: float = 0.0
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 @dataclass(slots=True)
@@ -210,8 +157,11 @@ class Engine:
             req = self.waiting.popleft()
             req.num_sent = len(req.tokens)
             transfer = cfg.allow_transfers and not req.no_transfer
-            (plan.transfer_admissions if transfer else plan.admissions).append((req, budget))
-            budget -= min(budget, len(req.tokens))
+            # At most the whole request: its cached prefix is not known yet (the allocator schedules
+            # what is left after the hit).
+            n = min(budget, len(req.tokens))
+            (plan.transfer_admissions if transfer else plan.admissions).append((req, n))
+            budget -= n
             num_running += 1
         return plan
 
@@ -234,6 +184,8 @@ class Engine:
                 self._read_admission(req, g, work, requeue)
         for (req, _), r in zip(plan.transfer_admissions, replies.transfer_admissions):
             self._read_admission(req, growth(r, num_groups), work, requeue)
+        if requeue and self._alone(requeue):
+            self._never_fits(requeue[0])
         self.waiting.extendleft(reversed(requeue))  # retried first, in arrival order
         self.stats.copies += len(replies.copies)
         self.stats.peak_running = max(self.stats.peak_running, len(self.running))
@@ -345,6 +297,8 @@ class Engine:
         """No room (or the pool's memory is gone): free it and recompute it later from its tokens."""
         if status not in (OpStatus.NO_SPACE, OpStatus.EPOCH_CHANGED):
             raise RuntimeError(f"{req.request_id}: unexpected {status.name}")
+        if status == OpStatus.NO_SPACE and self._alone([req]):
+            self._never_fits(req)
         self.running.remove(req)
         if status == OpStatus.NO_SPACE:
             self._frees.append(req)  # the allocator still holds it; its row is released with the free
@@ -354,6 +308,19 @@ class Engine:
         req.num_preemptions += 1
         self.stats.preemptions += 1
         self.waiting.appendleft(req)
+
+    def _alone(self, refused: list[EngineRequest]) -> bool:
+        """Whether nothing but `refused` held blocks when the allocator refused them (this step's frees
+        had applied; requests preempted in this step still held theirs)."""
+        return (not self._forks and all(r in refused for r in self.running)
+                and all(r in refused for r in self._frees))
+
+    def _never_fits(self, req: EngineRequest) -> None:
+        """Refused with nothing else holding blocks: retrying would loop forever."""
+        cfg = self.config
+        raise RuntimeError(f"request {req.request_id} ({len(req.tokens)} tokens, max_tokens {req.params.max_tokens}) "
+                           f"does not fit pool {cfg.pool_id!r} even alone: {cfg.num_blocks - 1} blocks of "
+                           f"{self._tokens_per_block} tokens; raise num_blocks")
 
     def _sample(self, reqs: list[EngineRequest], logits: torch.Tensor) -> None:
         for req, row in zip(reqs, logits):

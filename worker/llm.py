@@ -83,6 +83,9 @@ class LLM:
         if max_model_len > spec.max_position_embeddings:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
                              f"{spec.max_position_embeddings}")
+        if dcp > 1 and any(w is not None for w in spec.sliding_windows):
+            raise ValueError(f"dcp={dcp}: decode-context parallelism shards full-attention groups only, and "
+                             f"{spec.model_type} has sliding-window layers (windows {spec.sliding_windows})")
         executor = distributed_executor_backend or ("uni" if dcp == 1 else "ray")
         if executor not in ("uni", "ray"):
             raise ValueError(f"distributed_executor_backend must be 'uni' or 'ray', got {executor!r}")

@@ -19,12 +19,12 @@ import torch
 from worker import kernels
 from worker.batch import RowUpdate, StepBatch
 from worker.block_table import BlockTable
-from worker.kernels import reference
+from worker.kernels import torch_batched
 
 # Returns every rank's tensor, stacked in rank order: `[W, *t.shape]` on t's device.
 AllGather = Callable[[torch.Tensor], torch.Tensor]
 
-BACKENDS: dict[str, ModuleType] = {"triton": kernels, "torch": reference}
+BACKENDS: dict[str, ModuleType] = {"triton": kernels, "torch": torch_batched}
 
 
 @dataclass(slots=True, frozen=True)
@@ -79,7 +79,7 @@ class PagedRunner:
         block_size: per-rank block size; an allocator block spans `block_size * dcp_world_size` tokens.
         max_num_blocks_per_req: block-table row width in allocator blocks.
         backend: "triton" (`worker.kernels`; on CPU the Triton interpreter) or "torch" (their twins in
-            `worker.kernels.reference`).
+            `worker.kernels.torch_batched`: the reference twins, attention batched).
         all_gather: with `dcp_world_size > 1`, called twice per layer (partial out, then its LSE) in the
             same order on every rank; must return all ranks' tensors stacked in rank order.
         device: where weights and caches live (default: CUDA when available).

@@ -16,6 +16,7 @@ import torch
 
 from kvservice.client import KVServiceClient
 from kvservice.launch import start_serve
+from kvservice.server.startup import TOKEN_NAME, read_token
 from worker.actor import PoolLayout, RankWorker, RayWorkers, free_port
 from worker.deploy.names import NAMESPACE, group_name, rank_name
 from worker.engine import Engine, EngineConfig
@@ -45,6 +46,15 @@ class AllocatorActor:
     def target(self) -> str:
         """host:port that every node of the cluster can reach."""
         return f"{self.ip}:{self.serve.port}"
+
+    def token(self) -> str | None:
+        """The bearer token the engines and the router send: the first of --token-file, else the one the
+        server generated into its data dir (None when auth is off)."""
+        args = self.serve.args
+        if "--token-file" in args:
+            return read_token(args[args.index("--token-file") + 1])
+        generated = Path(args[args.index("--data-dir") + 1]) / TOKEN_NAME if "--data-dir" in args else None
+        return read_token(generated) if generated is not None and generated.exists() else None
 
     def where(self) -> str:
         import ray

@@ -31,13 +31,13 @@ class DeployConfig:
     timeout_s: float = 600.0  # for the pools' placement groups (an autoscaler may have to add nodes first)
 
     def serve_args(self) -> list[str]:
-        args = ["--host", "0.0.0.0", "--port", str(self.port)]
+        # The data dir also holds the token the allocator generates when no --token-file is given (it
+        # listens beyond loopback, so auth is on).
+        args = ["--host", "0.0.0.0", "--port", str(self.port), "--data-dir", self.data_dir]
         if self.redis_url:
             args += ["--redis-url", self.redis_url]
         elif self.no_persistence:
             args += ["--no-persistence"]
-        else:
-            args += ["--data-dir", self.data_dir]
         if self.token_file:
             args += ["--token-file", self.token_file]
         return args

@@ -38,9 +38,10 @@ class Deployment:
     allocator: object | None  # its actor; None when it runs elsewhere (--allocator)
     engines: dict[str, object] = field(default_factory=dict)  # pool id -> EngineActor
     created: list[str] = field(default_factory=list)  # pools this call started
+    token: str | None = None  # what clients of the allocator send
 
     def router(self, token: str | None = None) -> Router:
-        return Router(KVServiceClient(self.target, token, client_name="router"), self.engines)
+        return Router(KVServiceClient(self.target, token or self.token, client_name="router"), self.engines)
 
 
 def deploy(cfg: DeployConfig) -> Deployment:
@@ -50,10 +51,12 @@ def deploy(cfg: DeployConfig) -> Deployment:
         raise RuntimeError(f"connect with ray.init(..., namespace={NAMESPACE!r}) so that named placement groups "
                            f"of earlier runs can be found (this driver is in {ray.get_runtime_context().namespace!r})")
     allocator, target = ensure_allocator(cfg)
+    if cfg.token is None and allocator is not None:
+        cfg.token = ray.get(allocator.token.remote())  # the allocator's own (generated) token
     with KVServiceClient(target, cfg.token, retries=2, timeout_s=10) as client:
         client.open_session()  # fails here, readably, on a wrong token or an unreachable allocator
     engines, created = ensure_pools(cfg, target)
-    return Deployment(target, allocator, engines, created)
+    return Deployment(target, allocator, engines, created, cfg.token)
 
 
 def ensure_allocator(cfg: DeployConfig) -> tuple[object | None, str]:

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM
 
 from worker.hf import attention
@@ -16,6 +17,7 @@ from worker.paged import AllGather, KVLayout, PagedRunner, PagedStep
 
 def load_model(spec: ModelSpec, device: torch.device | str = "cpu") -> torch.nn.Module:
     """The checkpoint's weights in its own modeling code, attention through the paged path."""
+    transformers.utils.logging.disable_progress_bar()  # one bar per rank and load says nothing useful
     model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=spec.dtype, attn_implementation=attention.register())
     return model.to(device).eval()
 
