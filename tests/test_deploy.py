@@ -37,9 +37,13 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def config(tmp_path_factory):
+    """The allocator on loopback (tests never listen beyond it), with auth on: the engines and the router get
+    the token from the allocator actor (as they get a generated one on a real cluster)."""
+    data = tmp_path_factory.mktemp("allocator")
+    (data / "tokens").write_text("deploy-token ops admin\n")
     return deploy.DeployConfig(pools=2, num_blocks=32, block_size=16, max_model_len=256, max_num_batched_tokens=128,
-                               max_num_seqs=8, backend="torch", rank_cpus=0.25, port=0,
-                               data_dir=str(tmp_path_factory.mktemp("allocator")))
+                               max_num_seqs=8, backend="torch", rank_cpus=0.25, host="127.0.0.1", port=0,
+                               data_dir=str(data), token_file=str(data / "tokens"))
 
 
 @pytest.fixture(scope="module")

@@ -146,7 +146,8 @@ def test_make_test_and_make_run_install_first_on_a_fresh_clone(tmp_path):
     plan = subprocess.run(["make", "-n", "test"], cwd=clone, capture_output=True, text=True, timeout=60,
                           env={k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"})
     assert "install" not in plan.stdout and "pytest" in plan.stdout
-    os.utime(clone / "pyproject.toml")  # a newer pyproject.toml: install again
+    later = (clone / ".venv" / ".kvservice-installed").stat().st_mtime + 10
+    os.utime(clone / "pyproject.toml", (later, later))  # a newer pyproject.toml: install again
     plan = subprocess.run(["make", "-n", "test"], cwd=clone, capture_output=True, text=True, timeout=60,
                           env={k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"})
     assert "make install" in plan.stdout

@@ -41,7 +41,9 @@ class AllocatorActor:
             raise RuntimeError(f"`kvservice serve {' '.join(args)}` did not start ({exc}); its log is in this "
                                f"actor's Ray worker stderr") from exc
         import ray
-        self.ip = ray.util.get_node_ip_address()
+        host = args[args.index("--host") + 1] if "--host" in args else "127.0.0.1"
+        # Bound to every interface: the node's address reaches it from every node; else the bound one.
+        self.ip = ray.util.get_node_ip_address() if host in ("0.0.0.0", "::", "[::]") else host
 
     def target(self) -> str:
         """host:port that every node of the cluster can reach."""

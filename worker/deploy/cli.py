@@ -80,6 +80,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, DeployConfig
     parser.add_argument("--backend", choices=["torch", "triton"], help="attention backend (default: triton "
                         "where the cluster has GPUs, the torch twin otherwise)")
     parser.add_argument("--rank-cpus", type=float, default=d.rank_cpus, help="CPUs per rank on CPU-only clusters")
+    parser.add_argument("--host", default=None, help="allocator bind address (default: 0.0.0.0; with --local "
+                        "127.0.0.1); beyond loopback without --token-file it generates a token and the engines and "
+                        "the router get it")
+    parser.add_argument("--insecure", action="store_true", help="beyond loopback: auth off instead (anyone who "
+                        "reaches the head node can free every engine's blocks)")
     parser.add_argument("--port", type=int, default=d.port, help="allocator gRPC port on the head node")
     parser.add_argument("--data-dir", default=d.data_dir, help="allocator's embedded Redis data on the head node")
     parser.add_argument("--redis-url", help="use this Redis instead of the embedded one")
@@ -95,7 +100,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, DeployConfig
     args = parser.parse_args(argv)
     cfg = DeployConfig(pools=args.pools, add_pools=args.add_pools, dcp=args.dcp, num_blocks=args.num_blocks,
                        block_size=args.block_size, max_model_len=args.max_model_len, backend=args.backend,
-                       rank_cpus=args.rank_cpus, port=args.port, data_dir=args.data_dir, redis_url=args.redis_url,
+                       rank_cpus=args.rank_cpus,
+                       host=args.host or ("127.0.0.1" if args.local else d.host), insecure=args.insecure,
+                       port=args.port, data_dir=args.data_dir, redis_url=args.redis_url,
                        no_persistence=args.no_persistence, token_file=args.token_file, token=args.token,
                        allocator=args.allocator, detached=args.detached, timeout_s=args.timeout)
     return args, cfg
@@ -106,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     if args.local:
         ray.init(address="local", namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
-                 configure_logging=False)
+                 configure_logging=False, _node_ip_address="127.0.0.1")
     else:
         try:
             ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False, configure_logging=False)

@@ -20,6 +20,8 @@ class DeployConfig:
     max_num_seqs: int = 32
     backend: str | None = None  # default: triton on GPU pools, the torch twin on CPU pools
     rank_cpus: float = 0.5  # CPUs per rank on CPU-only clusters (fractions let small nodes host several)
+    host: str = "0.0.0.0"  # the allocator's bind address; 127.0.0.1 for local runs (--local, tests)
+    insecure: bool = False  # beyond loopback without --token-file: auth off (else a token is generated)
     port: int = 50051  # 0: any free port (the allocator's target() says which)
     data_dir: str = "~/kvservice-data"  # on the head node; for the embedded Redis
     redis_url: str | None = None
@@ -33,11 +35,13 @@ class DeployConfig:
     def serve_args(self) -> list[str]:
         # The data dir also holds the token the allocator generates when no --token-file is given (it
         # listens beyond loopback, so auth is on).
-        args = ["--host", "0.0.0.0", "--port", str(self.port), "--data-dir", self.data_dir]
+        args = ["--host", self.host, "--port", str(self.port), "--data-dir", self.data_dir]
         if self.redis_url:
             args += ["--redis-url", self.redis_url]
         elif self.no_persistence:
             args += ["--no-persistence"]
         if self.token_file:
             args += ["--token-file", self.token_file]
+        if self.insecure:
+            args += ["--insecure"]
         return args
