@@ -151,3 +151,10 @@ def test_make_test_and_make_run_install_first_on_a_fresh_clone(tmp_path):
     plan = subprocess.run(["make", "-n", "test"], cwd=clone, capture_output=True, text=True, timeout=60,
                           env={k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"})
     assert "make install" in plan.stdout
+
+
+@pytest.mark.parametrize("command", ["demo", "deploy", "generate", "status"])
+def test_every_subcommand_names_itself_in_its_help(command):
+    out = subprocess.run([sys.executable, "-m", "kvservice.cli", command, "--help"], capture_output=True, text=True,
+                         timeout=120, cwd=REPO)
+    assert out.returncode == 0 and out.stdout.startswith(f"usage: kvservice {command}"), out.stdout[:200]

@@ -53,7 +53,7 @@ def reference_outputs(model_dir: str, prompts: list[list[int]], max_tokens: list
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="kvservice demo", description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--dcp", type=int, default=2)
     parser.add_argument("--backend", choices=["torch", "triton"], default=None,
