@@ -87,6 +87,7 @@ class OpenSession:
     last_acked_sequence: int = 0
     resume_pool_ids: Sequence[str] = ()
     admin: bool = True
+    attach: bool = False  # resume_session_id unknown here: open it under that id (one id on every shard)
     kind = CommandKind.OPEN_SESSION
 
 

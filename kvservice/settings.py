@@ -84,8 +84,9 @@ class ServerSettings:
     tls_key: str | None = flag(None, "--tls-key", "server private key (PEM)")
     tls_ca: str | None = flag(None, "--tls-ca", "client CA (PEM): turns on mutual TLS")
     max_message_mb: int = flag(64, "--max-message-mb", "largest request or reply in MiB", type=int)
-    redis_url: str | None = flag(None, "--redis-url", "use this Redis, e.g. redis://host:6379/0 (none: a private "
-                                 "redis-server in --data-dir)", group="persistence")
+    redis_url: str | None = flag(None, "--redis-url", "use this Redis, e.g. redis://host:6379/0, or a Redis Cluster, "
+                                 "rediscluster://host:port (none: a private redis-server in --data-dir)",
+                                 group="persistence")
     persistence: bool = flag(True, "--no-persistence", "memory only: a restart loses everything",
                              group="persistence", action="store_false")
     require_persistence: bool = flag(False, "--require-persistence", "refuse mutations (UNAVAILABLE) unless they "
@@ -105,12 +106,25 @@ class ServerSettings:
                               "process's memory", group="persistence", choices=["standby", "fork"])
     reset_state: bool = flag(False, "--reset-state", "delete the stored state in --redis-namespace and start "
                              "empty", group="persistence", action="store_true")
+    shard_id: str = flag("", "--shard", "serve as shard ID of a sharded allocator: pools are spread over the "
+                         "shards by a map in Redis (needs --redis-url, the same for every shard)", group="sharding")
+    advertise: str = flag("", "--advertise", "HOST:PORT clients reach this shard at, written to the shard map "
+                          "(default: --host and the bound port)", group="sharding")
     redis_wait_s: float = 30.0  # how long start-up waits for Redis to answer
     allocator: AllocatorSettings = field(default_factory=AllocatorSettings)
 
     @property
     def max_message_bytes(self) -> int:
         return self.max_message_mb << 20
+
+    @property
+    def store_namespace(self) -> str:
+        """This allocator's key prefix in Redis: hash tagged (one cluster slot) for a shard or a Redis Cluster."""
+        from kvservice.store.redis_store import hash_tagged, is_cluster
+        if self.shard_id:
+            return hash_tagged(f"{self.redis_namespace}/{self.shard_id}")
+        return hash_tagged(self.redis_namespace) if self.redis_url and is_cluster(self.redis_url) else \
+            self.redis_namespace
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:

@@ -25,16 +25,18 @@ RESOURCE_EXHAUSTED: OpStatus
 EPOCH_CHANGED: OpStatus
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("client_name", "resume_pool_ids", "resume_session_id", "last_acked_sequence")
+    __slots__ = ("client_name", "resume_pool_ids", "resume_session_id", "last_acked_sequence", "attach")
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     RESUME_POOL_IDS_FIELD_NUMBER: _ClassVar[int]
     RESUME_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LAST_ACKED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_FIELD_NUMBER: _ClassVar[int]
     client_name: str
     resume_pool_ids: _containers.RepeatedScalarFieldContainer[str]
     resume_session_id: str
     last_acked_sequence: int
-    def __init__(self, client_name: _Optional[str] = ..., resume_pool_ids: _Optional[_Iterable[str]] = ..., resume_session_id: _Optional[str] = ..., last_acked_sequence: _Optional[int] = ...) -> None: ...
+    attach: bool
+    def __init__(self, client_name: _Optional[str] = ..., resume_pool_ids: _Optional[_Iterable[str]] = ..., resume_session_id: _Optional[str] = ..., last_acked_sequence: _Optional[int] = ..., attach: _Optional[bool] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session_id", "ttl_ms", "next_sequence", "tenant", "pools_failed")
@@ -469,14 +471,16 @@ class LookupRequest(_message.Message):
     def __init__(self, token_ids: _Optional[bytes] = ..., block_hashes: _Optional[bytes] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., pool_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class PoolHit(_message.Message):
-    __slots__ = ("pool_id", "num_cached_tokens", "num_free_blocks")
+    __slots__ = ("pool_id", "num_cached_tokens", "num_free_blocks", "num_cached_blocks")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     num_cached_tokens: int
     num_free_blocks: int
-    def __init__(self, pool_id: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ...) -> None: ...
+    num_cached_blocks: int
+    def __init__(self, pool_id: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("hits", "best_pool_id")
@@ -625,3 +629,40 @@ class ResetPrefixCacheResponse(_message.Message):
     reset_pool_ids: _containers.RepeatedScalarFieldContainer[str]
     refused_pool_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, reset_pool_ids: _Optional[_Iterable[str]] = ..., refused_pool_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetShardMapRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ShardInfo(_message.Message):
+    __slots__ = ("shard_id", "address", "epoch", "num_pools")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NUM_POOLS_FIELD_NUMBER: _ClassVar[int]
+    shard_id: str
+    address: str
+    epoch: int
+    num_pools: int
+    def __init__(self, shard_id: _Optional[str] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ..., num_pools: _Optional[int] = ...) -> None: ...
+
+class ShardMapResponse(_message.Message):
+    __slots__ = ("version", "shards", "pools", "shard_id", "sharded")
+    class PoolsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARDED_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    shards: _containers.RepeatedCompositeFieldContainer[ShardInfo]
+    pools: _containers.ScalarMap[str, str]
+    shard_id: str
+    sharded: bool
+    def __init__(self, version: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., pools: _Optional[_Mapping[str, str]] = ..., shard_id: _Optional[str] = ..., sharded: _Optional[bool] = ...) -> None: ...

@@ -99,6 +99,11 @@ class AllocatorStub:
                 request_serializer=kvservice_dot___proto_dot_allocator__pb2.ResetPrefixCacheRequest.SerializeToString,
                 response_deserializer=kvservice_dot___proto_dot_allocator__pb2.ResetPrefixCacheResponse.FromString,
                 _registered_method=True)
+        self.GetShardMap = channel.unary_unary(
+                '/kvservice.v1.Allocator/GetShardMap',
+                request_serializer=kvservice_dot___proto_dot_allocator__pb2.GetShardMapRequest.SerializeToString,
+                response_deserializer=kvservice_dot___proto_dot_allocator__pb2.ShardMapResponse.FromString,
+                _registered_method=True)
 
 
 class AllocatorServicer:
@@ -190,6 +195,15 @@ class AllocatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetShardMap(self, request, context):
+        """Which shard serves which pool (sharded allocators; one unnamed shard otherwise). Every shard, and a
+        standby, answers it. A call for a pool another shard serves fails with FAILED_PRECONDITION carrying a
+        google.rpc.ErrorInfo (reason POOL_MOVED, metadata pool_id / shard_id / address): clients follow it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AllocatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -257,6 +271,11 @@ def add_AllocatorServicer_to_server(servicer, server):
                     servicer.ResetPrefixCache,
                     request_deserializer=kvservice_dot___proto_dot_allocator__pb2.ResetPrefixCacheRequest.FromString,
                     response_serializer=kvservice_dot___proto_dot_allocator__pb2.ResetPrefixCacheResponse.SerializeToString,
+            ),
+            'GetShardMap': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetShardMap,
+                    request_deserializer=kvservice_dot___proto_dot_allocator__pb2.GetShardMapRequest.FromString,
+                    response_serializer=kvservice_dot___proto_dot_allocator__pb2.ShardMapResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -610,6 +629,33 @@ class Allocator:
             '/kvservice.v1.Allocator/ResetPrefixCache',
             kvservice_dot___proto_dot_allocator__pb2.ResetPrefixCacheRequest.SerializeToString,
             kvservice_dot___proto_dot_allocator__pb2.ResetPrefixCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetShardMap(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.Allocator/GetShardMap',
+            kvservice_dot___proto_dot_allocator__pb2.GetShardMapRequest.SerializeToString,
+            kvservice_dot___proto_dot_allocator__pb2.ShardMapResponse.FromString,
             options,
             channel_credentials,
             insecure,

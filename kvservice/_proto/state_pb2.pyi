@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WalEntry(_message.Message):
-    __slots__ = ("legacy_kind", "session_id", "request", "tenant", "client_name", "session_ids", "pool_ids", "command", "rpc", "resync", "admin", "resume_session_id", "last_acked_sequence")
+    __slots__ = ("legacy_kind", "session_id", "request", "tenant", "client_name", "session_ids", "pool_ids", "command", "rpc", "resync", "admin", "resume_session_id", "last_acked_sequence", "attach")
     LEGACY_KIND_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class WalEntry(_message.Message):
     ADMIN_FIELD_NUMBER: _ClassVar[int]
     RESUME_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LAST_ACKED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_FIELD_NUMBER: _ClassVar[int]
     legacy_kind: str
     session_id: str
     request: bytes
@@ -34,7 +35,8 @@ class WalEntry(_message.Message):
     admin: bool
     resume_session_id: str
     last_acked_sequence: int
-    def __init__(self, legacy_kind: _Optional[str] = ..., session_id: _Optional[str] = ..., request: _Optional[bytes] = ..., tenant: _Optional[str] = ..., client_name: _Optional[str] = ..., session_ids: _Optional[_Iterable[str]] = ..., pool_ids: _Optional[_Iterable[str]] = ..., command: _Optional[int] = ..., rpc: _Optional[int] = ..., resync: _Optional[bool] = ..., admin: _Optional[bool] = ..., resume_session_id: _Optional[str] = ..., last_acked_sequence: _Optional[int] = ...) -> None: ...
+    attach: bool
+    def __init__(self, legacy_kind: _Optional[str] = ..., session_id: _Optional[str] = ..., request: _Optional[bytes] = ..., tenant: _Optional[str] = ..., client_name: _Optional[str] = ..., session_ids: _Optional[_Iterable[str]] = ..., pool_ids: _Optional[_Iterable[str]] = ..., command: _Optional[int] = ..., rpc: _Optional[int] = ..., resync: _Optional[bool] = ..., admin: _Optional[bool] = ..., resume_session_id: _Optional[str] = ..., last_acked_sequence: _Optional[int] = ..., attach: _Optional[bool] = ...) -> None: ...
 
 class RequestState(_message.Message):
     __slots__ = ("key", "has_token_ids", "token_ids", "num_tokens", "num_prompt_tokens", "num_computed_tokens", "num_preemptions", "block_hashes", "namespace", "cache_salt", "has_cache_salt", "lora_name", "has_lora_name", "hash_seed", "mm_identifiers", "mm_offsets", "mm_lengths", "chain_tip", "owner", "block_size")

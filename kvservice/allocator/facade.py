@@ -207,6 +207,10 @@ class Allocator:
         if command.resume_session_id:
             if command.resume_session_id in sessions.sessions:
                 session = sessions.get(command.resume_session_id, command.tenant, now)
+            elif command.attach:  # a sharded client's session, new on this shard
+                guard()
+                mutated = True
+                session = sessions.open(command.resume_session_id, command.tenant, command.client_name, now)
             recovered = session.last_sequence if session is not None else 0
             if command.last_acked_sequence > recovered:
                 used = set(command.resume_pool_ids) | (set(session.requests) if session is not None else set())

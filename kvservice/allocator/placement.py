@@ -6,10 +6,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvservice.allocator.keys import namespace
-from kvservice.allocator.pools import Pool
 from kvservice.allocator.state import AllocatorState
 from kvservice.hashing import hash_prompt
-from kvservice.results import LookupResult, PoolHit
+from kvservice.results import LookupResult, PoolHit, best_pool
 
 
 class Placement:
@@ -32,22 +31,7 @@ class Placement:
         state = self.state
         pools = [state.pool(p, tenant, admin) for p in pool_ids] if pool_ids else state.visible_pools(tenant, admin)
         hits = [PoolHit(p.pool_id, p.cached_prefix_tokens(hashes, num_tokens),
-                        p.manager.block_pool.get_num_free_blocks()) for p in pools]
-        return LookupResult(hits, self.place(pools, hits, raw))
-
-    @staticmethod
-    def place(pools: list[Pool], hits: list[PoolHit], raw_hashes: Sequence[bytes]) -> str:
-        """Longest cached prefix; ties to the most free blocks that hold nothing cached (filling them
-        evicts no one's prefix); remaining ties by the prompt's first block hash, so a prompt family
-        keeps landing on the same pool instead of every cold prompt piling onto the first one."""
-        if not hits:
-            return ""
-        best = max(h.num_cached_tokens for h in hits)
-        tied = [(p, h) for p, h in zip(pools, hits) if h.num_cached_tokens == best]
-        empty = {p.pool_id: max(0, h.num_free_blocks - len(p.manager.block_pool.cached_block_hash_to_block))
-                 for p, h in tied}
-        most = max(empty.values())
-        names = sorted(p.pool_id for p, _ in tied if empty[p.pool_id] == most)
-        if len(names) == 1 or not raw_hashes:
-            return names[0]
-        return names[int.from_bytes(raw_hashes[0][:8], "big") % len(names)]
+                        p.manager.block_pool.get_num_free_blocks(),
+                        len(p.manager.block_pool.cached_block_hash_to_block))
+                for p in pools]
+        return LookupResult(hits, best_pool(hits, raw[0] if raw else None))

@@ -19,7 +19,7 @@ from kvservice.launch import READY_PREFIX
 from kvservice.server.auth import Authenticator, AuthInterceptor, load_token_file
 from kvservice.server.metrics import Metrics
 from kvservice.server.servicer import AllocatorServicer, freeze_long_lived, method_handlers
-from kvservice.server.startup import DataDirLock, check_port_free, is_loopback, token_file_for
+from kvservice.server.startup import DataDirLock, StartupError, check_port_free, is_loopback, token_file_for
 from kvservice.settings import ServerSettings
 from kvservice.store.base import Journal, PersistenceState
 
@@ -154,7 +154,7 @@ async def build_server(config: ServerSettings) -> AllocatorServer:
         embedded = EmbeddedRedis(config.data_dir, config.redis_fsync)
         url = embedded.start()
     try:
-        store = RedisStore(url, config.redis_namespace)
+        store = RedisStore(url, config.store_namespace)
         deadline = time.monotonic() + config.redis_wait_s
         while True:
             try:
@@ -166,7 +166,7 @@ async def build_server(config: ServerSettings) -> AllocatorServer:
                                           f"start it, fix --redis-url, or run with --no-persistence") from None
                 await asyncio.sleep(0.5)
         if config.reset_state:
-            logger.warning("--reset-state: deleting the allocator state in Redis namespace %r", config.redis_namespace)
+            logger.warning("--reset-state: deleting the allocator state in Redis namespace %r", config.store_namespace)
             await store.reset()
         epoch = await store.acquire_leadership()
         snapshot, covered, entries = await store.load()
@@ -182,9 +182,21 @@ async def build_server(config: ServerSettings) -> AllocatorServer:
         raise
     freeze_long_lived()
     server = AllocatorServer(config, allocator, journal)
+    if config.shard_id:
+        from kvservice.server.sharding import ShardRouter
+        from kvservice.shards.shardmap import ShardMapStore
+        server.servicer.sharding = ShardRouter(ShardMapStore(url, config.redis_namespace), config.shard_id)
     server.embedded = embedded
     journal.on_fenced = server.on_fenced
     return server
+
+
+def advertised_host(host: str) -> str:
+    """The address other processes reach a server bound to `host` at."""
+    if host in ("0.0.0.0", "::", "[::]", ""):
+        import socket
+        return socket.gethostbyname(socket.gethostname())
+    return host
 
 
 # A Step allocates thousands of container objects (decoded ops, results, events) that reference counting
@@ -199,6 +211,9 @@ def preflight(config: ServerSettings) -> DataDirLock | None:
     """What `serve` checks before starting anything (kvservice.server.startup); raises StartupError. Returns
     the data dir's lock when this allocator uses the directory (its embedded Redis, a generated token)."""
     generates_token = not config.token_file and not is_loopback(config.host) and not config.insecure
+    if config.shard_id and not (config.persistence and config.redis_url):
+        raise StartupError(f"--shard {config.shard_id} needs --redis-url: every shard reads the shard map and writes "
+                           f"its state in the same Redis (or Redis Cluster)")
     lock = None
     if (config.persistence and not config.redis_url) or generates_token:
         lock = DataDirLock(config.data_dir).acquire()
@@ -228,6 +243,9 @@ async def _serve(config: ServerSettings, ready_line: bool) -> int:
     try:
         port = await server.start()
         server.journal.start()
+        if server.servicer.sharding is not None:
+            await server.servicer.sharding.announce(config.advertise or f"{advertised_host(config.host)}:{port}",
+                                                    server.journal.leader_epoch)
         if ready_line:
             print(f"{READY_PREFIX}{config.host}:{port}", flush=True)
         loop = asyncio.get_running_loop()

@@ -21,6 +21,32 @@ from __future__ import annotations
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.cluster import RedisCluster
+
+CLUSTER_SCHEME = "rediscluster://"  # a Redis Cluster: any node's address (redis-py finds the others)
+
+
+def is_cluster(url: str) -> bool:
+    return url.startswith(CLUSTER_SCHEME)
+
+
+def connect(url: str, **options) -> aioredis.Redis:
+    """An asyncio client for `url`: `redis://`, `rediss://`, `unix://`, or `rediscluster://host:port`."""
+    if is_cluster(url):
+        return AsyncRedisCluster.from_url("redis://" + url[len(CLUSTER_SCHEME):], **options)
+    return aioredis.Redis.from_url(url, **options)
+
+
+def connect_sync(url: str, **options) -> redis.Redis:
+    if is_cluster(url):
+        return RedisCluster.from_url("redis://" + url[len(CLUSTER_SCHEME):], **options)
+    return redis.Redis.from_url(url, **options)
+
+
+def hash_tagged(namespace: str) -> str:
+    """A namespace whose keys all hash to one Redis Cluster slot (scripts touch several of them at once)."""
+    return namespace if namespace.startswith("{") and namespace.endswith("}") else "{" + namespace + "}"
 
 FENCED_PREFIX, LOST_PREFIX = "FENCED", "LEADERLOST"
 
@@ -103,8 +129,10 @@ class RedisStore:
         self.k_epoch, self.k_leader, self.k_wal = f"{ns}:epoch", f"{ns}:leader", f"{ns}:wal"
         self.k_snapshot, self.k_snapshot_id = f"{ns}:snapshot", f"{ns}:snapshot:wal_id"
         self.k_snapshot_count, self.k_snapshot_at = f"{ns}:snapshot:count", f"{ns}:snapshot:at"
-        self.redis = aioredis.Redis.from_url(url, socket_timeout=socket_timeout_s,
-                                             socket_connect_timeout=socket_timeout_s)
+        if is_cluster(url) and hash_tagged(namespace) != namespace:
+            raise ValueError(f"namespace {namespace!r} on a Redis Cluster must be hash tagged "
+                             f"({hash_tagged(namespace)!r})")
+        self.redis = connect(url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s)
         self._append = self.redis.register_script(APPEND)
         self._commit = self.redis.register_script(COMMIT_SNAPSHOT)
         self._set_pending = self.redis.register_script(SET_PENDING)
@@ -197,7 +225,7 @@ class RedisStore:
 
 def write_pending_snapshot_sync(url: str, namespace: str, epoch: int, data: bytes, writer: str = "fork") -> None:
     """Writes a snapshot as pending from a forked child (its own, blocking connection)."""
-    client = redis.Redis.from_url(url, socket_timeout=60)
+    client = connect_sync(url, socket_timeout=60)
     try:
         client.eval(SET_PENDING, 2, f"{namespace}:leader", f"{namespace}:snapshot:pending:{writer}", epoch, data)
     finally:

@@ -34,7 +34,7 @@ def encode(command: Command) -> bytes:
         entry.session_id, entry.tenant, entry.client_name = command.session_id, command.tenant, command.client_name
         entry.resume_session_id, entry.last_acked_sequence = command.resume_session_id, command.last_acked_sequence
         entry.pool_ids.extend(command.resume_pool_ids)
-        entry.admin = command.admin
+        entry.admin, entry.attach = command.admin, command.attach
     elif kind is CommandKind.EXPIRE_SESSIONS:
         entry.session_ids.extend(command.session_ids)
     elif kind in (CommandKind.RESET_PREFIX_CACHE, CommandKind.RETIRE_POOLS):
@@ -60,7 +60,7 @@ def decode(raw: bytes, hash_block_size: int) -> Command:
                                        entry.admin)
     if kind is CommandKind.OPEN_SESSION:
         return OpenSession(entry.session_id, entry.tenant, entry.client_name, entry.resume_session_id,
-                           entry.last_acked_sequence, list(entry.pool_ids), entry.admin)
+                           entry.last_acked_sequence, list(entry.pool_ids), entry.admin, entry.attach)
     if kind is CommandKind.EXPIRE_SESSIONS:
         return ExpireSessions(list(entry.session_ids))
     if kind is CommandKind.RESET_PREFIX_CACHE:

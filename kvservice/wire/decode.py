@@ -301,4 +301,5 @@ def open_session_command(request: pb.OpenSessionRequest, session_id: str, tenant
     name = check_name("client_name", request.client_name) or ""
     pool_ids = [check_id(f"resume_pool_ids[{i}]", p) for i, p in enumerate(request.resume_pool_ids)]
     resume = check_id("resume_session_id", request.resume_session_id) if request.resume_session_id else ""
-    return OpenSession(session_id, tenant, name, resume, request.last_acked_sequence, pool_ids, admin)
+    return OpenSession(session_id, tenant, name, resume, request.last_acked_sequence, pool_ids, admin,
+                       request.attach and bool(resume))

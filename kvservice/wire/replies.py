@@ -137,12 +137,13 @@ def decode_request_info(r: pb.RequestInfo) -> RequestInfo:
 
 def encode_lookup(r: LookupResult) -> pb.LookupResponse:
     return pb.LookupResponse(hits=[pb.PoolHit(pool_id=h.pool_id, num_cached_tokens=h.num_cached_tokens,
-                                              num_free_blocks=h.num_free_blocks) for h in r.hits],
-                             best_pool_id=r.best_pool_id)
+                                              num_free_blocks=h.num_free_blocks, num_cached_blocks=h.num_cached_blocks)
+                                   for h in r.hits], best_pool_id=r.best_pool_id)
 
 
 def decode_lookup(r: pb.LookupResponse) -> LookupResult:
-    return LookupResult([PoolHit(h.pool_id, h.num_cached_tokens, h.num_free_blocks) for h in r.hits], r.best_pool_id)
+    return LookupResult([PoolHit(h.pool_id, h.num_cached_tokens, h.num_free_blocks, h.num_cached_blocks)
+                         for h in r.hits], r.best_pool_id)
 
 
 def encode_pool_stats(p: PoolStats, out: pb.PoolStats) -> None:
