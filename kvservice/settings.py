@@ -110,6 +110,11 @@ class ServerSettings:
                          "shards by a map in Redis (needs --redis-url, the same for every shard)", group="sharding")
     advertise: str = flag("", "--advertise", "HOST:PORT clients reach this shard at, written to the shard map "
                           "(default: --host and the bound port)", group="sharding")
+    standby: bool = flag(False, "--standby", "serve as the hot standby of the allocator (or --shard) in this "
+                         "Redis: follow its WAL, answer nothing but GetShardMap, take over when its lease lapses "
+                         "(needs --redis-url)", group="sharding", action="store_true")
+    leader_lease_s: float = flag(2.0, "--leader-lease", "seconds a leader's lease lasts (renewed twice a second); a "
+                                 "standby takes over once it lapsed for that long", group="sharding", type=float)
     redis_wait_s: float = 30.0  # how long start-up waits for Redis to answer
     allocator: AllocatorSettings = field(default_factory=AllocatorSettings)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
@@ -85,7 +86,8 @@ class AsyncKVServiceClient(ClientBase):
                 if request is not None:
                     calls.append(self._run_on(conn, Call(call.method, request, call.decode, conn=conn)))
             return call.merge(list(await asyncio.gather(*calls)))
-        for hop in range(MAX_HOPS + 1):
+        hops, deadline = 0, None
+        while True:
             conn = call.conn or shards.conn_for(call.pool_id)
             try:
                 if not call.mutating:
@@ -93,14 +95,15 @@ class AsyncKVServiceClient(ClientBase):
                 async with self._lock:  # one sequence at a time per session
                     return await self._run_on(conn, call)
             except Moved as exc:
-                if hop == MAX_HOPS or call.conn is not None:
+                hops += 1
+                if hops > MAX_HOPS or call.conn is not None:
                     raise
                 await self._close(shards.moved(exc.pool_id, exc.shard_id, exc.address))
-            except Unavailable:
-                if (hop == MAX_HOPS or not shards.sharded or call.conn is not None
-                        or not await self._failed_over(conn)):
+            except Unavailable as exc:
+                deadline = deadline or time.monotonic() + self.failover_timeout_s
+                if (call.conn is not None or not self._may_fail_over(exc)
+                        or not await self._failed_over(conn, deadline)):
                     raise
-        raise AssertionError("unreachable")
 
     async def _refresh_map(self, conn: Conn) -> bool:
         try:
@@ -112,12 +115,25 @@ class AsyncKVServiceClient(ClientBase):
         await self._close(self.shards.adopt(reply))
         return True
 
-    async def _failed_over(self, dead: Conn) -> bool:
+    async def _failed_over(self, dead: Conn, deadline: float) -> bool:
+        """Whether the call may be retried after UNAVAILABLE: a standby (the next address) or another shard's
+        map names a new leader for `dead`'s shard, before `deadline`."""
+        shards = self.shards
+        if not shards.sharded:
+            if not shards.alternates or time.monotonic() > deadline:
+                return False
+            await self._close([shards.rotate(dead)])
+            await asyncio.sleep(0.1)
+            return True
         address = dead.address
-        for conn in self.shards.all():
-            if conn is not dead and await self._refresh_map(conn):
-                break
-        return dead.address != address
+        while time.monotonic() < deadline:
+            for conn in shards.all():
+                if conn is not dead and await self._refresh_map(conn):
+                    break
+            if dead.address != address:
+                return True
+            await asyncio.sleep(0.2)
+        return False
 
     @staticmethod
     async def _close(channels) -> None:

@@ -67,14 +67,16 @@ def merge_stats(parts: list[Stats]) -> Stats:
 class ClientBase:
     """Options: client_name, tls_ca / tls_cert / tls_key (TLS, mutual with a cert), timeout_s (10),
     retries (4), hash_seed, hash_block_size (the server's hash spec), max_message_bytes, heartbeat
-    (True: renew the session's lease in the background while the client is open)."""
+    (True: renew the session's lease in the background while the client is open), failover_timeout_s (15:
+    how long a call waits for a failed shard's standby to take over)."""
 
     def _setup(self, grpc_module, target: str, token: str | None, *, client_name: str = "",
                tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
                timeout_s: float = 10.0, retries: int = 4, hash_seed: str = DEFAULT_HASH_SEED,
                hash_block_size: int = DEFAULT_HASH_BLOCK_SIZE, max_message_bytes: int = 64 * 1024 * 1024,
-               heartbeat: bool = True) -> None:
-        """`grpc_module` is grpc (blocking) or grpc.aio; `target` any shard (or the only allocator)."""
+               heartbeat: bool = True, failover_timeout_s: float = 15.0) -> None:
+        """`grpc_module` is grpc (blocking) or grpc.aio; `target` any shard (or the only allocator), or several
+        comma-separated addresses (an allocator and its standbys)."""
         options = [("grpc.max_receive_message_length", max_message_bytes),
                    ("grpc.max_send_message_length", max_message_bytes)]
         if tls_ca or tls_cert:
@@ -91,6 +93,7 @@ class ClientBase:
         self.hash_seed = hash_seed
         self.hash_block_size = hash_block_size
         self.heartbeat_enabled = heartbeat
+        self.failover_timeout_s = failover_timeout_s
         self.session_id = ""
         self.tenant = ""
         self.ttl_s = 0.0
@@ -157,6 +160,12 @@ class ClientBase:
         """A mutation failed: if the transport failed (not the server refusing it), it may have been applied."""
         if err.code() in RETRYABLE:
             conn.unacked_sequence = conn.next_sequence
+
+    @staticmethod
+    def _may_fail_over(exc: Exception) -> bool:
+        """An UNAVAILABLE a failover may cure: a lost connection, a standby, a fenced leader; not a server
+        refusing mutations while its persistence is down (every such refusal names persistence)."""
+        return "persistence" not in str(exc)
 
     def _map_call(self, conn: Conn) -> Call:
         return Call("GetShardMap", pb.GetShardMapRequest(), lambda r: r, conn=conn)

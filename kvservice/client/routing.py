@@ -52,11 +52,23 @@ class Shards:
     version: int = 0
     conns: dict[str, Conn] = field(default_factory=dict)  # shard id -> connection
     pools: dict[str, str] = field(default_factory=dict)  # pool id -> shard id
+    alternates: list[str] = field(default_factory=list)  # more addresses of an unsharded allocator (standbys)
 
     @classmethod
     def start(cls, target: str, make_channel: Callable[[str], Any]) -> Shards:
-        channel = make_channel(target)
-        return cls(make_channel, Conn("", target, channel, make_stub(channel)))
+        """`target`: an address, or several comma-separated (a leader and its standbys; any shard)."""
+        addresses = [a.strip() for a in target.split(",") if a.strip()]
+        channel = make_channel(addresses[0])
+        return cls(make_channel, Conn("", addresses[0], channel, make_stub(channel)), alternates=addresses[1:])
+
+    def rotate(self, conn: Conn) -> Any:
+        """An unsharded allocator's next address (its standby may lead now); returns the retired channel."""
+        self.alternates.append(conn.address)
+        retired = conn.channel
+        conn.address = self.alternates.pop(0)
+        conn.channel = self.make_channel(conn.address)
+        conn.stub, conn.stale = make_stub(conn.channel), conn.attached
+        return retired
 
     def conn_for(self, pool_id: str | None) -> Conn:
         if not self.sharded or pool_id is None:

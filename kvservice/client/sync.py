@@ -82,19 +82,21 @@ class KVServiceClient(ClientBase):
                 if request is not None:
                     parts.append(self._run_on(conn, Call(call.method, request, call.decode, conn=conn)))
             return call.merge(parts)
-        for hop in range(MAX_HOPS + 1):
+        hops, deadline = 0, None
+        while True:
             conn = call.conn or shards.conn_for(call.pool_id)
             try:
                 return self._run_on(conn, call)
             except Moved as exc:
-                if hop == MAX_HOPS or call.conn is not None:
+                hops += 1
+                if hops > MAX_HOPS or call.conn is not None:
                     raise
                 self._close(shards.moved(exc.pool_id, exc.shard_id, exc.address))
-            except Unavailable:
-                # A shard's leader may have failed over: ask the others where it is now.
-                if hop == MAX_HOPS or not shards.sharded or call.conn is not None or not self._failed_over(conn):
+            except Unavailable as exc:
+                # A shard's leader may have failed over: ask the others (or the next address) where it is now.
+                deadline = deadline or time.monotonic() + self.failover_timeout_s
+                if call.conn is not None or not self._may_fail_over(exc) or not self._failed_over(conn, deadline):
                     raise
-        raise AssertionError("unreachable")
 
     def _refresh_map(self, conn: Conn) -> bool:
         try:
@@ -106,13 +108,25 @@ class KVServiceClient(ClientBase):
         self._close(self.shards.adopt(reply))
         return True
 
-    def _failed_over(self, dead: Conn) -> bool:
-        """Whether another shard's map names a new address for `dead`'s shard (then the call is retried)."""
+    def _failed_over(self, dead: Conn, deadline: float) -> bool:
+        """Whether the call may be retried after UNAVAILABLE: a standby (the next address) or another shard's
+        map names a new leader for `dead`'s shard, before `deadline`."""
+        shards = self.shards
+        if not shards.sharded:
+            if not shards.alternates or time.monotonic() > deadline:
+                return False
+            self._close([shards.rotate(dead)])
+            time.sleep(0.1)
+            return True
         address = dead.address
-        for conn in self.shards.all():
-            if conn is not dead and self._refresh_map(conn):
-                break
-        return dead.address != address
+        while time.monotonic() < deadline:
+            for conn in shards.all():
+                if conn is not dead and self._refresh_map(conn):
+                    break
+            if dead.address != address:
+                return True
+            time.sleep(0.2)
+        return False
 
     @staticmethod
     def _close(channels) -> None:

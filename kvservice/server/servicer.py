@@ -21,7 +21,7 @@ import grpc
 from kvservice._proto import allocator_pb2 as pb
 from kvservice.allocator import Allocator
 from kvservice.commands import ExpireSessions, ResetPrefixCache, StepRpc
-from kvservice.errors import InvalidArgument, KVServiceError
+from kvservice.errors import InvalidArgument, KVServiceError, Unavailable
 from kvservice.server.auth import Authenticator
 from kvservice.server.metrics import Metrics
 from kvservice.store.base import Journal, NullJournal
@@ -68,6 +68,8 @@ def rpc(method: Callable) -> Callable:
     async def wrapper(self: AllocatorServicer, raw: bytes, context: grpc.aio.ServicerContext):
         start = time.perf_counter()
         try:
+            if self.standby and name != "GetShardMap":
+                raise Unavailable(self.standby)
             if takes_raw:
                 return await method(self, parse(name, raw), context, raw)
             return await method(self, parse(name, raw), context)
@@ -98,6 +100,7 @@ class AllocatorServicer:
         allocator.state.events.listeners.append(self._event_signal.set)
         self.num_watchers = 0
         self.sharding = None  # a ShardRouter when this allocator is one shard of several
+        self.standby = ""  # a hot standby's refusal message (it serves nothing until it takes over)
 
     async def _here(self, pool_id: str) -> None:
         """Redirects (raises Moved) a call naming a pool another shard serves."""
@@ -254,6 +257,8 @@ class AllocatorServicer:
     # ---- events --------------------------------------------------------------------------------
     async def WatchEvents(self, raw: bytes, context):
         try:
+            if self.standby:
+                raise Unavailable(self.standby)
             request = parse("WatchEvents", raw)
             principal = self.auth.of(context)
             pool_ids = {check_id(f"pool_ids[{i}]", p) for i, p in enumerate(request.pool_ids)}
