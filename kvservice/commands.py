@@ -32,6 +32,10 @@ class CommandKind(IntEnum):
     RESET_PREFIX_CACHE = 6
     RETIRE_POOLS = 7
     BARRIER = 8
+    FREEZE_POOL = 9
+    THAW_POOL = 10
+    DROP_POOL = 11
+    IMPORT_POOL = 12
 
 
 class StepRpc(IntEnum):
@@ -166,5 +170,46 @@ class Barrier:
     kind = CommandKind.BARRIER
 
 
-Command = OpenSession | RegisterPool | Step | CommitTransfer | ExpireSessions | ResetPrefixCache | RetirePools | Barrier
+@dataclass(slots=True)
+class FreezePool:
+    """Rebalance, on the source shard: the pool takes no calls (UNAVAILABLE) while it moves to `to_shard`;
+    its cross-pool transfers are aborted."""
+
+    pool_id: str
+    to_shard: str
+    kind = CommandKind.FREEZE_POOL
+
+
+@dataclass(slots=True)
+class ThawPool:
+    """Rebalance abandoned: the frozen pool serves again where it is."""
+
+    pool_id: str
+    kind = CommandKind.THAW_POOL
+
+
+@dataclass(slots=True)
+class DropPool:
+    """Rebalance, on the source shard once the destination serves the pool: it leaves this state."""
+
+    pool_id: str
+    kind = CommandKind.DROP_POOL
+
+
+# Decodes a PoolExport into the state (kvservice.store.snapshot.import_pool): (state, export bytes) -> pool id.
+PoolImporter = Callable[[object, bytes], str]
+
+
+@dataclass(slots=True)
+class ImportPool:
+    """Rebalance, on the destination shard: the pool (as the source exported it) joins this state."""
+
+    pool_id: str
+    export: bytes
+    importer: PoolImporter
+    kind = CommandKind.IMPORT_POOL
+
+
+Command = (OpenSession | RegisterPool | Step | CommitTransfer | ExpireSessions | ResetPrefixCache | RetirePools
+           | Barrier | FreezePool | ThawPool | DropPool | ImportPool)
 Sequenced = RegisterPool | Step | CommitTransfer

@@ -666,3 +666,33 @@ class ShardMapResponse(_message.Message):
     shard_id: str
     sharded: bool
     def __init__(self, version: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., pools: _Optional[_Mapping[str, str]] = ..., shard_id: _Optional[str] = ..., sharded: _Optional[bool] = ...) -> None: ...
+
+class MovePoolRequest(_message.Message):
+    __slots__ = ("pool_id", "phase", "to_shard", "from_shard")
+    class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        FREEZE: _ClassVar[MovePoolRequest.Phase]
+        IMPORT: _ClassVar[MovePoolRequest.Phase]
+        DROP: _ClassVar[MovePoolRequest.Phase]
+        THAW: _ClassVar[MovePoolRequest.Phase]
+    FREEZE: MovePoolRequest.Phase
+    IMPORT: MovePoolRequest.Phase
+    DROP: MovePoolRequest.Phase
+    THAW: MovePoolRequest.Phase
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    TO_SHARD_FIELD_NUMBER: _ClassVar[int]
+    FROM_SHARD_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    phase: MovePoolRequest.Phase
+    to_shard: str
+    from_shard: str
+    def __init__(self, pool_id: _Optional[str] = ..., phase: _Optional[_Union[MovePoolRequest.Phase, str]] = ..., to_shard: _Optional[str] = ..., from_shard: _Optional[str] = ...) -> None: ...
+
+class MovePoolResponse(_message.Message):
+    __slots__ = ("num_requests", "export_bytes")
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    num_requests: int
+    export_bytes: int
+    def __init__(self, num_requests: _Optional[int] = ..., export_bytes: _Optional[int] = ...) -> None: ...

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WalEntry(_message.Message):
-    __slots__ = ("legacy_kind", "session_id", "request", "tenant", "client_name", "session_ids", "pool_ids", "command", "rpc", "resync", "admin", "resume_session_id", "last_acked_sequence", "attach")
+    __slots__ = ("legacy_kind", "session_id", "request", "tenant", "client_name", "session_ids", "pool_ids", "command", "rpc", "resync", "admin", "resume_session_id", "last_acked_sequence", "attach", "pool_export", "shard_id")
     LEGACY_KIND_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,8 @@ class WalEntry(_message.Message):
     RESUME_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LAST_ACKED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     ATTACH_FIELD_NUMBER: _ClassVar[int]
+    POOL_EXPORT_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     legacy_kind: str
     session_id: str
     request: bytes
@@ -36,7 +38,9 @@ class WalEntry(_message.Message):
     resume_session_id: str
     last_acked_sequence: int
     attach: bool
-    def __init__(self, legacy_kind: _Optional[str] = ..., session_id: _Optional[str] = ..., request: _Optional[bytes] = ..., tenant: _Optional[str] = ..., client_name: _Optional[str] = ..., session_ids: _Optional[_Iterable[str]] = ..., pool_ids: _Optional[_Iterable[str]] = ..., command: _Optional[int] = ..., rpc: _Optional[int] = ..., resync: _Optional[bool] = ..., admin: _Optional[bool] = ..., resume_session_id: _Optional[str] = ..., last_acked_sequence: _Optional[int] = ..., attach: _Optional[bool] = ...) -> None: ...
+    pool_export: bytes
+    shard_id: str
+    def __init__(self, legacy_kind: _Optional[str] = ..., session_id: _Optional[str] = ..., request: _Optional[bytes] = ..., tenant: _Optional[str] = ..., client_name: _Optional[str] = ..., session_ids: _Optional[_Iterable[str]] = ..., pool_ids: _Optional[_Iterable[str]] = ..., command: _Optional[int] = ..., rpc: _Optional[int] = ..., resync: _Optional[bool] = ..., admin: _Optional[bool] = ..., resume_session_id: _Optional[str] = ..., last_acked_sequence: _Optional[int] = ..., attach: _Optional[bool] = ..., pool_export: _Optional[bytes] = ..., shard_id: _Optional[str] = ...) -> None: ...
 
 class RequestState(_message.Message):
     __slots__ = ("key", "has_token_ids", "token_ids", "num_tokens", "num_prompt_tokens", "num_computed_tokens", "num_preemptions", "block_hashes", "namespace", "cache_salt", "has_cache_salt", "lora_name", "has_lora_name", "hash_seed", "mm_identifiers", "mm_offsets", "mm_lengths", "chain_tip", "owner", "block_size")
@@ -129,7 +133,7 @@ class ManagerState(_message.Message):
     def __init__(self, ref_cnts: _Optional[bytes] = ..., free_order: _Optional[bytes] = ..., index_keys: _Optional[bytes] = ..., index_key_lengths: _Optional[bytes] = ..., index_block_ids: _Optional[bytes] = ..., groups: _Optional[_Iterable[_Union[GroupState, _Mapping]]] = ..., copy_src: _Optional[bytes] = ..., copy_dst: _Optional[bytes] = ..., evictions: _Optional[int] = ..., total_queries: _Optional[int] = ..., total_hits: _Optional[int] = ..., total_requests: _Optional[int] = ..., interval_stats: _Optional[_Iterable[int]] = ..., interval_reset: _Optional[bool] = ...) -> None: ...
 
 class PoolState(_message.Message):
-    __slots__ = ("register_request", "pool_id", "epoch", "manager", "requests", "tombstone_keys", "tombstone_reasons", "owner_tenant")
+    __slots__ = ("register_request", "pool_id", "epoch", "manager", "requests", "tombstone_keys", "tombstone_reasons", "owner_tenant", "moving_to")
     REGISTER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +142,7 @@ class PoolState(_message.Message):
     TOMBSTONE_KEYS_FIELD_NUMBER: _ClassVar[int]
     TOMBSTONE_REASONS_FIELD_NUMBER: _ClassVar[int]
     OWNER_TENANT_FIELD_NUMBER: _ClassVar[int]
+    MOVING_TO_FIELD_NUMBER: _ClassVar[int]
     register_request: bytes
     pool_id: str
     epoch: int
@@ -146,7 +151,20 @@ class PoolState(_message.Message):
     tombstone_keys: _containers.RepeatedScalarFieldContainer[str]
     tombstone_reasons: _containers.RepeatedScalarFieldContainer[str]
     owner_tenant: str
-    def __init__(self, register_request: _Optional[bytes] = ..., pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., manager: _Optional[_Union[ManagerState, _Mapping]] = ..., requests: _Optional[_Iterable[_Union[RequestState, _Mapping]]] = ..., tombstone_keys: _Optional[_Iterable[str]] = ..., tombstone_reasons: _Optional[_Iterable[str]] = ..., owner_tenant: _Optional[str] = ...) -> None: ...
+    moving_to: str
+    def __init__(self, register_request: _Optional[bytes] = ..., pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., manager: _Optional[_Union[ManagerState, _Mapping]] = ..., requests: _Optional[_Iterable[_Union[RequestState, _Mapping]]] = ..., tombstone_keys: _Optional[_Iterable[str]] = ..., tombstone_reasons: _Optional[_Iterable[str]] = ..., owner_tenant: _Optional[str] = ..., moving_to: _Optional[str] = ...) -> None: ...
+
+class PoolExport(_message.Message):
+    __slots__ = ("pool", "session_ids", "session_tenants", "session_names")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TENANTS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_NAMES_FIELD_NUMBER: _ClassVar[int]
+    pool: PoolState
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    session_tenants: _containers.RepeatedScalarFieldContainer[str]
+    session_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, pool: _Optional[_Union[PoolState, _Mapping]] = ..., session_ids: _Optional[_Iterable[str]] = ..., session_tenants: _Optional[_Iterable[str]] = ..., session_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SessionState(_message.Message):
     __slots__ = ("session_id", "tenant", "client_name", "last_sequence", "reply_kind", "reply", "request_pool_ids", "request_keys", "last_digest")

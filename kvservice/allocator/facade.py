@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from kvservice.allocator.batches import Batches
 from kvservice.allocator.keys import SEP, client_request_id, request_key
+from kvservice.allocator.moves import PoolMoves
 from kvservice.allocator.placement import Placement
 from kvservice.allocator.pools import Pool
 from kvservice.allocator.registry import PoolRegistry
@@ -22,12 +23,16 @@ from kvservice.commands import (
     Barrier,
     Command,
     CommitTransfer,
+    DropPool,
     ExpireSessions,
+    FreezePool,
+    ImportPool,
     OpenSession,
     RegisterPool,
     ResetPrefixCache,
     RetirePools,
     Step,
+    ThawPool,
     digest,
 )
 from kvservice.core import Request
@@ -81,6 +86,7 @@ class Allocator:
         self.batches = Batches(self.state, self.book, self.scheduler)
         self.registry = PoolRegistry(self.state, self.book)
         self.placement = Placement(self.state)
+        self.moves = PoolMoves(self.state, self.book)
 
     @property
     def settings(self) -> AllocatorSettings:
@@ -119,6 +125,9 @@ class Allocator:
             return Applied(None, True)
         if kind is Barrier:
             return Applied(None, False)
+        if kind in (FreezePool, ThawPool, DropPool, ImportPool):
+            self.moves.apply(command, guard)
+            return Applied(None, True)
         raise TypeError(f"not a command: {command!r}")
 
     def _sequenced(self, command, now: float, guard: Guard, handler) -> Applied:
@@ -139,7 +148,7 @@ class Allocator:
         return Applied(reply, True)
 
     def _step(self, session: Session, command: Step, guard: Guard) -> StepResult:
-        pool = self.state.pool(command.pool_id, session.tenant, command.admin)
+        pool = self.state.mutable_pool(command.pool_id, session.tenant, command.admin)
         ops = command.decode_ops(pool.spec, pool.hash_block_size)  # validated before anything changes
         guard()
         return self.run_ops(pool, session, command.sequence, ops)
@@ -177,7 +186,7 @@ class Allocator:
         """Commit: the destination's copied blocks become cached. Abort: the destination request is freed.
         Either way the source pins drop."""
         state = self.state
-        pool = state.pool(command.pool_id, session.tenant, command.admin)
+        pool = state.mutable_pool(command.pool_id, session.tenant, command.admin)
         guard()
         transfer = state.transfers.transfers.get(command.transfer_id)
         owner = state.sessions.sessions.get(transfer.session_id) if transfer is not None else None

@@ -33,6 +33,8 @@ class PoolRegistry:
                                   f"exceeds this allocator's limit of {limit} blocks per pool "
                                   f"(kvservice serve --max-pool-blocks)")
         current = state.pools.get(spec.pool_id)
+        if current is not None and current.moving_to:
+            state.mutable_pool(spec.pool_id)  # raises: it is moving
         if current is not None and not command.admin and current.owner_tenant != session.tenant:
             raise PermissionDenied(f"pool {spec.pool_id!r} belongs to another tenant; only it or an admin may "
                                    f"re-register it")

@@ -58,7 +58,7 @@ class TransferBook:
         best: tuple[Pool, int] | None = None
         for pool_id in sorted(pools):  # sorted: replay after recovery picks the same source
             other = pools[pool_id]
-            if (other is dst or other.owner_tenant != dst.owner_tenant or not transferable(other)
+            if (other is dst or other.owner_tenant != dst.owner_tenant or other.moving_to or not transferable(other)
                     or not same_layout(other, dst)):
                 continue
             hit = other.cached_prefix_tokens(req.block_hashes, req.num_tokens)

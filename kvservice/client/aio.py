@@ -125,15 +125,15 @@ class AsyncKVServiceClient(ClientBase):
             await self._close([shards.rotate(dead)])
             await asyncio.sleep(0.1)
             return True
-        address = dead.address
-        while time.monotonic() < deadline:
-            for conn in shards.all():
-                if conn is not dead and await self._refresh_map(conn):
-                    break
-            if dead.address != address:
-                return True
-            await asyncio.sleep(0.2)
-        return False
+        # Sharded: a failed leader's standby (a new address in the map), or a pool being moved (a new shard
+        # for it, or frozen for a moment): ask the shards, then retry the call, until the deadline.
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.2)
+        for conn in [c for c in shards.all() if c is not dead] + [dead]:
+            if await self._refresh_map(conn):
+                break
+        return True
 
     @staticmethod
     async def _close(channels) -> None:

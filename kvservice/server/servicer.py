@@ -21,7 +21,7 @@ import grpc
 from kvservice._proto import allocator_pb2 as pb
 from kvservice.allocator import Allocator
 from kvservice.commands import ExpireSessions, ResetPrefixCache, StepRpc
-from kvservice.errors import InvalidArgument, KVServiceError, Unavailable
+from kvservice.errors import FailedPrecondition, InvalidArgument, KVServiceError, Unavailable
 from kvservice.server.auth import Authenticator
 from kvservice.server.metrics import Metrics
 from kvservice.store.base import Journal, NullJournal
@@ -253,6 +253,13 @@ class AllocatorServicer:
             if principal.admin or tenant == principal.tenant:
                 out.pools[pool_id] = shard
         return out
+
+    @rpc
+    async def MovePool(self, request: pb.MovePoolRequest, context) -> pb.MovePoolResponse:
+        self.auth.require_admin(context)
+        if self.sharding is None:
+            raise FailedPrecondition("MovePool is for sharded allocators (kvservice serve --shard)")
+        return await self.sharding.move(request, self.allocator, self._apply)
 
     # ---- events --------------------------------------------------------------------------------
     async def WatchEvents(self, raw: bytes, context):

@@ -12,8 +12,13 @@ from __future__ import annotations
 import logging
 import time
 
-from kvservice.errors import Moved, Unavailable
+from kvservice._proto import allocator_pb2 as pb
+from kvservice.commands import DropPool, FreezePool, ImportPool, ThawPool
+from kvservice.errors import FailedPrecondition, InvalidArgument, Moved, NotFound, Unavailable
 from kvservice.shards.shardmap import ShardMap, ShardMapStore
+from kvservice.wire.fields import check_id
+
+Phase = pb.MovePoolRequest.Phase
 
 logger = logging.getLogger(__name__)
 
@@ -66,3 +71,49 @@ class ShardRouter:
             if owner not in current.shards:
                 current = await self.refresh(0.0)
             raise self._moved(pool_id, owner)
+
+    # ---- moving a pool (rebalance) -------------------------------------------------------------
+    async def move(self, request: pb.MovePoolRequest, allocator, apply) -> pb.MovePoolResponse:
+        """One phase of a pool move (`apply`: the servicer's command path: apply, then journal). Every phase
+        is idempotent, so `kvservice shards rebalance` may simply run a move again after a crash."""
+        from kvservice.store.snapshot import export_pool, import_pool
+        pool_id = check_id("pool_id", request.pool_id)
+        current = await self.refresh(0.0)
+        owner = current.shard_of(pool_id)
+        key = self.store.handoff_key(pool_id)
+        state = allocator.state
+        if request.phase == Phase.FREEZE:
+            to = check_id("to_shard", request.to_shard)
+            if to not in current.shards or to == self.shard_id:
+                raise InvalidArgument("to_shard", to, f"name another shard of {sorted(current.shards)}")
+            if pool_id not in state.pools:
+                raise NotFound(f"pool {pool_id!r} is not served by shard {self.shard_id!r}")
+            await apply(FreezePool(pool_id, to))
+            data = export_pool(allocator, pool_id)
+            await self.store.redis.set(key, data)
+            return pb.MovePoolResponse(num_requests=len(state.pools[pool_id].requests), export_bytes=len(data))
+        if request.phase == Phase.IMPORT:
+            if owner == self.shard_id and pool_id in state.pools and not state.pools[pool_id].moving_to:
+                return pb.MovePoolResponse(num_requests=len(state.pools[pool_id].requests))  # done already
+            data = await self.store.redis.get(key)
+            if data is None:
+                raise FailedPrecondition(f"pool {pool_id!r} has no export waiting: FREEZE it on its shard first")
+            await apply(ImportPool(pool_id, data, import_pool))
+            if not await self.store.move(pool_id, check_id("from_shard", request.from_shard), self.shard_id) \
+                    and (await self.refresh(0.0)).shard_of(pool_id) != self.shard_id:
+                raise FailedPrecondition(f"the shard map does not give pool {pool_id!r} to shard "
+                                         f"{request.from_shard!r}; nothing was taken over")
+            await self.refresh(0.0)
+            return pb.MovePoolResponse(num_requests=len(state.pools[pool_id].requests), export_bytes=len(data))
+        if request.phase == Phase.DROP:
+            if owner == self.shard_id:
+                raise FailedPrecondition(f"pool {pool_id!r} is still this shard's in the map: IMPORT it first")
+            if pool_id in state.pools:
+                await apply(DropPool(pool_id))
+            await self.store.redis.delete(key)
+            return pb.MovePoolResponse()
+        if owner != self.shard_id or pool_id not in state.pools:
+            raise FailedPrecondition(f"pool {pool_id!r} is not this shard's any more: its move cannot be undone")
+        await apply(ThawPool(pool_id))
+        await self.store.redis.delete(key)
+        return pb.MovePoolResponse(num_requests=len(state.pools[pool_id].requests))

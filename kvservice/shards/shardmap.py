@@ -104,6 +104,10 @@ class ShardMapStore:
         """Reassigns the pool, only if `from_shard` serves it."""
         return bool(await self._move(keys=[self.key], args=[pool_id, from_shard, to_shard]))
 
+    def handoff_key(self, pool_id: str) -> str:
+        """Where a moving pool's export waits for its destination."""
+        return f"{self.key}:handoff:{pool_id}"
+
     async def forget_pools(self, pool_ids: list[str]) -> None:
         if pool_ids:
             await self.redis.hdel(self.key, *[f"p:{p}" for p in pool_ids])

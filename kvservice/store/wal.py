@@ -10,12 +10,16 @@ from kvservice.commands import (
     Barrier,
     Command,
     CommandKind,
+    DropPool,
     ExpireSessions,
+    FreezePool,
+    ImportPool,
     OpenSession,
     RegisterPool,
     ResetPrefixCache,
     RetirePools,
     StepRpc,
+    ThawPool,
 )
 from kvservice.wire.decode import STEP_REQUESTS, commit_transfer_command, decode_pool_spec, step_command
 
@@ -41,6 +45,12 @@ def encode(command: Command) -> bytes:
         entry.pool_ids.extend(command.pool_ids)
     elif kind is CommandKind.BARRIER:
         entry.resync = command.resync
+    elif kind in (CommandKind.FREEZE_POOL, CommandKind.THAW_POOL, CommandKind.DROP_POOL, CommandKind.IMPORT_POOL):
+        entry.pool_ids.append(command.pool_id)
+        if kind is CommandKind.FREEZE_POOL:
+            entry.shard_id = command.to_shard
+        elif kind is CommandKind.IMPORT_POOL:
+            entry.pool_export = command.export
     return entry.SerializeToString()
 
 
@@ -67,6 +77,15 @@ def decode(raw: bytes, hash_block_size: int) -> Command:
         return ResetPrefixCache(list(entry.pool_ids))
     if kind is CommandKind.RETIRE_POOLS:
         return RetirePools(list(entry.pool_ids))
+    if kind is CommandKind.FREEZE_POOL:
+        return FreezePool(entry.pool_ids[0], entry.shard_id)
+    if kind is CommandKind.THAW_POOL:
+        return ThawPool(entry.pool_ids[0])
+    if kind is CommandKind.DROP_POOL:
+        return DropPool(entry.pool_ids[0])
+    if kind is CommandKind.IMPORT_POOL:
+        from kvservice.store.snapshot import import_pool
+        return ImportPool(entry.pool_ids[0], entry.pool_export, import_pool)
     return Barrier(entry.resync)
 
 
