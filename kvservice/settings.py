@@ -147,7 +147,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         kw = dict(meta["kw"])
         default = f.default if f.default is not MISSING else None
         flagged = kw.get("action") in ("store_true", "store_false")
-        shown = "" if flagged or default is None else f" (default: {default})"
+        shown = "" if flagged or default in (None, "") else f" (default: {default})"
         if kw.get("action") == "append":
             default, shown = None, ""
         if not flagged and "choices" not in kw:
