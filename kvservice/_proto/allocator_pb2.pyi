@@ -185,7 +185,7 @@ class AddRequestOp(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., block_hashes: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., mm_items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ...) -> None: ...
 
 class AllocateOp(_message.Message):
-    __slots__ = ("request_id", "num_computed_tokens", "num_new_tokens", "append_token_ids", "append_block_hashes", "num_append_tokens", "num_lookahead_tokens", "delay_cache_blocks", "allow_transfer")
+    __slots__ = ("request_id", "num_computed_tokens", "num_new_tokens", "append_token_ids", "append_block_hashes", "num_append_tokens", "num_lookahead_tokens", "delay_cache_blocks", "allow_transfer", "external_source")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +195,7 @@ class AllocateOp(_message.Message):
     NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DELAY_CACHE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ALLOW_TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    EXTERNAL_SOURCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_computed_tokens: int
     num_new_tokens: int
@@ -204,7 +205,42 @@ class AllocateOp(_message.Message):
     num_lookahead_tokens: int
     delay_cache_blocks: bool
     allow_transfer: bool
-    def __init__(self, request_id: _Optional[str] = ..., num_computed_tokens: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., append_token_ids: _Optional[bytes] = ..., append_block_hashes: _Optional[bytes] = ..., num_append_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ..., delay_cache_blocks: _Optional[bool] = ..., allow_transfer: _Optional[bool] = ...) -> None: ...
+    external_source: ExternalSource
+    def __init__(self, request_id: _Optional[str] = ..., num_computed_tokens: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., append_token_ids: _Optional[bytes] = ..., append_block_hashes: _Optional[bytes] = ..., num_append_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ..., delay_cache_blocks: _Optional[bool] = ..., allow_transfer: _Optional[bool] = ..., external_source: _Optional[_Union[ExternalSource, _Mapping]] = ...) -> None: ...
+
+class ExternalSource(_message.Message):
+    __slots__ = ("pin_id", "src_pool_id", "src_block_ids", "num_tokens")
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    SRC_POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    SRC_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    pin_id: str
+    src_pool_id: str
+    src_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    def __init__(self, pin_id: _Optional[str] = ..., src_pool_id: _Optional[str] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class PinOp(_message.Message):
+    __slots__ = ("pin_id", "token_ids", "block_hashes", "num_tokens", "cache_salt", "lora_name")
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    pin_id: str
+    token_ids: bytes
+    block_hashes: bytes
+    num_tokens: int
+    cache_salt: str
+    lora_name: str
+    def __init__(self, pin_id: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., block_hashes: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ...) -> None: ...
+
+class UnpinOp(_message.Message):
+    __slots__ = ("pin_id",)
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    pin_id: str
+    def __init__(self, pin_id: _Optional[str] = ...) -> None: ...
 
 class ForkOp(_message.Message):
     __slots__ = ("parent_request_id", "child_request_id")
@@ -253,20 +289,24 @@ class AdmitBatchOp(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[bytes] = ..., num_prompt_tokens: _Optional[bytes] = ..., num_new_tokens: _Optional[bytes] = ..., num_lookahead_tokens: _Optional[int] = ..., cache_salts: _Optional[_Iterable[str]] = ..., lora_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Op(_message.Message):
-    __slots__ = ("add", "allocate", "fork", "free", "decode", "admit")
+    __slots__ = ("add", "allocate", "fork", "free", "pin", "unpin", "decode", "admit")
     ADD_FIELD_NUMBER: _ClassVar[int]
     ALLOCATE_FIELD_NUMBER: _ClassVar[int]
     FORK_FIELD_NUMBER: _ClassVar[int]
     FREE_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    UNPIN_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     ADMIT_FIELD_NUMBER: _ClassVar[int]
     add: AddRequestOp
     allocate: AllocateOp
     fork: ForkOp
     free: FreeOp
+    pin: PinOp
+    unpin: UnpinOp
     decode: DecodeBatchOp
     admit: AdmitBatchOp
-    def __init__(self, add: _Optional[_Union[AddRequestOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., fork: _Optional[_Union[ForkOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., decode: _Optional[_Union[DecodeBatchOp, _Mapping]] = ..., admit: _Optional[_Union[AdmitBatchOp, _Mapping]] = ...) -> None: ...
+    def __init__(self, add: _Optional[_Union[AddRequestOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., fork: _Optional[_Union[ForkOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., pin: _Optional[_Union[PinOp, _Mapping]] = ..., unpin: _Optional[_Union[UnpinOp, _Mapping]] = ..., decode: _Optional[_Union[DecodeBatchOp, _Mapping]] = ..., admit: _Optional[_Union[AdmitBatchOp, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("session_id", "sequence", "pool_id", "ops")

@@ -133,7 +133,7 @@ class ManagerState(_message.Message):
     def __init__(self, ref_cnts: _Optional[bytes] = ..., free_order: _Optional[bytes] = ..., index_keys: _Optional[bytes] = ..., index_key_lengths: _Optional[bytes] = ..., index_block_ids: _Optional[bytes] = ..., groups: _Optional[_Iterable[_Union[GroupState, _Mapping]]] = ..., copy_src: _Optional[bytes] = ..., copy_dst: _Optional[bytes] = ..., evictions: _Optional[int] = ..., total_queries: _Optional[int] = ..., total_hits: _Optional[int] = ..., total_requests: _Optional[int] = ..., interval_stats: _Optional[_Iterable[int]] = ..., interval_reset: _Optional[bool] = ...) -> None: ...
 
 class PoolState(_message.Message):
-    __slots__ = ("register_request", "pool_id", "epoch", "manager", "requests", "tombstone_keys", "tombstone_reasons", "owner_tenant", "moving_to")
+    __slots__ = ("register_request", "pool_id", "epoch", "manager", "requests", "tombstone_keys", "tombstone_reasons", "owner_tenant", "moving_to", "pins")
     REGISTER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,7 @@ class PoolState(_message.Message):
     TOMBSTONE_REASONS_FIELD_NUMBER: _ClassVar[int]
     OWNER_TENANT_FIELD_NUMBER: _ClassVar[int]
     MOVING_TO_FIELD_NUMBER: _ClassVar[int]
+    PINS_FIELD_NUMBER: _ClassVar[int]
     register_request: bytes
     pool_id: str
     epoch: int
@@ -152,7 +153,20 @@ class PoolState(_message.Message):
     tombstone_reasons: _containers.RepeatedScalarFieldContainer[str]
     owner_tenant: str
     moving_to: str
-    def __init__(self, register_request: _Optional[bytes] = ..., pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., manager: _Optional[_Union[ManagerState, _Mapping]] = ..., requests: _Optional[_Iterable[_Union[RequestState, _Mapping]]] = ..., tombstone_keys: _Optional[_Iterable[str]] = ..., tombstone_reasons: _Optional[_Iterable[str]] = ..., owner_tenant: _Optional[str] = ..., moving_to: _Optional[str] = ...) -> None: ...
+    pins: _containers.RepeatedCompositeFieldContainer[PinState]
+    def __init__(self, register_request: _Optional[bytes] = ..., pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., manager: _Optional[_Union[ManagerState, _Mapping]] = ..., requests: _Optional[_Iterable[_Union[RequestState, _Mapping]]] = ..., tombstone_keys: _Optional[_Iterable[str]] = ..., tombstone_reasons: _Optional[_Iterable[str]] = ..., owner_tenant: _Optional[str] = ..., moving_to: _Optional[str] = ..., pins: _Optional[_Iterable[_Union[PinState, _Mapping]]] = ...) -> None: ...
+
+class PinState(_message.Message):
+    __slots__ = ("key", "session_id", "block_ids", "num_tokens")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    session_id: str
+    block_ids: bytes
+    num_tokens: int
+    def __init__(self, key: _Optional[str] = ..., session_id: _Optional[str] = ..., block_ids: _Optional[bytes] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class PoolExport(_message.Message):
     __slots__ = ("pool", "session_ids", "session_tenants", "session_names")

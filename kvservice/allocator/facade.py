@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from kvservice.allocator.batches import Batches
 from kvservice.allocator.keys import SEP, client_request_id, request_key
 from kvservice.allocator.moves import PoolMoves
+from kvservice.allocator.pins import PinBook
 from kvservice.allocator.placement import Placement
 from kvservice.allocator.pools import Pool
 from kvservice.allocator.registry import PoolRegistry
@@ -43,10 +44,12 @@ from kvservice.ops import (
     AdmitBatchOp,
     AllocateOp,
     DecodeBatchOp,
+    ForkOp,
     FreeOp,
     Op,
     OpResult,
     OpStatus,
+    PinOp,
     StepResult,
 )
 from kvservice.results import LookupResult, PoolStats, RequestInfo, ResetResult, SessionOpened
@@ -87,6 +90,7 @@ class Allocator:
         self.registry = PoolRegistry(self.state, self.book)
         self.placement = Placement(self.state)
         self.moves = PoolMoves(self.state, self.book)
+        self.pins = PinBook(self.state)
 
     @property
     def settings(self) -> AllocatorSettings:
@@ -171,8 +175,12 @@ class Allocator:
                 append(self.batches.admit(pool, session, op))
             elif kind is FreeOp:
                 append(self.book.free_op(pool, session, op))
-            else:
+            elif kind is ForkOp:
                 append(self.book.fork(pool, session, op))
+            elif kind is PinOp:
+                append(self.pins.pin(pool, session, op))
+            else:
+                append(self.pins.unpin(pool, session, op))
         result = StepResult(sequence, results, pool.manager.take_block_copies())
         self.state.drain(pool)
         return result
@@ -305,6 +313,7 @@ class Allocator:
             return str(exc)
         live = {req.request_id for req in pool.requests.values()}
         live |= {t.holder for t in self.state.transfers.transfers.values() if t.src_pool == pool.pool_id}
+        live |= {pin.holder for pin in pool.pins.values()}
         for manager in pool.manager.coordinator.managers:
             stray = set(manager.req_to_blocks) - live
             if stray:

@@ -13,6 +13,7 @@ from kvservice._proto import allocator_pb2 as pb
 from kvservice._proto import state_pb2 as st
 from kvservice.allocator import Allocator, AllocatorState
 from kvservice.allocator.keys import tenant_of
+from kvservice.allocator.pins import Pin
 from kvservice.allocator.pools import Pool
 from kvservice.allocator.sessions import Session
 from kvservice.allocator.transfers import Transfer
@@ -99,6 +100,9 @@ def _encode_pool(pool: Pool) -> st.PoolState:
                        moving_to=pool.moving_to)
     for key in sorted(pool.requests):
         out.requests.append(_encode_request(pool.requests[key], pool.owner.get(key, "")))
+    for key in sorted(pool.pins):
+        pin = pool.pins[key]
+        out.pins.add(key=key, session_id=pin.session_id, block_ids=_u32(pin.block_ids), num_tokens=pin.num_tokens)
     return out
 
 
@@ -221,6 +225,8 @@ def _decode_pool(ps: st.PoolState, state: AllocatorState) -> Pool:
             pool.owner[rs.key] = rs.owner
     for key, reason in zip(ps.tombstone_keys, ps.tombstone_reasons):
         pool.tombstones[key] = reason
+    for p in ps.pins:
+        pool.pins[p.key] = Pin(p.key, p.session_id, list(_from_u32(p.block_ids, "pin block_ids")), p.num_tokens)
     state.pools[pool.pool_id] = pool
     for key in pool.requests:
         state.usage.update(tenant_of(key), pool, key)
@@ -234,7 +240,7 @@ def export_pool(allocator: Allocator, pool_id: str) -> bytes:
     pool = state.pools[pool_id]
     out = st.PoolExport(pool=_encode_pool(pool))
     out.pool.moving_to = ""  # it serves where it arrives
-    for session_id in sorted(set(pool.owner.values())):
+    for session_id in sorted(set(pool.owner.values()) | {pin.session_id for pin in pool.pins.values()}):
         session = state.sessions.sessions.get(session_id)
         if session is not None:
             out.session_ids.append(session_id)
