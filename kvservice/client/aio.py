@@ -63,7 +63,7 @@ class AsyncKVServiceClient(ClientBase):
                     self._renew_in_background()
                 return result
             if not conn.attached or conn.stale:
-                await self._run_on(conn, self._session_call(conn, resume=conn.stale))
+                await self._run_on(conn, self._session_call(conn))
             self._stamp(conn, self.session_id, call.request)
             try:
                 reply = await self._call(conn, call.method, call.request)

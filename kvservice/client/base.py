@@ -123,10 +123,11 @@ class ClientBase:
         raise NotImplementedError
 
     # ---- session bookkeeping -------------------------------------------------------------------
-    def _session_call(self, conn: Conn, resume: bool) -> Call:
-        """OpenSession on `conn`: a new session, the resumption of this one, or (another shard) attaching it."""
+    def _session_call(self, conn: Conn, fresh: bool = False) -> Call:
+        """OpenSession on `conn`: a new session (`fresh`, or none yet), else this one resumed there (attached,
+        on a shard that does not know it yet)."""
         msg = pb.OpenSessionRequest(client_name=self.client_name)
-        if self.session_id and (resume or conn.attached or conn.stale or conn is not self.shards.seed):
+        if self.session_id and not fresh:
             msg.resume_session_id = self.session_id
             msg.last_acked_sequence = conn.next_sequence - 1  # an unacknowledged one is next_sequence itself
             msg.attach = self.shards.sharded
@@ -167,18 +168,26 @@ class ClientBase:
         refusing mutations while its persistence is down (every such refusal names persistence)."""
         return "persistence" not in str(exc)
 
-    def _map_call(self, conn: Conn) -> Call:
-        return Call("GetShardMap", pb.GetShardMapRequest(), lambda r: r, conn=conn)
-
     # ---- the API -------------------------------------------------------------------------------
     def open_session(self, resume: bool = False):
         """Opens a session (or resumes this client's after a restart of the server: its pools start new
         epochs if the server's state is behind what this client saw acknowledged). Sharded: on the first
         shard now, on the others when first used (a resume marks them for resuming too)."""
-        if resume:
-            for conn in self.shards.all():
+        for conn in self.shards.all():
+            if resume:
                 conn.stale = conn.attached
-        return self._run(self._session_call(self.shards.seed, resume))
+            else:
+                conn.attached = conn.stale = False  # a new session: every shard opens (attaches) it anew
+                conn.next_sequence, conn.unacked_sequence = 1, 0
+        return self._run(self._session_call(self.shards.seed, fresh=not resume))
+
+    def continue_session(self, session_id: str, next_sequence: int) -> None:
+        """Goes on with a session another client (a restarted process, say) had open on this allocator (its
+        first shard): the next mutation carries `next_sequence` as it is, so resending an unacknowledged
+        request gets its stored reply. No call is made."""
+        self.session_id = session_id
+        seed = self.shards.seed
+        seed.attached, seed.stale, seed.next_sequence, seed.unacked_sequence = True, False, next_sequence, 0
 
     def register_pool(self, pool_id: str, config: KVCacheConfig, max_model_len: int, epoch: int = 0,
                       dcp_world_size: int = 1, enable_caching: bool = True, vocab_size: int = 0,
@@ -257,8 +266,8 @@ class ClientBase:
                               per_shard=per_shard))
 
     def shard_map(self) -> pb.ShardMapResponse:
-        """The shard map as the first shard sees it (unsharded: one unnamed shard)."""
-        return self._run(self._map_call(self.shards.seed))
+        """The shard map (unsharded: one unnamed shard), from the first shard (or, failing it, another)."""
+        return self._run(Call("GetShardMap", pb.GetShardMapRequest(), lambda r: r))
 
     def hash_prompt(self, token_ids: Sequence[int], cache_salt: str | None = None,
                     lora_name: str | None = None) -> list[bytes]:

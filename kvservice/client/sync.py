@@ -59,7 +59,7 @@ class KVServiceClient(ClientBase):
                     self._renew_in_background()
                 return result
             if not conn.attached or conn.stale:
-                self._run_on(conn, self._session_call(conn, resume=conn.stale))
+                self._run_on(conn, self._session_call(conn))
             self._stamp(conn, self.session_id, call.request)
             try:
                 reply = self._call(conn, call.method, call.request)
