@@ -84,7 +84,7 @@ class AsyncKVServiceClient(ClientBase):
             for conn in shards.all():
                 request = call.per_shard(conn) if call.per_shard is not None else call.request
                 if request is not None:
-                    calls.append(self._run_on(conn, Call(call.method, request, call.decode, conn=conn)))
+                    calls.append(self._run(Call(call.method, request, call.decode, conn=conn)))
             return call.merge(list(await asyncio.gather(*calls)))
         hops, deadline = 0, None
         while True:
@@ -101,8 +101,7 @@ class AsyncKVServiceClient(ClientBase):
                 await self._close(shards.moved(exc.pool_id, exc.shard_id, exc.address))
             except Unavailable as exc:
                 deadline = deadline or time.monotonic() + self.failover_timeout_s
-                if (call.conn is not None or not self._may_fail_over(exc)
-                        or not await self._failed_over(conn, deadline)):
+                if not self._may_fail_over(exc) or not await self._failed_over(conn, deadline):
                     raise
 
     async def _refresh_map(self, conn: Conn) -> bool:

@@ -80,7 +80,7 @@ class KVServiceClient(ClientBase):
             for conn in shards.all():
                 request = call.per_shard(conn) if call.per_shard is not None else call.request
                 if request is not None:
-                    parts.append(self._run_on(conn, Call(call.method, request, call.decode, conn=conn)))
+                    parts.append(self._run(Call(call.method, request, call.decode, conn=conn)))
             return call.merge(parts)
         hops, deadline = 0, None
         while True:
@@ -95,7 +95,8 @@ class KVServiceClient(ClientBase):
             except Unavailable as exc:
                 # A shard's leader may have failed over: ask the others (or the next address) where it is now.
                 deadline = deadline or time.monotonic() + self.failover_timeout_s
-                if call.conn is not None or not self._may_fail_over(exc) or not self._failed_over(conn, deadline):
+                # (A pinned call may too: its connection is the shard's, whatever address the shard moves to.)
+                if not self._may_fail_over(exc) or not self._failed_over(conn, deadline):
                     raise
 
     def _refresh_map(self, conn: Conn) -> bool:
