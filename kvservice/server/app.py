@@ -80,8 +80,10 @@ class AllocatorServer:
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         await self._update_persistence_health()
         self._lease_task = asyncio.create_task(self._expire_leases())
-        logger.info("%s%s:%d (auth %s, TLS %s, persistence %s)", READY_PREFIX, cfg.host, self.port,
-                    "on" if self.auth.enabled else "OFF", "on" if cfg.tls_cert else "off", self.journal.state.value)
+        role = "hot standby: following the leader's WAL" if self.servicer.standby else \
+            f"persistence {self.journal.state.value}"
+        logger.info("%s%s:%d (auth %s, TLS %s, %s)", READY_PREFIX, cfg.host, self.port,
+                    "on" if self.auth.enabled else "OFF", "on" if cfg.tls_cert else "off", role)
         return self.port
 
     async def _expire_leases(self) -> None:
