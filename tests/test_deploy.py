@@ -4,9 +4,11 @@ on the head node, one pool per node, KV-aware routing, outputs equal to the dens
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import redis as redis_py
 
 from worker import deploy
 from worker.model import ModelConfig, TinyTransformer
@@ -171,6 +173,7 @@ def test_kuberay_shards_run_valid_commands(tmp_path):
     """allocator-shards.yaml: pod b-1 is a standby of shard s1 advertising its own DNS name, over the Redis
     Cluster of redis-cluster.yaml, whose node command a real redis-server 7 accepts in cluster mode."""
     import yaml
+
     from tests.redis_helpers import debian_redis, free_port
     docs = {}
     for name in ("allocator-shards.yaml", "redis-cluster.yaml", "rayjob-shards.yaml"):
@@ -199,7 +202,6 @@ def test_kuberay_shards_run_valid_commands(tmp_path):
     argv = [debian_redis()] + [str(tmp_path) if a == "/data" else a for a in argv[1:]] + ["--port", str(port)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        import redis as redis_py
         client = redis_py.Redis(port=port, socket_connect_timeout=1)
         for _ in range(100):
             try:
@@ -207,7 +209,6 @@ def test_kuberay_shards_run_valid_commands(tmp_path):
                     break
             except redis_py.ConnectionError:
                 assert proc.poll() is None, proc.stdout.read()
-                import time
                 time.sleep(0.1)
         assert client.config_get("cluster-announce-hostname") == {
             "cluster-announce-hostname": "kvservice-redis-cluster-2.kvservice-redis-cluster"}
