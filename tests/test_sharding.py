@@ -295,3 +295,27 @@ def test_unsharded_clients_see_one_unnamed_shard(tmp_path):
             assert "sharded allocators" in info.value.details()
     finally:
         proc.stop()
+
+
+def test_a_single_shard_fails_over_to_the_standby_named_in_the_target(tmp_path):
+    """One shard and its standby: when the only known shard dies, no shard is left to ask for the map, so the
+    client asks the target's other address (the standby), which then leads; the next Step succeeds there."""
+    from tests.redis_helpers import RedisServer
+    redis = RedisServer(tmp_path / "redis")
+    redis.start()
+    start = lambda *a: start_shard(redis.url, "s0", tmp_path, "--leader-lease", "0.5", *a, namespace="solo")  # noqa: E731
+    leader, standby = start(), start("--standby")
+    try:
+        with KVServiceClient(f"{leader.target},{standby.target}", failover_timeout_s=30) as c:
+            c.register_pool("p", CONFIG, max_model_len=1024)
+            c.step("p", [AddRequestOp("r", token_ids=list(range(40))), AllocateOp("r", num_new_tokens=40)])
+            leader.proc.send_signal(signal.SIGKILL)
+            leader.proc.wait(10)
+            r = c.step("p", [DecodeBatchOp(["r"], [40], [7])])
+            assert r.results[0].batch.statuses == bytes(1)
+            assert c.shard_map().shards[0].address == standby.target
+            assert c.get_request("p", "r").num_tokens == 41  # nothing acknowledged lost
+    finally:
+        for p in (leader, standby):
+            p.stop()
+        redis.stop()

@@ -131,7 +131,13 @@ class AsyncKVServiceClient(ClientBase):
         await asyncio.sleep(0.2)
         for conn in [c for c in shards.all() if c is not dead] + [dead]:
             if await self._refresh_map(conn):
-                break
+                return True
+        for conn in shards.spare_seeds():  # no shard answers: the target's other addresses (standbys)
+            try:
+                if await self._refresh_map(conn):
+                    return True
+            finally:
+                await conn.channel.close()
         return True
 
     @staticmethod

@@ -119,5 +119,17 @@ class Shards:
             return retired
         return []
 
+    def spare_seeds(self) -> list[Conn]:
+        """Fresh connections to the seed addresses no shard is reached at now (e.g. a single shard's standby,
+        named only in the target): whom to ask for the map when every known shard is down. The caller
+        closes their channels."""
+        used = {c.address for c in self.all()}
+        out = []
+        for address in dict.fromkeys(self.alternates):
+            if address not in used:
+                channel = self.make_channel(address)
+                out.append(Conn("", address, channel, make_stub(channel)))
+        return out
+
     def channels(self) -> list[Any]:
         return [c.channel for c in self.all()]

@@ -76,12 +76,7 @@ class KVServiceClient(ClientBase):
         if not shards.known and call.method != "GetShardMap":
             self._refresh_map(shards.seed)
         if call.merge is not None and shards.sharded and call.conn is None:
-            parts = []
-            for conn in shards.all():
-                request = call.per_shard(conn) if call.per_shard is not None else call.request
-                if request is not None:
-                    parts.append(self._run(Call(call.method, request, call.decode, conn=conn)))
-            return call.merge(parts)
+            return call.merge(self._fan_out(call))
         hops, deadline = 0, None
         while True:
             conn = call.conn or shards.conn_for(call.pool_id)
@@ -98,6 +93,24 @@ class KVServiceClient(ClientBase):
                 # (A pinned call may too: its connection is the shard's, whatever address the shard moves to.)
                 if not self._may_fail_over(exc) or not self._failed_over(conn, deadline):
                     raise
+
+    def _fan_out(self, call: Call) -> list:
+        """`call` on every shard. A read goes to all of them at once (one round trip, not one per shard); a
+        part that fails is run again on its own, through the retries and failover of `_run`."""
+        parts = [(conn, call.per_shard(conn) if call.per_shard is not None else call.request)
+                 for conn in self.shards.all()]
+        parts = [(conn, request) for conn, request in parts if request is not None]
+        if call.mutating:
+            return [self._run(Call(call.method, request, call.decode, conn=conn)) for conn, request in parts]
+        futures = [getattr(conn.stub, call.method).future(request, timeout=self.timeout_s, metadata=self.metadata)
+                   for conn, request in parts]
+        out = []
+        for (conn, request), future in zip(parts, futures):
+            try:
+                out.append(call.decode(future.result()))
+            except grpc.RpcError:
+                out.append(self._run(Call(call.method, request, call.decode, conn=conn)))
+        return out
 
     def _refresh_map(self, conn: Conn) -> bool:
         try:
@@ -126,7 +139,13 @@ class KVServiceClient(ClientBase):
         time.sleep(0.2)
         for conn in [c for c in shards.all() if c is not dead] + [dead]:
             if self._refresh_map(conn):
-                break
+                return True
+        for conn in shards.spare_seeds():  # no shard answers: the target's other addresses (standbys)
+            try:
+                if self._refresh_map(conn):
+                    return True
+            finally:
+                conn.channel.close()
         return True
 
     @staticmethod

@@ -1,0 +1,468 @@
+"""Sharded allocator benchmark (issue 18), against real `kvservice serve --shard` processes on loopback over
+one real Redis, in one run:
+
+1. throughput: aggregate Steps/s and Step p50/p99 with 1, 2 and 4 shards under E concurrent engine clients
+   (each its own pool, session and connections, looping decode Steps of B running requests; the engines
+   spread over client processes), and the CPU every Step costs the shard, its snapshotter and Redis: the
+   per-Step cost the README's capacity model projects from;
+2. failover: a shard leader SIGKILLed while an engine steps; time from the kill to the first Step its hot
+   standby served (p50 over K kills; a new standby started after each);
+3. Lookup: the sharded client's fan-out (every shard at once) against a client-side replica of the index
+   fed by each shard's WatchEvents stream: latency, agreement, staleness, ingest rate.
+
+    python bench/shard_bench.py [--shards 1,2,4] [--engines 16] [--batch 256] [--seconds 10] [--kills 10]
+
+On 2 cores the client processes and the shards share the CPUs: the 1 -> 2 step shows most of what a
+second shard buys here; past it the machine, not the allocator, is the limit.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")  # we spawn processes after using gRPC
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import random
+import signal
+import sys
+import tempfile
+import threading
+import time
+from array import array
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import psutil  # noqa: E402
+
+from bench.common import bar_plot, median, percentile, table, write_json  # noqa: E402
+from kvservice.client import AsyncKVServiceClient, KVServiceClient  # noqa: E402
+from kvservice.core import FullAttentionSpec, KVCacheConfig  # noqa: E402
+from kvservice.ops import AdmitBatchOp, DecodeBatchOp, FreeOp, OpStatus  # noqa: E402
+from tests.cluster_helpers import start_shard  # noqa: E402
+from tests.redis_helpers import RedisServer, debian_redis  # noqa: E402
+
+BS = 16
+MAX_LEN = 4096
+ROUND_STEPS = 200  # an engine's requests finish and new ones are admitted every this many decode Steps
+
+
+def pool_config(batch: int) -> KVCacheConfig:
+    blocks_per_request = (512 + ROUND_STEPS) // BS + 2
+    return KVCacheConfig(batch * blocks_per_request * 2, [FullAttentionSpec(BS)])
+
+
+class Fleet:
+    """`n` shards s0.. (each a leader, optionally with a standby) over one Redis namespace."""
+
+    def __init__(self, redis_url: str, n: int, log_dir: Path, namespace: str, standbys: bool = False,
+                 extra: tuple[str, ...] = ()) -> None:
+        self.redis_url, self.log_dir, self.namespace, self.extra = redis_url, log_dir, namespace, extra
+        self.ids = [f"s{i}" for i in range(n)]
+        self.leaders = {s: self.start(s) for s in self.ids}
+        self.standbys = {s: self.start(s, "--standby") for s in self.ids} if standbys else {}
+
+    def start(self, shard: str, *args: str):
+        return start_shard(self.redis_url, shard, self.log_dir, *self.extra, *args, namespace=self.namespace)
+
+    @property
+    def seeds(self) -> str:
+        return ",".join(p.target for p in self.leaders.values())
+
+    def stop(self) -> None:
+        for p in [*self.leaders.values(), *self.standbys.values()]:
+            if p.proc.poll() is None:
+                p.proc.send_signal(signal.SIGTERM)
+        for p in [*self.leaders.values(), *self.standbys.values()]:
+            try:
+                p.proc.wait(10)
+            except Exception:
+                p.proc.kill()
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes and their children."""
+    total = 0.0
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            for p in [root, *root.children(recursive=True)]:
+                t = p.cpu_times()
+                total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+# ---- 1. throughput ----------------------------------------------------------------------------------
+def prompts_for(rng: random.Random, n: int) -> list[array]:
+    return [array("I", (rng.randrange(32000) for _ in range(rng.randint(128, 512)))) for _ in range(n)]
+
+
+async def engine(seeds: str, pool_id: str, batch: int, window: tuple[float, float], stop_at: float,
+                 seed: int) -> tuple[int, list[float], int]:
+    """One engine: its own client and session; admits `batch` requests, then decode Steps of all of them,
+    a new round of requests every ROUND_STEPS. Returns (decode Steps that ended inside `window`, their
+    latencies, Steps that failed)."""
+    rng = random.Random(seed)
+    latencies, in_window, failed = [], 0, 0
+    async with AsyncKVServiceClient(seeds, retries=3, timeout_s=30, failover_timeout_s=30) as client:
+        await client.open_session()
+        round_ = 0
+        while time.time() < stop_at:
+            ids = [f"{pool_id}-r{round_}-{i}" for i in range(batch)]
+            prompts = prompts_for(rng, batch)
+            admitted = await client.step(pool_id, [AdmitBatchOp(ids, prompts)])
+            assert admitted.results[0].batch.statuses == bytes(batch), admitted.results[0]
+            computed = array("I", (len(p) for p in prompts))
+            for _ in range(ROUND_STEPS):
+                tokens = array("I", (rng.randrange(32000) for _ in range(batch)))
+                t0 = time.perf_counter()
+                reply = await client.step(pool_id, [DecodeBatchOp(ids, computed, tokens)])
+                elapsed = time.perf_counter() - t0
+                if reply.results[0].batch.statuses != bytes(batch):
+                    failed += 1
+                end = time.time()
+                if window[0] <= end <= window[1]:
+                    in_window += 1
+                    latencies.append(elapsed)
+                computed = array("I", (c + 1 for c in computed))
+                if end >= stop_at:
+                    break
+            freed = await client.step(pool_id, [FreeOp(rid) for rid in ids])
+            assert all(r.status == OpStatus.OK for r in freed.results)
+            round_ += 1
+    return in_window, latencies, failed
+
+
+def engine_process(seeds: str, pool_ids: list[str], batch: int, window: tuple[float, float], stop_at: float,
+                   out: mp.Queue) -> None:
+    async def run():
+        return await asyncio.gather(*(engine(seeds, p, batch, window, stop_at, hash(p) & 0xFFFF)
+                                      for p in pool_ids))
+    results = asyncio.run(run())
+    out.put((sum(r[0] for r in results), [x for r in results for x in r[1]], sum(r[2] for r in results)))
+
+
+def throughput(redis: RedisServer, shards: int, engines: int, batch: int, seconds: float, procs: int,
+               log_dir: Path) -> dict:
+    fleet = Fleet(redis.url, shards, log_dir, namespace=f"tp{shards}")
+    try:
+        pools = [f"e{i}" for i in range(engines)]
+        with KVServiceClient(fleet.seeds) as admin:
+            for p in pools:  # each new pool to the least-loaded shard
+                admin.register_pool(p, pool_config(batch), MAX_LEN)
+            placed = admin.shard_map().pools
+        per_shard = {s: sum(1 for p in pools if placed[p] == s) for s in fleet.ids}
+        warm = 3.0
+        start = time.time() + 4.0  # the processes start meanwhile
+        window = (start + warm, start + warm + seconds)
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        workers = [ctx.Process(target=engine_process, args=(fleet.seeds, pools[k::procs], batch, window,
+                                                            window[1] + 0.5, out)) for k in range(procs)]
+        for w in workers:
+            w.start()
+        server_pids = [p.proc.pid for p in fleet.leaders.values()]
+        time.sleep(max(0.0, window[0] - time.time()))
+        client_pids = [w.pid for w in workers]
+        cpu0, redis0, client0 = cpu_seconds(server_pids), cpu_seconds([redis.pid]), cpu_seconds(client_pids)
+        time.sleep(max(0.0, window[1] - time.time()))
+        cpu1, redis1, client1 = cpu_seconds(server_pids), cpu_seconds([redis.pid]), cpu_seconds(client_pids)
+        results = [out.get(timeout=600) for _ in workers]
+        for w in workers:
+            w.join(60)
+        steps = sum(r[0] for r in results)
+        lat = [x for r in results for x in r[1]]
+        failed = sum(r[2] for r in results)
+        return {"shards": shards, "engines": engines, "batch": batch, "pools_per_shard": per_shard,
+                "steps": steps, "steps_per_s": steps / seconds, "failed_steps": failed,
+                "p50_ms": median(lat) * 1e3, "p99_ms": percentile(lat, 99) * 1e3,
+                "server_cpu_ms_per_step": (cpu1 - cpu0) / max(steps, 1) * 1e3,
+                "redis_cpu_ms_per_step": (redis1 - redis0) / max(steps, 1) * 1e3,
+                "client_cpu_ms_per_step": (client1 - client0) / max(steps, 1) * 1e3,
+                "server_cpu_util": (cpu1 - cpu0) / seconds, "redis_cpu_util": (redis1 - redis0) / seconds}
+    finally:
+        fleet.stop()
+
+
+# ---- 2. failover ------------------------------------------------------------------------------------
+class Stepper(threading.Thread):
+    """An engine stepping one pool in a loop; records when each Step's reply came back."""
+
+    def __init__(self, seeds: str, pool_id: str, batch: int) -> None:
+        super().__init__(daemon=True)
+        self.client = KVServiceClient(seeds, retries=3, timeout_s=30, failover_timeout_s=60)
+        self.pool_id, self.batch = pool_id, batch
+        self.replies: list[float] = []
+        self.errors: list[str] = []
+        self.stopping = threading.Event()
+        rng = random.Random(7)
+        self.ids = [f"f{i}" for i in range(batch)]
+        prompts = prompts_for(rng, batch)
+        self.client.open_session()
+        r = self.client.step(pool_id, [AdmitBatchOp(self.ids, prompts)])
+        assert r.results[0].batch.statuses == bytes(batch)
+        self.computed = array("I", (len(p) for p in prompts))
+        self.rng = rng
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            tokens = array("I", (self.rng.randrange(32000) for _ in range(self.batch)))
+            try:
+                reply = self.client.step(self.pool_id, [DecodeBatchOp(self.ids, self.computed, tokens)])
+            except Exception as exc:  # recorded: a lost Step fails the benchmark
+                self.errors.append(repr(exc))
+                return
+            if reply.results[0].batch.statuses != bytes(self.batch):
+                self.errors.append(f"decode refused after failover: {reply.results[0]}")
+                return
+            self.replies.append(time.monotonic())
+            self.computed = array("I", (c + 1 for c in self.computed))
+            time.sleep(0.005)  # ~ an engine's step cadence; keeps the timeline fine-grained
+
+    def first_reply_after(self, t: float, timeout_s: float) -> float | None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            after = [x for x in self.replies[-50:] if x > t]
+            if after:
+                return after[0]
+            if self.errors:
+                raise RuntimeError(self.errors[0])
+            time.sleep(0.005)
+        return None
+
+
+def failover(redis: RedisServer, kills: int, lease_s: float, log_dir: Path) -> dict:
+    fleet = Fleet(redis.url, 1, log_dir, namespace=f"fo{lease_s}", standbys=True,
+                  extra=("--leader-lease", str(lease_s)))
+    try:
+        with KVServiceClient(fleet.seeds) as admin:
+            admin.register_pool("fo", pool_config(32), MAX_LEN)
+        seeds = f"{fleet.leaders['s0'].target},{fleet.standbys['s0'].target}"
+        stepper = Stepper(seeds, "fo", 32)
+        stepper.start()
+        times = []
+        for k in range(kills):
+            time.sleep(1.0)  # steady stepping before the kill
+            leader = fleet.leaders["s0"]
+            killed_at = time.monotonic()
+            leader.proc.send_signal(signal.SIGKILL)
+            served = stepper.first_reply_after(killed_at, 60)
+            if served is None:
+                raise RuntimeError(f"kill {k}: no Step served within 60 s")
+            times.append(served - killed_at)
+            leader.proc.wait(10)
+            print(f"  failover {k + 1}/{kills}: {times[-1]:.3f} s (lease {lease_s} s)", flush=True)
+            # The standby leads now; a new standby for it, and the engine told both addresses.
+            fleet.leaders["s0"], fleet.standbys["s0"] = fleet.standbys["s0"], fleet.start("s0", "--standby")
+            stepper.stopping.set()
+            stepper.join(30)
+            stepper.client.close()
+            stepper = restart_stepper(stepper, fleet)
+        stepper.stopping.set()
+        stepper.join(30)
+        return {"lease_s": lease_s, "kills": kills, "times_s": times, "p50_s": median(times),
+                "max_s": max(times), "min_s": min(times), "lost_steps": len(stepper.errors)}
+    finally:
+        fleet.stop()
+
+
+def restart_stepper(old: Stepper, fleet: Fleet) -> Stepper:
+    """The same engine (requests and counts) with a client that knows the new leader and its new standby."""
+    new = Stepper.__new__(Stepper)
+    threading.Thread.__init__(new, daemon=True)
+    new.client = KVServiceClient(f"{fleet.leaders['s0'].target},{fleet.standbys['s0'].target}", retries=3,
+                                 timeout_s=30, failover_timeout_s=60)
+    new.client.continue_session(old.client.session_id, old.client.next_sequence)
+    new.pool_id, new.batch, new.ids, new.computed, new.rng = old.pool_id, old.batch, old.ids, old.computed, old.rng
+    new.replies, new.errors, new.stopping = [], old.errors, threading.Event()
+    new.start()
+    return new
+
+
+# ---- 3. Lookup: fan-out vs a replicated index -------------------------------------------------------
+class ReplicatedIndex:
+    """Which block hashes each pool holds, kept by one WatchEvents stream per shard (what a router would
+    run instead of asking the shards). `lookup` answers as Lookup does, from memory."""
+
+    def __init__(self, client: KVServiceClient, pools_by_shard: dict[str, list[str]]) -> None:
+        self.client = client
+        self.pools: dict[str, set[bytes]] = {p: set() for ps in pools_by_shard.values() for p in ps}
+        self.seen_at: dict[bytes, float] = {}
+        self.events = 0
+        self.thread_cpu: dict[int, float] = {}  # per stream: its thread's CPU receiving, decoding, applying
+        self.threads = [threading.Thread(target=self._follow, args=(ps,), daemon=True)
+                        for ps in pools_by_shard.values() if ps]
+        for t in self.threads:
+            t.start()
+
+    def _follow(self, pool_ids: list[str]) -> None:
+        start, me = time.thread_time(), threading.get_ident()
+        try:
+            for e in self.client.watch_events(pool_ids):
+                held = self.pools[e.pool_id]
+                if e.kind == "stored":
+                    held.update(e.block_hashes)
+                    now = time.monotonic()
+                    for h in e.block_hashes:
+                        self.seen_at.setdefault(h, now)
+                elif e.kind == "removed":
+                    held.difference_update(e.block_hashes)
+                else:
+                    held.clear()
+                self.events += 1
+                self.thread_cpu[me] = time.thread_time() - start
+        except Exception:  # the stream ends when the client closes
+            return
+
+    def lookup(self, token_ids) -> dict[str, int]:
+        # As Lookup (and vLLM): the prompt's last token is always computed, so a hit stops a block short.
+        hashes = self.client.hash_prompt(token_ids)[:(len(token_ids) - 1) // BS]
+        out = {}
+        for pool_id, held in self.pools.items():
+            n = 0
+            for h in hashes:
+                if h not in held:
+                    break
+                n += 1
+            out[pool_id] = n * BS
+        return out
+
+
+def lookup_bench(redis: RedisServer, shards: int, pools: int, queries: int, log_dir: Path) -> dict:
+    fleet = Fleet(redis.url, shards, log_dir, namespace="lk")
+    rng = random.Random(3)
+    try:
+        with KVServiceClient(fleet.seeds) as client:
+            ids = [f"lk{i}" for i in range(pools)]
+            for p in ids:
+                client.register_pool(p, KVCacheConfig(4096, [FullAttentionSpec(BS)]), MAX_LEN)
+            placed = client.shard_map().pools
+            by_shard = {s: [p for p in ids if placed[p] == s] for s in fleet.ids}
+            index = ReplicatedIndex(client, by_shard)
+            time.sleep(1.0)  # the streams are open
+            families = [[rng.randrange(32000) for _ in range(512)] for _ in range(16)]
+            acked: dict[bytes, float] = {}
+            t_fill = time.monotonic()
+            cpu0 = time.process_time()
+            for p in ids:  # each pool caches a few families' prompts
+                prompts = [families[rng.randrange(16)] + [rng.randrange(32000) for _ in range(512)]
+                           for _ in range(24)]
+                rids = [f"{p}-{i}" for i in range(len(prompts))]
+                client.step(p, [AdmitBatchOp(rids, prompts)])
+                now = time.monotonic()
+                for prompt in prompts:
+                    acked.setdefault(client.hash_prompt(prompt)[-1], now)
+                client.step(p, [FreeOp(r) for r in rids])
+            expected = set(acked)
+            deadline = time.monotonic() + 60
+            while not expected <= index.seen_at.keys() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            caught_up = time.monotonic() - t_fill
+            ingest_cpu = time.process_time() - cpu0
+            staleness = [max(0.0, index.seen_at[h] - t) for h, t in acked.items() if h in index.seen_at]
+            fan, local, mismatches = [], [], 0
+            for _ in range(queries):
+                prompt = families[rng.randrange(16)] + [rng.randrange(32000) for _ in range(rng.choice([0, 256]))]
+                t0 = time.perf_counter()
+                res = client.lookup(prompt)
+                fan.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                mine = index.lookup(prompt)
+                local.append(time.perf_counter() - t0)
+                theirs = {h.pool_id: h.num_cached_tokens for h in res.hits}
+                wrong = {p: (theirs.get(p, 0), mine[p]) for p in ids if theirs.get(p, 0) != mine[p]}
+                if wrong and os.environ.get("SHARD_BENCH_DEBUG"):
+                    print(len(prompt), wrong)
+                mismatches += bool(wrong)
+            blocks = sum(len(s) for s in index.pools.values())
+            held_bytes = sum(sys.getsizeof(s) + sum(sys.getsizeof(h) for h in s) for s in index.pools.values())
+            return {"shards": shards, "pools": pools, "queries": queries, "events": index.events,
+                    "cached_blocks": blocks, "replica_bytes_per_block": held_bytes / max(blocks, 1),
+                    "replica_ingest_blocks_per_cpu_s": blocks / max(sum(index.thread_cpu.values()), 1e-9),
+                    "fanout_p50_ms": median(fan) * 1e3, "fanout_p99_ms": percentile(fan, 99) * 1e3,
+                    "replica_p50_ms": median(local) * 1e3, "replica_p99_ms": percentile(local, 99) * 1e3,
+                    "mismatching_queries": mismatches,
+                    "staleness_p50_ms": median(staleness) * 1e3 if staleness else float("nan"),
+                    "staleness_p99_ms": percentile(staleness, 99) * 1e3 if staleness else float("nan"),
+                    "fill_and_catch_up_s": caught_up, "client_cpu_s_fill": ingest_cpu}
+    finally:
+        fleet.stop()
+
+
+def plot(tp: list[dict]) -> None:
+    labels = [f"{r['shards']} shard{'s' if r['shards'] > 1 else ''}" for r in tp]
+    bar_plot("shard_throughput", "Aggregate decode Steps/s (256 requests each) by shard count",
+             labels, {"Steps/s": [r["steps_per_s"] for r in tp]}, "Steps/s")
+    bar_plot("shard_latency", "Step latency by shard count", labels,
+             {"p50 ms": [r["p50_ms"] for r in tp], "p99 ms": [r["p99_ms"] for r in tp]}, "ms")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shards", default="1,2,4", help="shard counts for the throughput series")
+    parser.add_argument("--engines", type=int, default=16, help="concurrent engine clients (one pool each)")
+    parser.add_argument("--batch", type=int, default=256, help="running requests per decode Step")
+    parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds per shard count")
+    parser.add_argument("--client-procs", type=int, default=2, help="processes the engines are spread over")
+    parser.add_argument("--kills", type=int, default=10, help="leader kills for the failover time")
+    parser.add_argument("--lease", default="2.0,0.5", help="--leader-lease values for the failover series")
+    parser.add_argument("--lookup-queries", type=int, default=300)
+    parser.add_argument("--only", choices=["throughput", "failover", "lookup"], help="one part only")
+    args = parser.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="kvservice-shard-bench-"))
+    redis = RedisServer(tmp / "redis", executable=debian_redis())
+    redis.start()
+    data: dict = {"args": vars(args)}
+    try:
+        if args.only in (None, "throughput"):
+            rows = []
+            for n in [int(x) for x in args.shards.split(",")]:
+                print(f"throughput: {n} shard(s), {args.engines} engines x {args.batch} requests ...", flush=True)
+                rows.append(throughput(redis, n, args.engines, args.batch, args.seconds, args.client_procs, tmp))
+                r = rows[-1]
+                print(f"  {r['steps_per_s']:.0f} Steps/s, p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms, "
+                      f"server {r['server_cpu_ms_per_step']:.2f} ms CPU/Step", flush=True)
+            base = rows[0]["steps_per_s"]
+            for r in rows:
+                r["speedup_vs_first"] = r["steps_per_s"] / base
+            print(table(["shards", "Steps/s", "x", "p50 ms", "p99 ms", "server ms CPU/Step", "Redis ms CPU/Step",
+                         "clients ms CPU/Step", "failed"],
+                        [[r["shards"], r["steps_per_s"], r["speedup_vs_first"], r["p50_ms"], r["p99_ms"],
+                          r["server_cpu_ms_per_step"], r["redis_cpu_ms_per_step"], r["client_cpu_ms_per_step"],
+                          r["failed_steps"]] for r in rows]))
+            data["throughput"] = rows
+            plot(rows)
+        if args.only in (None, "failover"):
+            data["failover"] = []
+            for lease in [float(x) for x in args.lease.split(",")]:
+                print(f"failover: {args.kills} kills, --leader-lease {lease} ...", flush=True)
+                data["failover"].append(failover(redis, args.kills, lease, tmp))
+            print(table(["lease s", "kills", "p50 s", "min s", "max s", "lost"],
+                        [[f["lease_s"], f["kills"], f["p50_s"], f["min_s"], f["max_s"], f["lost_steps"]]
+                         for f in data["failover"]]))
+        if args.only in (None, "lookup"):
+            print("lookup: fan-out vs replicated index ...", flush=True)
+            lk = lookup_bench(redis, 4, 16, args.lookup_queries, tmp)
+            data["lookup"] = lk
+            print(table(["", "p50 ms", "p99 ms"],
+                        [["fan-out to 4 shards", lk["fanout_p50_ms"], lk["fanout_p99_ms"]],
+                         ["replica (WatchEvents)", lk["replica_p50_ms"], lk["replica_p99_ms"]],
+                         ["replica staleness", lk["staleness_p50_ms"], lk["staleness_p99_ms"]]]))
+            print(f"  {lk['mismatching_queries']}/{lk['queries']} queries where the replica disagreed; "
+                  f"{lk['events']} events, {lk['cached_blocks']} blocks held, "
+                  f"{lk['replica_bytes_per_block']:.0f} bytes/block, "
+                  f"{lk['replica_ingest_blocks_per_cpu_s']:,.0f} blocks/s of one core to ingest")
+    finally:
+        redis.stop()
+    path = write_json("shard", data)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
