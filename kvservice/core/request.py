@@ -29,6 +29,14 @@ class Request:
     compute the same hashes.
     """
 
+    # vLLM Request attributes the core reads, at their defaults (class level, so a request restored
+    # field by field has them too): a scheduler may set them.
+    skip_reading_prefix_cache = False
+    shared_prefix_boundary = 0  # a junction to keep cached under sparse retention
+    num_in_flight_tokens = 0  # scheduled tokens whose forward has not finished (async scheduling)
+    session_id: str | None = None
+    lora_id: int | None = None
+
     def __init__(
         self,
         request_id: str,
