@@ -72,7 +72,7 @@ class ConnectorHooks:
             if isinstance(m, (MambaManager, CrossAttentionManager)):
                 out.append(ids)
             else:
-                out.append(ids[:cdiv(num_computed_tokens, m.kv_cache_spec.block_size)])
+                out.append(ids[:cdiv(num_computed_tokens, m.spec.block_size)])
         return tuple(out)
 
     def estimate_cached_tokens(self, request) -> int:
@@ -80,7 +80,7 @@ class ConnectorHooks:
         longest prefix one of its blocks is keyed at."""
         cached = None
         for m, blocks in zip(self.coordinator.single_type_managers, self.get_blocks(request.request_id).blocks):
-            if not m.kv_cache_spec.prefix_cacheable or isinstance(m, CrossAttentionManager):
+            if not m.spec.prefix_cacheable or isinstance(m, CrossAttentionManager):
                 continue
             group = max((b.block_hash_num_tokens or 0 for b in blocks), default=0)
             cached = group if cached is None else min(cached, group)
@@ -91,7 +91,7 @@ class ConnectorHooks:
         shorter (an external load can supply its last state)."""
         out: list[list[KVCacheBlock]] = []
         for group_blocks, m in zip(blocks.blocks, self.coordinator.single_type_managers):
-            if not m.kv_cache_spec.prefix_cacheable:
+            if not m.spec.prefix_cacheable:
                 if group_blocks:
                     raise AssertionError("a scratch group never has computed blocks")
                 out.append([])

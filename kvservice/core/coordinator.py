@@ -46,8 +46,8 @@ def validate_retention_interval(interval: int | None, scheduler_block_size: int,
     if not any(isinstance(s, (SlidingWindowSpec, MambaSpec)) for s in config.groups):
         if interval == 0:
             return
-        raise ValueError(f"prefix_cache_retention_interval={interval} is set but no group is sliding-window or "
-                         f"Mamba, so retention has no effect; set it to 0 (or leave it unset)")
+        raise ValueError(f"prefix_cache_retention_interval={interval} is set but the pool has no sliding-window or "
+                         f"Mamba group, so retention has no effect; set it to 0 (or leave it unset)")
     if interval < 0 or interval % scheduler_block_size != 0:
         raise ValueError(f"prefix_cache_retention_interval ({interval}) must be non-negative and a multiple of "
                          f"scheduler_block_size ({scheduler_block_size})")
@@ -208,7 +208,7 @@ class KVCacheCoordinator:
         for g, blocks in enumerate(computed_blocks):
             if blocks:
                 m = self.single_type_managers[g]
-                m.block_pool.emit_cached_block_events(request, len(blocks), m.kv_cache_spec.block_size, g)
+                m.block_pool.emit_cached_block_events(request, len(blocks), m.spec.block_size, g)
 
     # ---- freeing -------------------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:

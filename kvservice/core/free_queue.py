@@ -81,6 +81,8 @@ class FreeBlockQueue:
     def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Appends blocks at the tail, keeping their order."""
         last = self.fake_free_list_tail.prev_free_block
+        if last is None:
+            raise AssertionError("the free queue's tail sentinel lost its link")
         n = 0
         for block in blocks:
             last.next_free_block = block

@@ -37,7 +37,6 @@ class KVCacheManager(ConnectorHooks):
     (a fraction of the pool kept free when admitting waiting requests), `metrics_collector`,
     `enable_mamba_shared_prefix_checkpoint`; and `enable_fast_path` (the switch of `fast_path`)."""
 
-    coordinator_classes: tuple[type, type, type] | None = None  # the vLLM drop-in puts its own here
     # An allocated request counts as running (in every manager's `num_cached_block`) even before it
     # caches a block; vLLM registers it only with its first hit or cached block (the drop-in's way).
     track_running = True
@@ -83,10 +82,10 @@ class KVCacheManager(ConnectorHooks):
         self.hash_block_size = hash_block_size
         self.use_eagle = use_eagle
         self.metrics_collector = metrics_collector
-        self.coordinator: KVCacheCoordinator = get_kv_cache_coordinator(
+        self.coordinator: KVCacheCoordinator = self._make_coordinator(
             config, max_model_len, max_in_flight_tokens, use_eagle, enable_caching, enable_events, dcp_world_size,
             pcp_world_size, scheduler_block_size or lcm_block_size(config, dcp_world_size), hash_block_size,
-            metrics_collector, num_hash_lookahead_tokens, num_prefill_lookahead, classes=self.coordinator_classes)
+            metrics_collector, num_hash_lookahead_tokens, num_prefill_lookahead)
         self.block_pool = self.coordinator.block_pool
         self.num_kv_cache_groups = len(config.groups)
         self.scheduler_block_size = self.coordinator.scheduler_block_size
@@ -114,6 +113,10 @@ class KVCacheManager(ConnectorHooks):
         if enable_fast_path and FastPath.qualifies(self.coordinator, self.watermark_blocks):
             self.fast_path = FastPath(managers[0], self.block_pool, self._stats, hash_block_size, max_model_len,
                                       enable_caching)
+
+    def _make_coordinator(self, *args) -> KVCacheCoordinator:
+        """The coordinator (the vLLM drop-in builds its own from vLLM's config)."""
+        return get_kv_cache_coordinator(*args)
 
     @property
     def usage(self) -> float:

@@ -64,6 +64,7 @@ class SingleTypeManager:
                  kv_cache_group_id: int = 0, scheduler_block_size: int | None = None, dcp_world_size: int = 1,
                  pcp_world_size: int = 1, needs_kv_cache_zeroing: bool = False,
                  max_admission_blocks_per_request: int | None = None, *, cow: CopyOnWrite | None = None) -> None:
+        # `spec` is what the core reads; `kv_cache_spec` is the public one (the vLLM drop-in's is vLLM's).
         self.kv_cache_spec = self.spec = kv_cache_spec
         self.block_pool = block_pool
         self.enable_caching = enable_caching
@@ -287,7 +288,7 @@ class SingleTypeManager:
             retention_interval: sparse retention (sliding window and Mamba only; see KVCacheConfig).
             replay_boundaries: positions a later request replaying this prompt resumes at.
         """
-        if not self.kv_cache_spec.prefix_cacheable:
+        if not self.spec.prefix_cacheable:
             return
         request_id = request.request_id
         num_cached = self.num_cached_block.get(request_id, 0)
@@ -295,7 +296,7 @@ class SingleTypeManager:
         if num_cached >= num_full:
             return
         mask = self.reachable_block_mask(
-            num_cached, num_full, self.cache_hit_alignment_tokens, self.kv_cache_spec, self.use_eagle,
+            num_cached, num_full, self.cache_hit_alignment_tokens, self.spec, self.use_eagle,
             retention_interval=retention_interval,
             reachable_boundaries=[*replay_boundaries, *self._reachable_boundaries(request)],
             dcp_world_size=self.dcp_world_size)

@@ -196,7 +196,7 @@ class MambaManager(SingleTypeManager):
         return (self.has_prefill_checkpoint_blocks and query_end >= prefill_end
                 and is_mamba_prefill_checkpoint_valid(query_start, query_end, checkpoint_position,
                                                       self.hash_block_size, self.block_size,
-                                                      self.kv_cache_spec.prefill_checkpoint_alignment)
+                                                      self.spec.prefill_checkpoint_alignment)
                 and index >= 0
                 and (index >= len(blocks) or blocks[index].is_null
                      or (request_id in self._allocated_block_reqs
@@ -211,7 +211,7 @@ class MambaManager(SingleTypeManager):
             return self.block_pool.num_blocks + 1
         if not self._align:
             if self.num_speculative_blocks:
-                num_tokens += self.kv_cache_spec.block_size * self.num_speculative_blocks
+                num_tokens += self.spec.block_size * self.num_speculative_blocks
             return super().get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks,
                                                       total_computed_tokens, num_local_computed_tokens,
                                                       num_tokens_main_model, apply_admission_cap, prefill_end)
@@ -400,7 +400,7 @@ class MambaManager(SingleTypeManager):
         if position % self.block_size == 0:
             block_idx = position // self.block_size - 1
             mask = self.reachable_block_mask(block_idx, block_idx + 1, self.cache_hit_alignment_tokens,
-                                             self.kv_cache_spec, self.drop_eagle_checkpoint_block,
+                                             self.spec, self.drop_eagle_checkpoint_block,
                                              retention_interval=retention_interval)
             retained = mask is None or mask[0]
         if not is_prompt_checkpoint and not retained and position != getattr(request, "shared_prefix_boundary", 0):
