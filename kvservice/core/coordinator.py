@@ -197,8 +197,9 @@ class KVCacheCoordinator:
         return max(0, num_computed_tokens - self.num_reprefillable_tokens)
 
     def cache_blocks(self, request, num_computed_tokens: int) -> None:
-        boundaries = replay_boundaries(request.num_prompt_tokens, self.scheduler_block_size,
-                                       bool(self.drop_eagle_group_ids))
+        # Replay boundaries only matter to sparse retention (full attention caches densely).
+        boundaries = () if self.retention_interval is None else replay_boundaries(
+            request.num_prompt_tokens, self.scheduler_block_size, bool(self.drop_eagle_group_ids))
         for g, m in enumerate(self.single_type_managers):
             if m.enable_caching:
                 m.cache_blocks(request, self.get_num_cacheable_tokens(num_computed_tokens, g),
@@ -309,6 +310,45 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
             block_hashes, max_cache_hit_length, [0], self.block_pool, self.kv_cache_spec,
             0 in self.drop_eagle_group_ids, self.block_size, self.dcp_world_size, self.pcp_world_size)
         return blocks, hit, 0
+
+    # The general path's per-step calls, for one manager without the loops (the base's results).
+    def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, num_encoder_tokens,
+                                   total_computed_tokens, num_local_computed_tokens, num_tokens_main_model,
+                                   apply_admission_cap=False, prefill_end=0) -> int:
+        m = self.single_type_managers[0]
+        if isinstance(m, CrossAttentionManager):
+            return super().get_num_blocks_to_allocate(
+                request_id, num_tokens, new_computed_blocks, num_encoder_tokens, total_computed_tokens,
+                num_local_computed_tokens, num_tokens_main_model, apply_admission_cap, prefill_end)
+        if self.retention_interval != 0:
+            prefill_end = 0
+        n = m.get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks[0], total_computed_tokens,
+                                         num_local_computed_tokens, num_tokens_main_model, apply_admission_cap,
+                                         prefill_end)
+        return n + len(m.cow_indices(request_id, total_computed_tokens, num_tokens))
+
+    def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model=None, num_encoder_tokens=0):
+        m = self.single_type_managers[0]
+        if isinstance(m, CrossAttentionManager):
+            return (m.allocate_new_blocks(request_id, num_encoder_tokens, num_tokens_main_model),)
+        return (m.allocate_new_blocks(request_id, num_tokens, num_tokens if num_tokens_main_model is None
+                                      else num_tokens_main_model),)
+
+    def apply_copy_on_write(self, request_id, total_computed_tokens, num_tokens):
+        swaps = self.single_type_managers[0].apply_copy_on_write(request_id, total_computed_tokens, num_tokens)
+        return [(0, i, b) for i, b in swaps] if swaps else swaps
+
+    def remove_skipped_blocks(self, request_id, processed_computed_tokens, num_prompt_tokens=None) -> None:
+        self.single_type_managers[0].remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
+
+    def cache_blocks(self, request, num_computed_tokens: int) -> None:
+        m = self.single_type_managers[0]
+        if not m.enable_caching:
+            return
+        if self.retention_interval is None and not self.num_reprefillable_tokens:
+            m.cache_blocks(request, num_computed_tokens)
+        else:
+            super().cache_blocks(request, num_computed_tokens)
 
 
 class SpecGroup(NamedTuple):

@@ -258,13 +258,16 @@ class KVCacheManager(ConnectorHooks):
                                                      skip_zeroing_group_ids)
         replaced = coordinator.apply_copy_on_write(request_id, total, num_need)
         new_blocks = coordinator.allocate_new_blocks(request_id, num_need, num_main, num_encoder_tokens)
-        if self.track_running:
+        if self.track_running and request_id not in coordinator.single_type_managers[0].num_cached_block:
             for m in coordinator.single_type_managers:
                 m.num_cached_block.setdefault(request_id, 0)
         if self.enable_caching and not delay_cache_blocks:
             # Lookahead (draft) tokens may be rejected: cache only up to the main-model tokens.
-            coordinator.cache_blocks(request, min(total + num_new_tokens, request.num_tokens))
-        return self.create_kv_cache_blocks(new_blocks, replaced)
+            num_main = total + num_new_tokens
+            coordinator.cache_blocks(request, num_main if num_main < request.num_tokens else request.num_tokens)
+        if replaced:
+            return KVCacheBlocks(new_blocks, replaced)
+        return KVCacheBlocks(new_blocks) if any(new_blocks) else self.empty_kv_cache_blocks
 
     def create_kv_cache_blocks(self, blocks: tuple[list[KVCacheBlock], ...],
                                replaced: list[tuple[int, int, int]] | None = None) -> KVCacheBlocks:

@@ -93,6 +93,14 @@ def get_request_block_hasher(hash_block_size: int, caching_hash_fn: Callable[[An
         root = none_hash()
         tokens = request.all_token_ids
         out: list[bytes] = []
+        if not lookahead and keys["lora"] is None and not items and not keys["cache_salt"] \
+                and keys["prompt_embeds_digest"] is None:  # no extra keys: None for every block
+            while start + hash_block_size <= num_tokens:
+                end = start + hash_block_size
+                parent = fn((parent or root, tuple(tokens[start:end]), None))
+                out.append(parent)
+                start = end
+            return out
         while start + hash_block_size <= num_tokens:
             end = start + hash_block_size
             if lookahead:
