@@ -78,6 +78,10 @@ class VllmCore:
             return self.FullAttentionSpec(**common)
         if kind == "chunked":
             return self.ChunkedLocalAttentionSpec(attention_chunk_size=window, **common)
+        if kind == "mamba":
+            from vllm.v1.kv_cache_interface import MambaSpec
+            return MambaSpec(block_size=block_size, shapes=((1, 1),), dtypes=(self.torch.float32,),
+                             mamba_cache_mode="align")
         return self.SlidingWindowSpec(sliding_window=window, **common)
 
     def manager(self, num_blocks: int, specs: list, max_model_len: int, hash_block_size: int,
