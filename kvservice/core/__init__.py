@@ -15,7 +15,6 @@ from kvservice.core.block import (
 from kvservice.core.block_pool import BlockPool
 from kvservice.core.connector_hooks import KVCacheBlockCopy
 from kvservice.core.coordinator import (
-    HybridKVCacheCoordinator,
     KVCacheCoordinator,
     KVCacheCoordinatorNoPrefixCache,
     UnitaryKVCacheCoordinator,
@@ -26,6 +25,7 @@ from kvservice.core.fast_path import FastPath, PackedRows
 from kvservice.core.free_queue import FreeBlockQueue
 from kvservice.core.hash_map import BlockHashToBlockMap
 from kvservice.core.hash_views import CoarseBlockHashes, resolve_block_hashes
+from kvservice.core.hybrid_coordinator import HybridKVCacheCoordinator
 from kvservice.core.kv_cache_blocks import KVCacheBlocks
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.core.managers import (

@@ -58,15 +58,7 @@ class PrefixCacheRecorder:
             self.interval = self.new_interval()
 
     def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
-        interval = self.interval
-        if preempted:
-            interval.preempted_requests += 1
-            interval.preempted_queries += num_tokens
-            interval.preempted_hits += num_hits
-        else:
-            interval.requests += 1
-            interval.queries += num_tokens
-            interval.hits += num_hits
+        self.interval.record(num_tokens, num_hits, preempted)
         totals = self.totals
         totals.queries += num_tokens
         totals.hits += num_hits

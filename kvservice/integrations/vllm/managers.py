@@ -6,6 +6,7 @@ from __future__ import annotations
 from vllm.v1 import kv_cache_interface as vi
 
 from kvservice.core import coordinator as cc
+from kvservice.core import hybrid_coordinator as hc
 from kvservice.core import managers as cm
 from kvservice.core.specs import ChunkedLocalAttentionSpec, SlidingWindowSpec
 from kvservice.integrations.vllm.pool import BlockPool
@@ -112,7 +113,7 @@ class UnitaryKVCacheCoordinator(_Coordinator, cc.UnitaryKVCacheCoordinator):
         self._setup(kv_cache_config)
 
 
-class HybridKVCacheCoordinator(_Coordinator, cc.HybridKVCacheCoordinator):
+class HybridKVCacheCoordinator(_Coordinator, hc.HybridKVCacheCoordinator):
     def __init__(self, kv_cache_config, max_model_len, max_in_flight_tokens, use_eagle, enable_caching,
                  enable_kv_cache_events, dcp_world_size, pcp_world_size, scheduler_block_size, hash_block_size,
                  metrics_collector=None, num_hash_lookahead_tokens=0, num_prefill_lookahead=0,
