@@ -1,12 +1,15 @@
 """A drop-in for vLLM 0.33.0's v1 KV-cache core, backed by kvservice.core (never by vLLM's classes).
 
-Replace vLLM's names with these (`REPLACES` lists where each lives in vLLM) and vLLM's scheduler
-runs on kvservice's core: vLLM's `Request`, specs, `KVCacheConfig`, events and stats go in and come
+Replace vLLM's names with these (`install()`; `REPLACES` lists where each lives in vLLM) and vLLM's
+scheduler runs on kvservice's core: vLLM's `Request`, specs, `KVCacheConfig`, events and stats go in and come
 out; the blocks, pool, managers and coordinators are kvservice.core's (specs.py converts vLLM's
 specs, pool.py builds vLLM's events, managers.py and manager.py carry vLLM's signatures).
 """
 
 from __future__ import annotations
+
+import importlib
+import sys
 
 from kvservice.core import BlockHashToBlockMap, KVCacheBlock, KVCacheBlocks
 from kvservice.core import FreeBlockQueue as FreeKVCacheBlockQueue
@@ -70,8 +73,34 @@ REPLACES: dict[str, tuple[str, ...]] = {
         "HybridKVCacheCoordinator"),
 }
 
+_replaced: dict[int, tuple[object, object]] = {}  # id(vLLM's object) -> (it, kept alive; ours)
+
+
+def install() -> None:
+    """Puts these names in vLLM's modules, and in every loaded vLLM module that imported vLLM's, so
+    vLLM's scheduler (and anything else importing them afterwards) runs on kvservice's core. Call it
+    before importing vLLM's scheduler; calling it again re-applies it (e.g. after a module reload)."""
+    ours = globals()
+    for module_name, names in REPLACES.items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            theirs = getattr(module, name, None)
+            if theirs is not None and theirs is not ours[name]:
+                _replaced[id(theirs)] = (theirs, ours[name])
+            setattr(module, name, ours[name])
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith(("vllm.", "tests.")):
+            continue
+        namespace = getattr(module, "__dict__", {})
+        for attr, value in list(namespace.items()):
+            pair = _replaced.get(id(value))
+            if pair is not None and pair[0] is value:
+                namespace[attr] = pair[1]
+
+
 __all__ = [
-    "REPLACES", "BlockHashListWithBlockSize", "BlockHashToBlockMap", "BlockPool", "ChunkedLocalAttentionManager",
+    "REPLACES", "install", "BlockHashListWithBlockSize", "BlockHashToBlockMap", "BlockPool",
+    "ChunkedLocalAttentionManager",
     "CircularBufferManager", "CrossAttentionManager", "FreeKVCacheBlockQueue", "FullAttentionManager",
     "HiSparseHotManager", "HiSparseResidentManager", "HiSparseSourceManager", "HybridKVCacheCoordinator",
     "KVCacheBlock", "KVCacheBlocks", "KVCacheCoordinatorNoPrefixCache", "KVCacheManager", "MambaManager",
