@@ -40,6 +40,15 @@ def test_full_sequence_gate_reserved_blocks_and_watermark():
     check_invariants(m)
 
 
+def test_blocks_to_allocate_is_allocate_slots_count_read_only():
+    m = manager(20, FullAttentionSpec(4))
+    admit(m, Request("a", list(range(12)), 4))
+    b = Request("b", list(range(14)), 4)
+    hits, n = m.get_computed_blocks(b)
+    assert n == 12 and m.blocks_to_allocate("b", 14, hits, n) == 1 == m.num_blocks_needed(b, 2, n, hits)
+    assert m.allocate_slots(b, 2, n, hits).get_block_ids() == ([4],)
+
+
 def test_skip_reading_prefix_cache_and_shared_prefix_boundary():
     m = manager(20, FullAttentionSpec(4))
     admit(m, Request("a", list(range(12)), 4))

@@ -187,6 +187,14 @@ class KVCacheManager(ConnectorHooks):
         need = min(main + num_lookahead_tokens, self.max_model_len)
         return self.coordinator.get_num_blocks_to_allocate(request.request_id, need, hits, 0, local, local, main)
 
+    def blocks_to_allocate(self, request_id: str, num_need: int, hits: KVCacheBlocks | None,
+                           total_computed_tokens: int) -> int:
+        """Free blocks an allocation of slots for `num_need` tokens would consume now, given its hits
+        and computed tokens (read-only; a planner's check before it changes anything)."""
+        groups = hits.blocks if hits is not None else self._empty
+        return self.coordinator.get_num_blocks_to_allocate(request_id, num_need, groups, 0, total_computed_tokens,
+                                                           total_computed_tokens, num_need)
+
     # ---- allocation ----------------------------------------------------------------------------
     def allocate_slots(
         self,
