@@ -4,7 +4,10 @@
 
 Rows: hashing throughput of 16-token blocks; get_new_blocks(1000) + free_blocks x 100 on a
 100k-block pool; 200 requests x 1,124 tokens sharing a 1,024-token prefix (hash, lookup+allocate,
-free). Ratios are ours / vLLM medians over the repetitions (< 1 = we are faster).
+free, decode). Ratios are ours / vLLM medians over the repetitions (< 1 = we are faster). Under the
+vLLM env a third side runs the same workloads through vLLM's API with vLLM's names replaced by
+kvservice's drop-in (kvservice.integrations.vllm.core: vLLM's Request, specs and sha256 block hashes,
+kvservice's core): the drop-in / vLLM column.
 """
 
 from __future__ import annotations
@@ -53,9 +56,9 @@ def ours_side():
     return hash_prompt, pool, manager, make_requests, decode_batch, admit
 
 
-def vllm_side(algo: str = "sha256"):
-    from bench.vllm_ref import VllmCore
-    vc = VllmCore()
+def vllm_side(algo: str = "sha256", dropin: bool = False):
+    from bench.vllm_ref import DropinCore, VllmCore
+    vc = DropinCore() if dropin else VllmCore()
     hasher = vc.hasher(BS, algo)
 
     def hash_prompt(tokens):
@@ -182,21 +185,26 @@ def main() -> int:
     if reason is None:
         sides.append(workloads(vllm_side("sha256"), prompts, hash_tokens))
         sides.append({"hash": workloads(vllm_side("xxhash"), prompts, hash_tokens)["hash"]})
-        print("  ours, vLLM 0.33.0 (sha256, its default) and vLLM's xxhash path ...", flush=True)
+        sides.append(workloads(vllm_side("sha256", dropin=True), prompts, hash_tokens))
+        print("  ours, vLLM 0.33.0 (sha256, its default), vLLM's xxhash path and the drop-in ...", flush=True)
     else:
         print(f"  vLLM side skipped: {reason}")
     results = measure(sides, args.reps)
     ours = results[0]
     theirs = results[1] if reason is None else {}
     theirs_xx = results[2] if reason is None else {}
+    dropin = results[3] if reason is None else {}
 
     rows, data = [], {}
     for key, label, units, unit_name in SPECS:
         ratio = ours[key] / theirs[key] if key in theirs else float("nan")
+        dropin_ratio = dropin[key] / theirs[key] if key in dropin else float("nan")
         row = {"ours_s": ours[key], "vllm_s": theirs.get(key), "ratio_ours_over_vllm": ratio,
-               "ours_rate": units / ours[key], "unit": unit_name}
+               "ours_rate": units / ours[key], "unit": unit_name, "dropin_s": dropin.get(key),
+               "ratio_dropin_over_vllm": dropin_ratio}
         rows.append([label, f"{units / ours[key]:,.0f} {unit_name}", ours[key] * 1e3,
-                     theirs[key] * 1e3 if key in theirs else float("nan"), ratio])
+                     theirs[key] * 1e3 if key in theirs else float("nan"), ratio,
+                     dropin[key] * 1e3 if key in dropin else float("nan"), dropin_ratio])
         data[key] = row
     # Ours only: the same work through the core's fast paths, against vLLM's per-request path.
     fast = [("decode_batch", "decode", "the same decode steps through allocate_running_batch (ours only)",
@@ -206,14 +214,15 @@ def main() -> int:
     for key, theirs_key, label, units, unit_name, vllm_path in fast:
         ratio = ours[key] / theirs[theirs_key] if theirs_key in theirs else float("nan")
         rows.append([label, f"{units / ours[key]:,.0f} {unit_name}", ours[key] * 1e3,
-                     theirs[theirs_key] * 1e3 if theirs_key in theirs else float("nan"), ratio])
+                     theirs[theirs_key] * 1e3 if theirs_key in theirs else float("nan"), ratio, float("nan"),
+                     float("nan")])
         data[key] = {"ours_s": ours[key], "vllm_s": theirs.get(theirs_key), "ratio_ours_over_vllm": ratio,
                      "ours_rate": units / ours[key], "unit": unit_name, "vllm_path": vllm_path}
     if theirs_xx:
         data["hash"]["vllm_xxhash_s"] = theirs_xx["hash"]
         data["hash"]["ratio_ours_over_vllm_xxhash"] = ours["hash"] / theirs_xx["hash"]
     print()
-    print(table(["workload", "ours", "ours ms", "vLLM ms", "ours/vLLM"], rows))
+    print(table(["workload", "ours", "ours ms", "vLLM ms", "ours/vLLM", "drop-in ms", "drop-in/vLLM"], rows))
     if theirs:
         speedup = theirs["hash"] / ours["hash"]
         line = f"hashing speed-up over vLLM's default sha256 path: {speedup:.1f}x"

@@ -28,6 +28,12 @@ CONFIGS = {
     "full4+sw8": [("full", 4, None), ("sw", 8, 16)],
     "chunked": [("chunked", 4, 8)],
     "full+chunked": [("full", 4, None), ("chunked", 4, 8)],
+    # A window block smaller than the LCM: only the window blocks an aligned hit can use are cached.
+    "full16+sw4": [("full", 16, None), ("sw", 4, 4)],
+    # Mamba "align" states: one block per chunk; with a state block larger than the hash block,
+    # sub-block (partial) hits and their copy-on-write.
+    "full+mamba4": [("full", 4, None), ("mamba", 4, None)],
+    "full4+mamba8": [("full", 4, None), ("mamba", 8, None)],
 }
 
 
@@ -37,9 +43,11 @@ def ours_manager(config, num_blocks, max_len):
         FullAttentionSpec,
         KVCacheConfig,
         KVCacheManager,
+        MambaSpec,
         SlidingWindowSpec,
     )
-    make = {"full": lambda bs, w: FullAttentionSpec(bs), "sw": SlidingWindowSpec, "chunked": ChunkedLocalAttentionSpec}
+    make = {"full": lambda bs, w: FullAttentionSpec(bs), "sw": SlidingWindowSpec, "chunked": ChunkedLocalAttentionSpec,
+            "mamba": lambda bs, w: MambaSpec(bs)}
     specs = [make[kind](bs, w) for kind, bs, w in config]
     return KVCacheManager(KVCacheConfig(num_blocks, specs), max_len)
 
@@ -140,6 +148,13 @@ def run_trace(vc, config_name: str, seed: int, num_ops: int) -> int:
             if ours.reset_prefix_cache() != theirs.reset_prefix_cache():
                 raise AssertionError(f"{config_name} seed {seed}: reset_prefix_cache disagrees")
         compare(f"op {op} ({kind})")
+        # One op is one scheduler step (a Mamba state cached in a step is hit from the next one).
+        ours.new_step_starts()
+        theirs.new_step_starts()
+        copies_o, copies_v = ours.take_block_copies(), theirs.take_kv_cache_block_copies()
+        if copies_o != [(c.src_block_id, c.dst_block_id) for c in copies_v[0]]:
+            raise AssertionError(f"{config_name} seed {seed}: copies differ after op {op}: {copies_o} vs {copies_v[0]}")
+        theirs.block_pool.free_blocks(copies_v[1])  # what vLLM's scheduler does once the copies ran
     return checks
 
 

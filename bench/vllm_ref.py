@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-VLLM_REF = Path(os.environ.get("VLLM_REF", "/tmp/vllm-ref"))
+VLLM_REF = Path(os.environ.get("VLLM_REF", Path.home() / ".cache/kvservice/vllm-0.33.0"))
 _MARK = "KVSERVICE_UNDER_VLLM"
 
 
@@ -32,7 +32,7 @@ def reexec_under_vllm() -> str | None:
     src = VLLM_REF / "src"
     if not (python.exists() and (src / "vllm").is_dir()):
         return (f"vLLM 0.33.0 reference env not found at {VLLM_REF} "
-                f"(build it with ../shared/tools/vllm-ref-env.sh {VLLM_REF}; see bench/README.md)")
+                f"(build it with `make vllm-env` (tools/vllm_env.sh); see bench/README.md)")
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{src}", **{_MARK: "1"})
     env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.execve(str(python), [str(python), *sys.argv], env)
@@ -78,6 +78,10 @@ class VllmCore:
             return self.FullAttentionSpec(**common)
         if kind == "chunked":
             return self.ChunkedLocalAttentionSpec(attention_chunk_size=window, **common)
+        if kind == "mamba":
+            from vllm.v1.kv_cache_interface import MambaSpec
+            return MambaSpec(block_size=block_size, shapes=((1, 1),), dtypes=(self.torch.float32,),
+                             mamba_cache_mode="align")
         return self.SlidingWindowSpec(sliding_window=window, **common)
 
     def manager(self, num_blocks: int, specs: list, max_model_len: int, hash_block_size: int,
@@ -95,3 +99,18 @@ class VllmCore:
     def request(self, request_id: str, token_ids: list[int], hasher):
         return self.Request(request_id, token_ids, self.SamplingParams(max_tokens=1 << 20), None,
                             block_hasher=hasher)
+
+
+class DropinCore(VllmCore):
+    """The same builders with vLLM's names replaced by kvservice's drop-in
+    (kvservice.integrations.vllm.core): vLLM's API and types, kvservice's core."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from kvservice.integrations.vllm import core
+        self.dropin = core
+        self.BlockPool = core.BlockPool
+        self.KVCacheManager = core.KVCacheManager
+
+    def hasher(self, block_size: int, algo: str = "sha256"):
+        return self.dropin.get_request_block_hasher(block_size, self.hash_fns[algo])

@@ -14,14 +14,15 @@ def ref_cnts(manager: KVCacheManager) -> dict[int, int]:
 
 
 def pool_state(manager: KVCacheManager) -> tuple:
-    """Everything allocation can change, for 'nothing changed' assertions."""
+    """Everything allocation can change, for 'nothing changed' assertions (an empty table is no table:
+    vLLM's managers create one on a read)."""
     pool = manager.block_pool
     coordinator = manager.coordinator
     return (
         tuple(free_ids(manager)),
         tuple((b.block_id, b.ref_cnt, b.block_hash) for b in pool.blocks),
         tuple(sorted((k, b.block_id) for k, b in pool.cached_block_hash_to_block.items())),
-        tuple(tuple(sorted((r, tuple(b.block_id for b in blocks)) for r, blocks in m.req_to_blocks.items()))
+        tuple(tuple(sorted((r, tuple(b.block_id for b in blocks)) for r, blocks in m.req_to_blocks.items() if blocks))
               for m in coordinator.managers),
         tuple(tuple(sorted(m.num_cached_block.items())) for m in coordinator.managers),
         tuple((s.block_id, d.block_id) for s, d in coordinator.cow.pairs),

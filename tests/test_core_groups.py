@@ -84,16 +84,22 @@ def test_chunked_local_hit_counts_past_chunks_as_null_hits():
 
 
 def test_mamba_keeps_only_the_last_state_block():
+    """vLLM 0.33.0's "align" mode, block for block (checked on vLLM itself): a chunk gets only the
+    block it ends in, earlier positions are null padding."""
     m = manager(20, MambaSpec(4))
     a = Request("a", tokens(0, 12), 4)
-    assert admit(m, a)[0].get_block_ids() == ([1, 2, 3],)
+    assert admit(m, a)[0].get_block_ids() == ([0, 0, 1],)
     b = Request("b", tokens(0, 13), 4)
     hits, n = m.get_computed_blocks(b)
-    assert n == 12 and hits.get_block_ids() == ([0, 0, 3],)
-    assert m.allocate_slots(b, 1, n, hits).get_block_ids() == ([4],)
-    assert m.get_block_ids("b") == ([0, 0, 3, 4],)
-    decode(m, a)  # a at 12 computed: states before block 2 are dropped
-    assert m.get_block_ids("a") == ([0, 0, 3, 5],)
+    assert n == 12 and hits.get_block_ids() == ([0, 0, 1],)
+    # That state is written by this step's forward: the hit waits for the next step.
+    assert m.allocate_slots(b, 1, n, hits) is None
+    m.new_step_starts()
+    assert m.allocate_slots(b, 1, n, hits).get_block_ids() == ([2],)
+    assert m.get_block_ids("b") == ([0, 0, 1, 2],)
+    m.new_step_starts()
+    decode(m, a)  # a reads its state in block 1 and writes the next one
+    assert m.get_block_ids("a") == ([0, 0, 1, 3],)
     check_invariants(m)
 
 
@@ -123,15 +129,17 @@ def test_hybrid_sliding_window_miss_shrinks_full_attention_hit():
 
 
 def test_mixed_block_sizes_full_16_mamba_64_style():
+    """vLLM 0.33.0 (checked on vLLM itself): the 20-token chunk stores only the state it ends in
+    (block 2, at 24), so a request sharing 16 tokens finds no Mamba state to resume from."""
     m = manager(40, FullAttentionSpec(4), MambaSpec(8))
     assert m.hash_block_size == 4 and m.scheduler_block_size == 8
     a = Request("a", tokens(0, 20), 4)
-    assert admit(m, a)[0].get_block_ids() == ([1, 2, 3, 4, 5], [6, 7, 8])
+    assert admit(m, a)[0].get_block_ids() == ([1, 2, 3, 4, 5], [0, 0, 6])
+    m.new_step_starts()
     b = Request("b", tokens(0, 24), 4)
-    hits, n = m.get_computed_blocks(b)  # full has 20 -> aligned to 16; mamba state at 16 = block 7
-    assert n == 16 and hits.get_block_ids() == ([1, 2, 3, 4], [0, 7])
-    assert m.allocate_slots(b, 8, n, hits).get_block_ids() == ([9, 10], [11])
-    assert m.get_block_ids("b") == ([1, 2, 3, 4, 9, 10], [0, 7, 11])
+    hits, n = m.get_computed_blocks(b)
+    assert n == 0
+    assert m.allocate_slots(b, 8, n, hits).get_block_ids() == ([7, 8], [9])
     check_invariants(m)
 
 
@@ -155,7 +163,7 @@ def test_dcp_scales_block_size():
 
 
 def test_hash_block_size_must_divide_every_group():
-    with pytest.raises(ValueError, match="not a multiple of hash_block_size 16"):
+    with pytest.raises(ValueError, match="must be a multiple of hash_block_size 16"):
         KVCacheManager(KVCacheConfig(10, [FullAttentionSpec(8)]), 100, hash_block_size=16)
     m = KVCacheManager(KVCacheConfig(10, [FullAttentionSpec(32)]), 1000, hash_block_size=16)
     r = Request("r", tokens(0, 70), 16)

@@ -48,7 +48,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         new = self.m.allocate_slots(req, num_new, num_hit, hits, lookahead)
         if new is None:
             # Nothing changed beyond the one exception: skipped blocks may already be freed.
-            before.coordinator.remove_skipped_blocks(req.request_id, total)
+            before.remove_skipped_blocks(req.request_id, total, req.num_prompt_tokens)
             assert pool_state(self.m) == pool_state(before)
         return new
 
@@ -63,7 +63,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.waiting)))
         req = self.waiting[rid]
         hits, num_hit = self.m.get_computed_blocks(req)
-        assert num_hit < req.num_tokens and num_hit % self.m.scheduler_block_size == 0
+        assert num_hit < req.num_tokens and num_hit % self.m.cache_hit_alignment_tokens == 0
         num_new = data.draw(st.integers(1, req.num_tokens - num_hit))
         if self._allocate(req, num_new, num_hit, hits) is not None:
             req.num_computed_tokens = num_hit + num_new

@@ -21,7 +21,8 @@ VECTORS = {
     "salt_a": "326287b37d941dccfe0d591d4c9f9d15",
     "lora_l": "ba74fbfbe0ac93ac4ca40f568f4a4aab",
     "block1": "a4573029e5910777764fddc248d5d799",
-    "fingerprint16": "76d75aa637c9ac2f",
+    "lora_l_path_p": "636a1806919c5f362d6b72fff00ae115",
+    "fingerprint16": "b6f81f04ead94f27",  # spec version 2 (version 1, without the LoRA path: 76d75aa637c9ac2f)
 }
 
 
@@ -31,6 +32,7 @@ def test_normative_vectors():
     assert h[1].hex() == VECTORS["block1"]
     assert hash_prompt(list(range(16)), cache_salt="a")[0].hex() == VECTORS["salt_a"]
     assert hash_prompt(list(range(16)), lora_name="l")[0].hex() == VECTORS["lora_l"]
+    assert hash_prompt(list(range(16)), lora_name="l", lora_path="/p")[0].hex() == VECTORS["lora_l_path_p"]
     assert spec_fingerprint(DEFAULT_HASH_SEED, 16) == VECTORS["fingerprint16"]
 
 
@@ -49,6 +51,10 @@ def test_spec_written_out_by_hand():
     s0 = h(root + le(range(16)) + b"\x01\x01\x00\x00\x00a" + lora)
     s1 = h(s0 + le(range(16, 32)) + lora)
     assert hash_prompt(list(range(32)), cache_salt="a", lora_name="l") == [s0, s1]
+    # Spec version 2: the adapter's path follows its name, so re-pointing a name changes the hashes.
+    path = b"\x04" + (2).to_bytes(4, "little") + b"/p"
+    assert hash_prompt(list(range(16)), lora_name="l", lora_path="/p") == [h(root + le(range(16)) + lora + path)]
+    assert spec_fingerprint() == xxhash.xxh3_64_hexdigest(b"kvservice-hash/2;xxh3_128;seed=kvservice-v1;block=16")
 
 
 def test_multimodal_items_in_overlapping_blocks_only():

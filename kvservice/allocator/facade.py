@@ -162,6 +162,7 @@ class Allocator:
         tenant = session.tenant
         results = []
         append = results.append
+        pool.manager.new_step_starts()  # a Step is one scheduler step (Mamba: states cached in it hit from the next)
         for op in ops:
             kind = type(op)
             if kind is AllocateOp:

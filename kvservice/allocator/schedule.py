@@ -79,13 +79,15 @@ class Plan:
     num_new: int
     total_computed: int  # allocate_slots' view: computed + hit tokens (transferred ones are new to it)
     num_need: int  # tokens that need a slot after this step (lookahead included)
+    num_tokens: int  # the request's tokens once this step's are appended
 
 
-def blocks_to_allocate(manager: KVCacheManager, key: str, num_need: int, hits: KVCacheBlocks | None,
-                       total_computed: int) -> int:
-    """Free blocks the allocation would consume now (read-only)."""
-    groups = hits.blocks if hits is not None else tuple(() for _ in manager.config.groups)
-    return manager.coordinator.get_num_blocks_to_allocate(key, num_need, groups, total_computed)
+def blocks_to_allocate(manager: KVCacheManager, req: Request, plan: Plan, num_lookahead: int) -> int:
+    """Free blocks `apply`'s allocation will consume (read-only): what allocate_slots will count once the
+    request has the plan's computed and appended tokens."""
+    transferred = plan.start - plan.num_computed - plan.num_hit
+    return manager.num_blocks_needed(req, transferred + plan.num_new, plan.num_hit, plan.hits, num_lookahead,
+                                     num_computed_tokens=plan.num_computed, num_tokens=plan.num_tokens)
 
 
 def hash_append_refusal(req: Request, hashes: list[bytes] | None, num_append: int) -> str | None:
@@ -216,7 +218,7 @@ class Scheduler:
         max_len = manager.max_model_len
         total_computed = min(num_computed + num_hit, max_len)
         if a.num_new_tokens == 0:
-            return Plan(tokens, num_computed, running, None, 0, None, start, 0, total_computed, 0)
+            return Plan(tokens, num_computed, running, None, 0, None, start, 0, total_computed, 0, num_tokens)
         num_new = min(a.num_new_tokens, num_tokens - start)
         if num_new <= 0:
             return Scheduled(OpStatus.FAILED_PRECONDITION, f"request {client_request_id(key)!r} has no uncomputed "
@@ -225,13 +227,15 @@ class Scheduler:
         num_need = min(total_computed + transferred + num_new + a.num_lookahead, max_len)
         tenant = session.tenant
         quota = state.usage.quotas.get(tenant) if state.usage.quotas else None
+        plan = Plan(tokens, num_computed, running, hits, num_hit, source, start, num_new, total_computed, num_need,
+                    num_tokens)
         if quota is not None:
-            needed = blocks_to_allocate(manager, key, num_need, hits, total_computed)
+            needed = blocks_to_allocate(manager, req, plan, a.num_lookahead)
             used = state.usage.used(tenant)
             if used + needed > quota:
                 return Scheduled(OpStatus.RESOURCE_EXHAUSTED, f"tenant {tenant!r} block quota: {used} held + "
                                  f"{needed} needed > quota {quota}", None, start)
-        return Plan(tokens, num_computed, running, hits, num_hit, source, start, num_new, total_computed, num_need)
+        return plan
 
     def apply(self, pool: Pool, session: Session, key: str, req: Request, a: Allocation, plan: Plan) -> Scheduled:
         manager = pool.manager
@@ -241,8 +245,9 @@ class Scheduler:
                 req.num_computed_tokens = plan.num_computed
             return Scheduled(OpStatus.OK, "", EMPTY_BLOCKS, plan.start, 0)
         # What no group reads again is freed first (fewer cached blocks evicted), fit or not, as vLLM does.
-        manager.coordinator.remove_skipped_blocks(key, plan.total_computed)
-        needed = blocks_to_allocate(manager, key, plan.num_need, plan.hits, plan.total_computed)
+        manager.coordinator.remove_skipped_blocks(key, max(0, plan.total_computed - req.num_in_flight_tokens),
+                                                  req.num_prompt_tokens)
+        needed = blocks_to_allocate(manager, req, plan, a.num_lookahead)
         transferred = plan.start - plan.num_computed - plan.num_hit
         if needed > manager.block_pool.get_num_free_blocks():
             return self._no_space(pool, key, transferred + plan.num_new, plan.start)

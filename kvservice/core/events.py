@@ -20,6 +20,11 @@ class BlockStored:
     lora_name: str | None = None
     medium: str = "GPU"
     block_ids: list[int] = field(default_factory=list)
+    lora_id: int | None = None
+    session_id: str | None = None
+    # The group's spec, set by KVCacheManager.take_events (vLLM's names).
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 @dataclass(slots=True)

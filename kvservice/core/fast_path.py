@@ -50,9 +50,14 @@ class FastPath:
         self._group_suffix = make_block_hash_with_group_id(b"", manager.kv_cache_group_id)
 
     @staticmethod
-    def qualifies(managers: Sequence[SingleTypeManager]) -> bool:
-        """One group of plain full attention (a subclass may skip or align, so it does not qualify)."""
-        return len(managers) == 1 and type(managers[0]) is FullAttentionManager
+    def qualifies(coordinator, watermark_blocks: int) -> bool:
+        """One group of plain full attention (a subclass may skip or align, so it does not qualify),
+        with none of vLLM's extras that change a step: EAGLE's dropped block, re-prefilled tokens,
+        lookahead hashes, an admission watermark."""
+        managers = coordinator.single_type_managers
+        return (len(managers) == 1 and type(managers[0]) is FullAttentionManager
+                and not coordinator.drop_eagle_group_ids and coordinator.num_reprefillable_tokens == 0
+                and coordinator.block_pool.num_hash_lookahead_tokens == 0 and watermark_blocks == 0)
 
     def admit(self, request: Request, num_new_tokens: int, num_lookahead_tokens: int = 0,
               delay_cache_blocks: bool = False) -> tuple[list[KVCacheBlock] | None, int] | None:

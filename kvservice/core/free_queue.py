@@ -6,7 +6,7 @@ prepended (reused first) and freed cached blocks appended (least recently used e
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from kvservice.core.block import KVCacheBlock
 
@@ -19,19 +19,19 @@ class FreeBlockQueue:
 
     def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
         self.num_free_blocks = len(blocks)
-        self._head = KVCacheBlock(block_id=-1)
-        self._tail = KVCacheBlock(block_id=-1)
-        prev = self._head
+        self.fake_free_list_head = KVCacheBlock(block_id=-1)
+        self.fake_free_list_tail = KVCacheBlock(block_id=-1)
+        prev = self.fake_free_list_head
         for block in blocks:
             prev.next_free_block = block
             block.prev_free_block = prev
             prev = block
-        prev.next_free_block = self._tail
-        self._tail.prev_free_block = prev
+        prev.next_free_block = self.fake_free_list_tail
+        self.fake_free_list_tail.prev_free_block = prev
 
     def popleft(self) -> KVCacheBlock:
-        first = self._head.next_free_block
-        if first is self._tail or first is None:
+        first = self.fake_free_list_head.next_free_block
+        if first is self.fake_free_list_tail or first is None:
             raise ValueError("No free blocks available")
         self._unlink(first)
         return first
@@ -44,14 +44,14 @@ class FreeBlockQueue:
             raise ValueError(f"cannot pop {n} blocks from a queue of {self.num_free_blocks}")
         out = []
         append = out.append
-        block = self._head.next_free_block
+        block = self.fake_free_list_head.next_free_block
         for _ in range(n):
             append(block)
             nxt = block.next_free_block
             block.prev_free_block = block.next_free_block = None
             block = nxt
-        self._head.next_free_block = block
-        block.prev_free_block = self._head
+        self.fake_free_list_head.next_free_block = block
+        block.prev_free_block = self.fake_free_list_head
         self.num_free_blocks -= n
         return out
 
@@ -71,24 +71,26 @@ class FreeBlockQueue:
         self.num_free_blocks -= 1
 
     def append(self, block: KVCacheBlock) -> None:
-        last = self._tail.prev_free_block
+        last = self.fake_free_list_tail.prev_free_block
         last.next_free_block = block
         block.prev_free_block = last
-        block.next_free_block = self._tail
-        self._tail.prev_free_block = block
+        block.next_free_block = self.fake_free_list_tail
+        self.fake_free_list_tail.prev_free_block = block
         self.num_free_blocks += 1
 
     def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Appends blocks at the tail, keeping their order."""
-        last = self._tail.prev_free_block
+        last = self.fake_free_list_tail.prev_free_block
+        if last is None:
+            raise AssertionError("the free queue's tail sentinel lost its link")
         n = 0
         for block in blocks:
             last.next_free_block = block
             block.prev_free_block = last
             last = block
             n += 1
-        last.next_free_block = self._tail
-        self._tail.prev_free_block = last
+        last.next_free_block = self.fake_free_list_tail
+        self.fake_free_list_tail.prev_free_block = last
         self.num_free_blocks += n
 
     def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
@@ -96,8 +98,8 @@ class FreeBlockQueue:
         pops as 1, 2, 4, 5, 0."""
         if not blocks:
             return
-        first = self._head.next_free_block
-        prev = self._head
+        first = self.fake_free_list_head.next_free_block
+        prev = self.fake_free_list_head
         for block in blocks:
             prev.next_free_block = block
             block.prev_free_block = prev
@@ -108,8 +110,16 @@ class FreeBlockQueue:
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         out = []
-        block = self._head.next_free_block
-        while block is not self._tail:
+        block = self.fake_free_list_head.next_free_block
+        while block is not self.fake_free_list_tail:
             out.append(block)
             block = block.next_free_block
         return out
+
+    def iter_blocks_after(self, cursor: KVCacheBlock | None) -> Iterator[KVCacheBlock]:
+        """Free blocks in eviction order after `cursor` (None: from the head)."""
+        block = self.fake_free_list_head.next_free_block if cursor is None else cursor.next_free_block
+        tail = self.fake_free_list_tail
+        while block is not None and block is not tail:
+            yield block
+            block = block.next_free_block

@@ -18,7 +18,7 @@ def check_invariants(manager: KVCacheManager) -> None:
     - a block's ref_cnt equals the tables holding it plus its pending copy-on-write pins;
     - no non-null block appears twice in one request's table for a group;
     - the null block is never in the free queue;
-    - every index entry points to a block whose hash equals the key;
+    - every index entry points to a block whose hash (or one of its partial keys) is the key;
     - the free-queue count matches its length.
     """
     pool = manager.block_pool
@@ -39,20 +39,25 @@ def check_invariants(manager: KVCacheManager) -> None:
                 raise InvariantError(f"request {request_id!r} holds a block twice in group "
                                      f"{manager_.kv_cache_group_id}: {ids}")
             holders.update(ids)
-    pins = coordinator.cow.pins
+    pins = Counter(coordinator.cow.pins)
+    for manager_ in coordinator.managers:  # a partial hit's pending copy retains both ends
+        for src, dst in manager_._pending_cow_copies:
+            pins[src.block_id] += 1
+            pins[dst.block_id] += 1
     for block in pool.blocks[1:]:
-        expected = holders[block.block_id] + pins.get(block.block_id, 0)
+        expected = holders[block.block_id] + pins[block.block_id]
         if block.ref_cnt != expected:
             raise InvariantError(f"block {block.block_id} has ref_cnt {block.ref_cnt}, "
-                                 f"but {holders[block.block_id]} tables and {pins.get(block.block_id, 0)} pins hold it")
+                                 f"but {holders[block.block_id]} tables and {pins[block.block_id]} pins hold it")
         if (block.block_id in free_ids) == (block.ref_cnt > 0):
             raise InvariantError(f"block {block.block_id} (ref_cnt {block.ref_cnt}) is "
                                  f"{'in' if block.block_id in free_ids else 'not in'} the free queue")
     for key, block in pool.cached_block_hash_to_block.items():
-        if block.block_hash != key:
+        if block.block_hash != key and key not in pool.cached_block_hashes_by_block.get(block.block_id, ()):
             raise InvariantError(f"index entry {key.hex()} points to block {block.block_id} "
                                  f"whose hash is {block.block_hash!r}")
     num_hashed = sum(1 for b in pool.blocks if b.block_hash is not None)
+    num_hashed += sum(len(keys) for keys in pool.cached_block_hashes_by_block.values())
     num_indexed = sum(1 for _ in pool.cached_block_hash_to_block.items())
     if num_hashed != num_indexed:
         raise InvariantError(f"{num_hashed} blocks carry a hash but the index holds {num_indexed} entries")

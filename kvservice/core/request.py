@@ -12,22 +12,35 @@ from kvservice.hashing import (
     HASH_BYTES,
     MAX_TOKEN_ID,
     BlockHash,
+    HashSpec,
     MultiModalItem,
     TokenIdError,
     hash_packed_blocks,
     le_bytes,
     root_hash,
     token_array,
+    vllm_spec,
 )
 
 
 class Request:
-    """Hashes its own tokens at `block_size` (the manager's hash block size) as they arrive.
+    """Hashes its own tokens at `block_size` (the manager's hash block size) as they arrive, with
+    kvservice's chain (DESIGN §4, seeded by `hash_seed`) or the pool's `hash_spec` (e.g. vLLM's).
 
     `namespace` (e.g. a tenant id) is appended to every block hash the core sees, so requests in
     different namespaces never share a prefix; the chain itself stays namespace-free so that clients
     compute the same hashes.
     """
+
+    # vLLM Request attributes the core reads, at their defaults (class level, so a request restored
+    # field by field has them too): a scheduler may set them.
+    skip_reading_prefix_cache = False
+    shared_prefix_boundary = 0  # a junction to keep cached under sparse retention
+    num_in_flight_tokens = 0  # scheduled tokens whose forward has not finished (async scheduling)
+    session_id: str | None = None
+    lora_id: int | None = None
+    lora_path: str | None = None
+    hash_spec: HashSpec | None = None  # None: kvservice's chain with `hash_seed`
 
     def __init__(
         self,
@@ -40,9 +53,14 @@ class Request:
         *,
         mm_items: Sequence[MultiModalItem] = (),
         namespace: bytes = b"",
+        lora_path: str | None = None,
+        hash_spec: HashSpec | None = None,
     ) -> None:
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if hash_spec is not None and hash_spec.block_size != block_size:
+            raise ValueError(f"request {request_id!r}: hash_spec hashes {hash_spec.block_size}-token blocks, "
+                             f"the request {block_size}")
         tokens = token_array(prompt_token_ids, "prompt_token_ids")
         self.request_id = request_id
         self.block_size = block_size
@@ -51,14 +69,18 @@ class Request:
         self.hash_seed = hash_seed
         self.mm_items = tuple(mm_items)
         self.namespace = namespace
+        if lora_path is not None:
+            self.lora_path = lora_path
+        if hash_spec is not None and not hash_spec.is_kvservice:
+            self.hash_spec = hash_spec
         self.num_prompt_tokens = len(tokens)
         self._token_ids: array | None = tokens  # compact: 4 bytes a token
         self.num_tokens = self.num_prompt_tokens
         self.num_computed_tokens = 0
         self.num_preemptions = 0
-        self._chain_tip: bytes = root_hash(hash_seed)
+        self._chain_tip: bytes = self._root()
         self.block_hashes: list[BlockHash] = []
-        self._extend_hashes(le_bytes(tokens), 0)
+        self.hash_full_blocks()
 
     @classmethod
     def from_block_hashes(
@@ -70,9 +92,13 @@ class Request:
         *,
         lora_name: str | None = None,
         namespace: bytes = b"",
+        hash_spec: HashSpec | None = None,
     ) -> Request:
-        """A request whose client hashed its tokens: one hash per full block of `num_tokens`."""
+        """A request whose client hashed its tokens (with `hash_spec`, kvservice's by default): one
+        hash per full block of `num_tokens`."""
         req = cls.__new__(cls)
+        if hash_spec is not None and not hash_spec.is_kvservice:
+            req.hash_spec = hash_spec
         req.request_id = request_id
         req.block_size = block_size
         req.cache_salt = None
@@ -139,7 +165,33 @@ class Request:
         first = len(self.block_hashes)
         if num_full > first:
             bs = self.block_size
-            self._extend_hashes(le_bytes(self._token_ids[first * bs:num_full * bs]), first)
+            if self.hash_spec is None:
+                self._extend_hashes(le_bytes(self._token_ids[first * bs:num_full * bs]), first)
+            else:
+                self._extend_vllm_hashes(first, num_full)
+
+    @property
+    def _hash_bytes(self) -> int:
+        return HASH_BYTES if self.hash_spec is None else self.hash_spec.hash_bytes
+
+    def _root(self) -> bytes:
+        return root_hash(self.hash_seed) if self.hash_spec is None else self.hash_spec.root
+
+    def _extend_vllm_hashes(self, first: int, num_full: int) -> None:
+        """vLLM's chain (hash_spec): extra keys tagged as vLLM's (LoRA name and path, items, salt)."""
+        spec, bs, tokens = self.hash_spec, self.block_size, self._token_ids
+        fn = spec.hash_function()
+        lora = (self.lora_name, self.lora_path or "") if self.lora_name is not None else None
+        mm_idx = vllm_spec.first_item_in_window(self.mm_items, first * bs) if self.mm_items else 0
+        parent = self._chain_tip
+        new = []
+        for i in range(first, num_full):
+            start = i * bs
+            extra, mm_idx = vllm_spec.block_extra_keys(start, start + bs, mm_idx, lora=lora, mm_items=self.mm_items,
+                                                       cache_salt=self.cache_salt)
+            parent = fn((parent, tuple(tokens[start:start + bs]), extra))
+            new.append(parent)
+        self._append_hashes(new)
 
     def append_block_hashes(self, block_hashes: Sequence[bytes], num_new_tokens: int) -> None:
         """For requests added by hashes: `num_new_tokens` more tokens whose newly full blocks have
@@ -153,9 +205,10 @@ class Request:
         if len(block_hashes) != expected:
             raise ValueError(f"request {self.request_id!r}: {num_tokens} tokens need {expected} new block hashes "
                              f"at block size {self.block_size}, got {len(block_hashes)}")
+        size = self._hash_bytes
         for i, h in enumerate(block_hashes):
-            if not isinstance(h, bytes) or len(h) != HASH_BYTES:
-                raise ValueError(f"block_hashes[{i}] must be {HASH_BYTES} bytes, got {h!r:.40}")
+            if not isinstance(h, bytes) or len(h) != size:
+                raise ValueError(f"block_hashes[{i}] must be {size} bytes, got {h!r:.40}")
         self.num_tokens = num_tokens
         ns = self.namespace
         self.block_hashes.extend(BlockHash(h + ns) for h in block_hashes)
@@ -171,7 +224,7 @@ class Request:
         self.num_tokens = num_tokens
         del self.block_hashes[num_tokens // self.block_size:]
         if self._token_ids is not None:
-            self._chain_tip = self.block_hashes[-1][:HASH_BYTES] if self.block_hashes else root_hash(self.hash_seed)
+            self._chain_tip = self.block_hashes[-1][:self._hash_bytes] if self.block_hashes else self._root()
 
     def fork(self, child_request_id: str) -> Request:
         """A copy under a new id: same tokens, hashes and computed count."""
@@ -179,6 +232,9 @@ class Request:
         for name in ("block_size", "cache_salt", "lora_name", "hash_seed", "mm_items", "namespace",
                      "num_prompt_tokens", "num_tokens", "num_computed_tokens", "_chain_tip"):
             setattr(child, name, getattr(self, name))
+        for name in ("lora_path", "hash_spec", "lora_id", "session_id"):  # class defaults unless set
+            if name in self.__dict__:
+                setattr(child, name, getattr(self, name))
         child.request_id = child_request_id
         child.num_preemptions = 0
         child._token_ids = None if self._token_ids is None else array("I", self._token_ids)
@@ -186,8 +242,10 @@ class Request:
         return child
 
     def _extend_hashes(self, packed: bytes, first_block: int) -> None:
-        new = hash_packed_blocks(packed, self.block_size, self._chain_tip, first_block,
-                                 self.cache_salt, self.lora_name, self.mm_items)
+        self._append_hashes(hash_packed_blocks(packed, self.block_size, self._chain_tip, first_block,
+                                               self.cache_salt, self.lora_name, self.mm_items, self.lora_path))
+
+    def _append_hashes(self, new: list[BlockHash]) -> None:
         if not new:
             return
         self._chain_tip = new[-1]

@@ -37,6 +37,9 @@ class ManagerState:
     totals: tuple[int, int, int]  # queries, hits, requests
     interval: tuple[int, ...]
     interval_reset: bool
+    # Per index entry: the prefix tokens its primary key covers, 0 for a block's extra (partial)
+    # keys; None in snapshots that predate partial keys (then a block's first key is its primary).
+    index_num_tokens: array | None = None
 
 
 def export_manager_state(m: KVCacheManager) -> ManagerState:
@@ -45,9 +48,11 @@ def export_manager_state(m: KVCacheManager) -> ManagerState:
     free_order = array("I", [b.block_id for b in pool.free_block_queue.get_all_free_blocks()])
     keys: list[bytes] = []
     ids = array("I")
+    num_tokens = array("I")
     for key, block in pool.cached_block_hash_to_block.items():
         keys.append(key)
         ids.append(block.block_id)
+        num_tokens.append((block.block_hash_num_tokens or 1) if block.block_hash == key else 0)
     groups = []
     for manager in m.coordinator.managers:
         g = GroupTables()
@@ -64,7 +69,7 @@ def export_manager_state(m: KVCacheManager) -> ManagerState:
     return ManagerState(ref_cnts, free_order, keys, ids, groups,
                         [(s.block_id, d.block_id) for s, d in m.coordinator.cow.pairs], pool.num_evictions,
                         (totals.queries, totals.hits, totals.requests),
-                        tuple(getattr(stats, f) for f in _STATS_FIELDS), stats.reset)
+                        tuple(getattr(stats, f) for f in _STATS_FIELDS), stats.reset, num_tokens)
 
 
 def import_manager_state(m: KVCacheManager, state: ManagerState) -> None:
@@ -94,9 +99,15 @@ def import_manager_state(m: KVCacheManager, state: ManagerState) -> None:
     pool.free_block_queue = FreeBlockQueue([blocks[i] for i in state.free_order])
     cache = pool.cached_block_hash_to_block._cache
     insert = pool.cached_block_hash_to_block.insert
-    for key, block_id in zip(state.index_keys, state.index_block_ids):
+    extra = pool.cached_block_hashes_by_block
+    num_tokens = state.index_num_tokens
+    for i, (key, block_id) in enumerate(zip(state.index_keys, state.index_block_ids)):
         block = blocks[block_id]
-        block._block_hash = key
+        if block._block_hash is None if num_tokens is None else num_tokens[i] > 0:  # its primary key
+            block._block_hash = key
+            block._block_hash_num_tokens = num_tokens[i] if num_tokens is not None else None
+        else:
+            extra.setdefault(block_id, set()).add(key)
         if key in cache:
             insert(key, block)  # several blocks under one hash: keep their order
         else:

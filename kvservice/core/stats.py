@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -44,26 +46,24 @@ class PrefixCacheTotals:
 @dataclass(slots=True)
 class PrefixCacheRecorder:
     """The interval's stats and the life totals, recorded together once per lookup. A record of its
-    own (not the manager) so the fast path can share it without a reference cycle to the manager."""
+    own (not the manager) so the fast path can share it without a reference cycle to the manager.
+    `new_interval` makes each interval's record (any class with PrefixCacheStats' fields)."""
 
-    interval: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    new_interval: Callable[[], Any] = PrefixCacheStats
+    interval: Any = None
     totals: PrefixCacheTotals = field(default_factory=PrefixCacheTotals)
 
+    def __post_init__(self) -> None:
+        if self.interval is None:
+            self.interval = self.new_interval()
+
     def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
-        interval = self.interval
-        if preempted:
-            interval.preempted_requests += 1
-            interval.preempted_queries += num_tokens
-            interval.preempted_hits += num_hits
-        else:
-            interval.requests += 1
-            interval.queries += num_tokens
-            interval.hits += num_hits
+        self.interval.record(num_tokens, num_hits, preempted)
         totals = self.totals
         totals.queries += num_tokens
         totals.hits += num_hits
         totals.requests += 1
 
-    def take_interval(self) -> PrefixCacheStats:
-        stats, self.interval = self.interval, PrefixCacheStats()
+    def take_interval(self) -> Any:
+        stats, self.interval = self.interval, self.new_interval()
         return stats

@@ -4,6 +4,11 @@
     h_root = H(seed_string.encode("utf-8"))
     h_i    = H(h_{i-1} || le_u32(t_0) ... le_u32(t_{B-1}) || extra_i),   h_{-1} = h_root
 
+`extra_i`: `tag || le_u32(len) || value` fields — 0x01 cache salt (block 0 only), 0x02 LoRA name and,
+when the adapter has one, 0x04 its path (every block), 0x03 per multimodal item overlapping the block.
+Spec version 2 (version 1 had no LoRA path: re-pointing a LoRA name at another adapter served the
+old adapter's KV).
+
 A whole prompt is validated and packed to little-endian uint32 once (numpy), then hashed with one
 xxh3 call per block over a memoryview slice: no Python loop per token.
 """
@@ -30,6 +35,8 @@ MAX_TOKEN_ID = 2**32 - 1
 TAG_CACHE_SALT = 0x01
 TAG_LORA = 0x02
 TAG_MM_ITEM = 0x03
+TAG_LORA_PATH = 0x04
+SPEC_VERSION = 2
 
 _h128 = xxhash.xxh3_128_digest
 _LITTLE_ENDIAN = sys.byteorder == "little"
@@ -46,7 +53,7 @@ def root_hash(seed: str = DEFAULT_HASH_SEED) -> BlockHash:
 
 def spec_fingerprint(seed: str = DEFAULT_HASH_SEED, hash_block_size: int = DEFAULT_HASH_BLOCK_SIZE) -> str:
     """Identifies a hash spec; pools and clients send it and the allocator refuses a mismatch."""
-    text = f"kvservice-hash/1;xxh3_128;seed={seed};block={hash_block_size}"
+    text = f"kvservice-hash/{SPEC_VERSION};xxh3_128;seed={seed};block={hash_block_size}"
     return xxhash.xxh3_64_hexdigest(text.encode("utf-8"))
 
 
@@ -120,6 +127,7 @@ def block_extra_keys(
     cache_salt: str | None = None,
     lora_name: str | None = None,
     mm_items: Sequence[MultiModalItem] = (),
+    lora_path: str | None = None,
 ) -> bytes:
     """The `extra_i` bytes of DESIGN §4 for the block covering positions [block_start, block_end)."""
     out = b""
@@ -127,6 +135,8 @@ def block_extra_keys(
         out += _field(TAG_CACHE_SALT, cache_salt.encode("utf-8"))
     if lora_name is not None:
         out += _field(TAG_LORA, lora_name.encode("utf-8"))
+        if lora_path is not None:
+            out += _field(TAG_LORA_PATH, lora_path.encode("utf-8"))
     for item in mm_items:  # given in position order
         if item.offset < block_end and item.offset + item.length > block_start:
             value = item.identifier.encode("utf-8") + struct.pack("<i", item.offset - block_start)
@@ -155,6 +165,7 @@ def hash_packed_blocks(
     cache_salt: str | None = None,
     lora_name: str | None = None,
     mm_items: Sequence[MultiModalItem] = (),
+    lora_path: str | None = None,
 ) -> list[BlockHash]:
     """Hashes every full block of already-packed uint32-LE tokens.
 
@@ -176,7 +187,7 @@ def hash_packed_blocks(
         return out
     for i in range(0, end, stride):
         start = first_block * block_size + i // 4
-        extra = block_extra_keys(start, start + block_size, cache_salt, lora_name, mm_items)
+        extra = block_extra_keys(start, start + block_size, cache_salt, lora_name, mm_items, lora_path)
         parent = _h128(parent + packed[i:i + stride] + extra)
         append(parent)
     return out
@@ -189,9 +200,10 @@ def hash_prompt(
     cache_salt: str | None = None,
     lora_name: str | None = None,
     mm_items: Sequence[MultiModalItem] = (),
+    lora_path: str | None = None,
 ) -> list[BlockHash]:
     """Hashes of every full block of a prompt, as a client would send them."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     return hash_packed_blocks(pack_token_ids(token_ids), block_size, root_hash(seed), 0,
-                              cache_salt, lora_name, mm_items)
+                              cache_salt, lora_name, mm_items, lora_path)
