@@ -33,6 +33,8 @@ class PoolHit:
     pool_id: str
     num_cached_tokens: int
     num_free_blocks: int
+    external: bool = False  # an external pool (kvservice.external): num_cached_tokens is its GPU tier
+    tiers: dict[str, int] = field(default_factory=dict)  # an external pool: hit tokens per medium
 
 
 @dataclass(slots=True)
@@ -90,6 +92,7 @@ class Stats:
     hash_block_size: int
     state_digest: str = ""
     leader_epoch: int = 0
+    external_pools: dict = field(default_factory=dict)  # pool id -> kvservice.external.wire.ExternalPoolStats
 
 
 @dataclass(slots=True)

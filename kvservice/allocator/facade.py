@@ -23,8 +23,11 @@ from kvservice.commands import (
     Command,
     CommitTransfer,
     ExpireSessions,
+    IngestEvents,
     OpenSession,
+    RegisterExternalPool,
     RegisterPool,
+    RemoveExternalPool,
     ResetPrefixCache,
     RetirePools,
     Step,
@@ -33,6 +36,7 @@ from kvservice.commands import (
 from kvservice.core import Request
 from kvservice.core.invariants import InvariantError, check_invariants
 from kvservice.errors import InvalidArgument, NotFound
+from kvservice.external.registry import ExternalRegistry
 from kvservice.ops import (
     AddRequestOp,
     AdmitBatchOp,
@@ -48,6 +52,7 @@ from kvservice.results import LookupResult, PoolStats, RequestInfo, ResetResult,
 from kvservice.settings import AllocatorSettings
 
 logger = logging.getLogger(__name__)
+EXTERNAL_COMMANDS = (IngestEvents, RegisterExternalPool, RemoveExternalPool)
 Guard = Callable[[], None]  # raises when a mutation must not happen now (e.g. persistence is down)
 
 
@@ -80,7 +85,8 @@ class Allocator:
         self.scheduler = Scheduler(self.state, self.book)
         self.batches = Batches(self.state, self.book, self.scheduler)
         self.registry = PoolRegistry(self.state, self.book)
-        self.placement = Placement(self.state)
+        self.external = ExternalRegistry(self.state)
+        self.placement = Placement(self.state, self.external)
 
     @property
     def settings(self) -> AllocatorSettings:
@@ -119,6 +125,8 @@ class Allocator:
             return Applied(None, True)
         if kind is Barrier:
             return Applied(None, False)
+        if kind in EXTERNAL_COMMANDS:
+            return Applied(*self.external.apply(command, guard))
         raise TypeError(f"not a command: {command!r}")
 
     def _sequenced(self, command, now: float, guard: Guard, handler) -> Applied:

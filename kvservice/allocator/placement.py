@@ -8,13 +8,16 @@ from collections.abc import Sequence
 from kvservice.allocator.keys import namespace
 from kvservice.allocator.pools import Pool
 from kvservice.allocator.state import AllocatorState
+from kvservice.external.pool import ExternalPool
+from kvservice.external.registry import ExternalRegistry
 from kvservice.hashing import hash_prompt
 from kvservice.results import LookupResult, PoolHit
 
 
 class Placement:
-    def __init__(self, state: AllocatorState) -> None:
+    def __init__(self, state: AllocatorState, external: ExternalRegistry) -> None:
         self.state = state
+        self.external = external
 
     def lookup(self, tenant: str, token_ids=None, block_hashes: Sequence[bytes] | None = None, num_tokens: int = 0,
                cache_salt: str | None = None, lora_name: str | None = None,
@@ -30,22 +33,30 @@ class Placement:
             num_tokens = num_tokens or len(raw) * settings.hash_block_size
         hashes = [h + ns for h in raw] if ns else raw
         state = self.state
-        pools = [state.pool(p, tenant, admin) for p in pool_ids] if pool_ids else state.visible_pools(tenant, admin)
+        external = self.external
+        if pool_ids:
+            pools = [state.pool(p, tenant, admin) for p in pool_ids if p not in state.external]
+            externals = [external.pool(p, tenant, admin) for p in pool_ids if p in state.external]
+        else:
+            pools, externals = state.visible_pools(tenant, admin), external.visible(tenant, admin)
         hits = [PoolHit(p.pool_id, p.cached_prefix_tokens(hashes, num_tokens),
                         p.manager.block_pool.get_num_free_blocks()) for p in pools]
-        return LookupResult(hits, self.place(pools, hits, raw))
+        if externals:  # ranked with the others: an engine kvservice does not allocate for is a pool too
+            hits += external.hits(externals, raw, num_tokens, token_ids, cache_salt, lora_name)
+        return LookupResult(hits, self.place([*pools, *externals], hits, raw))
 
     @staticmethod
-    def place(pools: list[Pool], hits: list[PoolHit], raw_hashes: Sequence[bytes]) -> str:
+    def place(pools: list[Pool | ExternalPool], hits: list[PoolHit], raw_hashes: Sequence[bytes]) -> str:
         """Longest cached prefix; ties to the most free blocks that hold nothing cached (filling them
-        evicts no one's prefix); remaining ties by the prompt's first block hash, so a prompt family
-        keeps landing on the same pool instead of every cold prompt piling onto the first one."""
+        evicts no one's prefix; an external pool publishes no free count: 0); remaining ties by the
+        prompt's first block hash, so a prompt family keeps landing on the same pool instead of every
+        cold prompt piling onto the first one."""
         if not hits:
             return ""
         best = max(h.num_cached_tokens for h in hits)
         tied = [(p, h) for p, h in zip(pools, hits) if h.num_cached_tokens == best]
-        empty = {p.pool_id: max(0, h.num_free_blocks - len(p.manager.block_pool.cached_block_hash_to_block))
-                 for p, h in tied}
+        empty = {p.pool_id: 0 if h.external else
+                 max(0, h.num_free_blocks - len(p.manager.block_pool.cached_block_hash_to_block)) for p, h in tied}
         most = max(empty.values())
         names = sorted(p.pool_id for p, _ in tied if empty[p.pool_id] == most)
         if len(names) == 1 or not raw_hashes:

@@ -32,6 +32,9 @@ class PoolRegistry:
             raise InvalidArgument("config.num_blocks", spec.config.num_blocks,
                                   f"exceeds this allocator's limit of {limit} blocks per pool "
                                   f"(kvservice serve --max-pool-blocks)")
+        if spec.pool_id in state.external:
+            raise FailedPrecondition(f"pool {spec.pool_id!r} is an external pool (RegisterExternalPool); pick "
+                                     f"another id or remove it first")
         current = state.pools.get(spec.pool_id)
         if current is not None and not command.admin and current.owner_tenant != session.tenant:
             raise PermissionDenied(f"pool {spec.pool_id!r} belongs to another tenant; only it or an admin may "

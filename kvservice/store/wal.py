@@ -11,12 +11,16 @@ from kvservice.commands import (
     Command,
     CommandKind,
     ExpireSessions,
+    IngestEvents,
     OpenSession,
+    RegisterExternalPool,
     RegisterPool,
+    RemoveExternalPool,
     ResetPrefixCache,
     RetirePools,
     StepRpc,
 )
+from kvservice.external.wire import spec_from_proto, spec_to_proto
 from kvservice.wire.decode import STEP_REQUESTS, commit_transfer_command, decode_pool_spec, step_command
 
 _LEGACY_STEPS = {"step": StepRpc.STEP, "allocate": StepRpc.ALLOCATE, "free": StepRpc.FREE, "fork": StepRpc.FORK}
@@ -41,6 +45,17 @@ def encode(command: Command) -> bytes:
         entry.pool_ids.extend(command.pool_ids)
     elif kind is CommandKind.BARRIER:
         entry.resync = command.resync
+    elif kind is CommandKind.INGEST_EVENTS:
+        ingest = entry.ingest
+        ingest.pool_id, ingest.registration, ingest.reset = command.pool_id, command.registration, command.reset
+        ingest.sequences.extend(s for s, _ in command.frames)
+        ingest.payloads.extend(p for _, p in command.frames)
+    elif kind is CommandKind.REGISTER_EXTERNAL_POOL:
+        entry.tenant, entry.admin = command.tenant, command.admin
+        entry.request = spec_to_proto(command.spec).SerializeToString(deterministic=True)
+    elif kind is CommandKind.REMOVE_EXTERNAL_POOL:
+        entry.tenant, entry.admin = command.tenant, command.admin
+        entry.pool_ids.append(command.pool_id)
     return entry.SerializeToString()
 
 
@@ -67,6 +82,15 @@ def decode(raw: bytes, hash_block_size: int) -> Command:
         return ResetPrefixCache(list(entry.pool_ids))
     if kind is CommandKind.RETIRE_POOLS:
         return RetirePools(list(entry.pool_ids))
+    if kind is CommandKind.INGEST_EVENTS:
+        ingest = entry.ingest
+        return IngestEvents(ingest.pool_id, ingest.registration, list(zip(ingest.sequences, ingest.payloads)),
+                            ingest.reset)
+    if kind is CommandKind.REGISTER_EXTERNAL_POOL:
+        return RegisterExternalPool(entry.tenant, spec_from_proto(pb.ExternalPoolSpec.FromString(entry.request)),
+                                    entry.admin)
+    if kind is CommandKind.REMOVE_EXTERNAL_POOL:
+        return RemoveExternalPool(entry.tenant, entry.pool_ids[0], entry.admin)
     return Barrier(entry.resync)
 
 
