@@ -93,7 +93,8 @@ class ExternalRegistry:
         guard()
         pool.reset(ResetKind(command.reset))
         for sequence, payload in command.frames:
-            pool.apply(sequence, payload)
+            if sequence > pool.last_sequence:  # a batch applied already (a replay overlapping) never re-applies
+                pool.apply(sequence, payload)
         return None, True
 
     # ---- reads -----------------------------------------------------------------------------------

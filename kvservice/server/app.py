@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 from kvservice._proto import allocator_pb2 as pb
 from kvservice.allocator import Allocator
 from kvservice.commands import RegisterExternalPool
+from kvservice.external.metrics import ExternalCollector
 from kvservice.external.spec import SpecError, parse_flag
 from kvservice.external.subscriber import Feeds
 from kvservice.launch import READY_PREFIX
@@ -43,6 +44,7 @@ class AllocatorServer:
         self.journal = journal or Journal()
         self.metrics = Metrics(self.allocator, lambda: self.journal, lambda: self.servicer.num_watchers)
         self.servicer = AllocatorServicer(self.allocator, self.auth, self.metrics, self.journal)
+        self.metrics.registry.register(ExternalCollector(self.allocator, lambda: self.servicer.feeds))
         self.journal.write_observer = self.metrics.redis_write.observe
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
