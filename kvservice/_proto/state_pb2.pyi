@@ -53,7 +53,7 @@ class ExternalIngest(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., registration: _Optional[int] = ..., reset: _Optional[int] = ..., sequences: _Optional[_Iterable[int]] = ..., payloads: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ExternalPoolState(_message.Message):
-    __slots__ = ("spec", "owner_tenant", "registration", "epoch", "last_sequence", "last_digest", "index", "counters", "spec_status", "spec_message", "spec_checked", "spec_mismatches")
+    __slots__ = ("spec", "owner_tenant", "registration", "epoch", "last_sequence", "last_digest", "index", "counters", "spec_status", "spec_message", "spec_checked", "spec_mismatches", "spec_chain")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     OWNER_TENANT_FIELD_NUMBER: _ClassVar[int]
     REGISTRATION_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class ExternalPoolState(_message.Message):
     SPEC_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     SPEC_CHECKED_FIELD_NUMBER: _ClassVar[int]
     SPEC_MISMATCHES_FIELD_NUMBER: _ClassVar[int]
+    SPEC_CHAIN_FIELD_NUMBER: _ClassVar[int]
     spec: bytes
     owner_tenant: str
     registration: int
@@ -78,7 +79,8 @@ class ExternalPoolState(_message.Message):
     spec_message: str
     spec_checked: int
     spec_mismatches: int
-    def __init__(self, spec: _Optional[bytes] = ..., owner_tenant: _Optional[str] = ..., registration: _Optional[int] = ..., epoch: _Optional[int] = ..., last_sequence: _Optional[int] = ..., last_digest: _Optional[int] = ..., index: _Optional[bytes] = ..., counters: _Optional[_Iterable[int]] = ..., spec_status: _Optional[str] = ..., spec_message: _Optional[str] = ..., spec_checked: _Optional[int] = ..., spec_mismatches: _Optional[int] = ...) -> None: ...
+    spec_chain: bytes
+    def __init__(self, spec: _Optional[bytes] = ..., owner_tenant: _Optional[str] = ..., registration: _Optional[int] = ..., epoch: _Optional[int] = ..., last_sequence: _Optional[int] = ..., last_digest: _Optional[int] = ..., index: _Optional[bytes] = ..., counters: _Optional[_Iterable[int]] = ..., spec_status: _Optional[str] = ..., spec_message: _Optional[str] = ..., spec_checked: _Optional[int] = ..., spec_mismatches: _Optional[int] = ..., spec_chain: _Optional[bytes] = ...) -> None: ...
 
 class RequestState(_message.Message):
     __slots__ = ("key", "has_token_ids", "token_ids", "num_tokens", "num_prompt_tokens", "num_computed_tokens", "num_preemptions", "block_hashes", "namespace", "cache_salt", "has_cache_salt", "lora_name", "has_lora_name", "hash_seed", "mm_identifiers", "mm_offsets", "mm_lengths", "chain_tip", "owner", "block_size")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import fields
 
+import msgpack
+
 from kvservice._proto import allocator_pb2 as pb
 from kvservice._proto import state_pb2 as st
 from kvservice.external.pool import ExternalPool, PoolCounters
@@ -23,7 +25,8 @@ def encode_into(external: ExternalPools, snap: st.Snapshot) -> None:
                                 last_sequence=pool.last_sequence, last_digest=pool.last_digest,
                                 index=pool.index.encode(), counters=pool.counter_values(),
                                 spec_status=check.status.value, spec_message=check.message,
-                                spec_checked=check.checked, spec_mismatches=check.mismatches)
+                                spec_checked=check.checked, spec_mismatches=check.mismatches,
+                                spec_chain=msgpack.packb(list(check.full.items())))
 
 
 def decode_from(snap: st.Snapshot, external: ExternalPools, hash_block_size: int, hash_seed: str) -> None:
@@ -34,5 +37,6 @@ def decode_from(snap: st.Snapshot, external: ExternalPools, hash_block_size: int
         pool.epoch, pool.last_sequence, pool.last_digest = ps.epoch, ps.last_sequence, ps.last_digest
         pool.index.load(ps.index)
         pool.counters = PoolCounters(*list(ps.counters)[:len(fields(PoolCounters))])
-        pool.check = SpecCheck(SpecStatus(ps.spec_status), ps.spec_message, ps.spec_checked, ps.spec_mismatches)
+        pool.check = SpecCheck(SpecStatus(ps.spec_status), ps.spec_message, ps.spec_checked, ps.spec_mismatches,
+                               dict(msgpack.unpackb(ps.spec_chain)) if ps.spec_chain else {})
         external.pools[spec.pool_id] = pool

@@ -9,7 +9,7 @@ rate for routers that compute vLLM's hashes themselves.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from enum import Enum
 
 from kvservice.external import vllm_hashes
@@ -126,6 +126,9 @@ class SpecCheck:
     message: str = ""
     checked: int = 0
     mismatches: int = 0
+    # Full hashes of the blocks verified so far, by their 64-bit event form (vLLM publishes ints by default,
+    # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1): a later block names its parent by those 64 bits only.
+    full: dict[int, bytes] = field(default_factory=dict)
 
     def done(self) -> bool:
         return self.status is not SpecStatus.UNCHECKED
@@ -143,7 +146,7 @@ class SpecCheck:
         if parent is None:
             parent = vllm_hashes.none_hash(spec.hash_algo, spec.hash_seed)
         elif not isinstance(parent, bytes):
-            parent = None  # an int hash is 64 of the parent's bits: only chains from a root are checkable
+            parent = self.full.get(parent)  # 64 of the parent's bits: checkable when we verified the parent
         for i, published in enumerate(event.block_hashes):
             extra = _tagged_extra_keys(event.extra_keys[i] if event.extra_keys else None)
             if parent is None or extra is False:
@@ -155,7 +158,10 @@ class SpecCheck:
             self.checked += 1
             if self.checked >= SPEC_CHECK_BLOCKS:
                 self.status = SpecStatus.OK
+                self.full.clear()
                 return True
+            if isinstance(published, int):
+                self.full[published] = full
             parent = full
         return True
 
@@ -163,6 +169,7 @@ class SpecCheck:
         self.mismatches += 1
         if self.status is SpecStatus.UNCHECKED:
             self.status, self.message = SpecStatus.MISMATCH, message
+        self.full.clear()
         return False
 
     @staticmethod
@@ -198,6 +205,3 @@ def _tagged_extra_keys(published):
             return False
     return tuple(tagged) or None
 
-
-def with_block_size(spec: ExternalSpec, block_size: int) -> ExternalSpec:
-    return replace(spec, block_size=block_size)

@@ -42,7 +42,7 @@ class Feed:
 
     def __init__(self, spec: ExternalSpec, registration: int, view: Callable[[], ExternalPool | None],
                  submit: Callable[[IngestEvents], Awaitable], context: zmq.asyncio.Context,
-                 replay_timeout_s: float = 3.0, idle_sync_s: float = 5.0) -> None:
+                 replay_timeout_s: float = 3.0, idle_sync_s: float = 1.0) -> None:
         self.spec = spec
         self.registration = registration
         self.view = view
@@ -56,6 +56,8 @@ class Feed:
         self.replay_failures = 0
         self._pending: list[tuple[int, bytes]] = []
         self._pending_reset = ResetKind.NONE
+        self._counting_gap = False
+        self._live_last: int | None = None  # the last sequence of the current connection's live stream
         self._last_activity = time.monotonic()
 
     # ---- the loop --------------------------------------------------------------------------------
@@ -81,8 +83,9 @@ class Feed:
                         await self._flush()
                         await self._sync()
                     ready = dict(await poller.poll(timeout=int(self.idle_sync_s * 1000)))
-                    if monitor in ready:
-                        need_sync |= await self._monitor(monitor)
+                    if monitor in ready and await self._monitor(monitor):
+                        await self._flush()
+                        await self._sync()  # before this connection's frames: a restart shows here first
                     frames = await self._drain(sub) if sub in ready else []
                     if frames:
                         self._last_activity = time.monotonic()
@@ -110,6 +113,7 @@ class Feed:
             event = parse_monitor_message(await monitor.recv_multipart())["event"]
             if event & _CONNECT_EVENTS:
                 self.connected = reconnected = True
+                self._live_last = None  # a new connection: its stream starts wherever the publisher is
             elif event == zmq.EVENT_DISCONNECTED:
                 self.connected = False
         return reconnected
@@ -141,17 +145,28 @@ class Feed:
         return pool.last_sequence if pool is not None else -1
 
     async def _one(self, seq: int, payload: bytes) -> None:
+        # The live stream of one connection is in order: it going back means a restarted publisher. A live
+        # batch at or before the applied position otherwise is a late copy of one a replay brought.
+        went_back = self._live_last is not None and seq <= self._live_last
+        self._live_last = seq
         last = self._position()
         if last < 0 or seq == last + 1:
             self._accept(seq, payload)
             if len(self._pending) >= MAX_FRAMES_PER_COMMAND:
                 await self._flush()
             return
+        if seq <= last and not went_back:
+            return
         restarted = seq <= last
         if not restarted:
             self.gaps += 1
         await self._flush()
-        if self.spec.replay_endpoint and await self._sync():
+        self._counting_gap = True
+        try:
+            synced = bool(self.spec.replay_endpoint) and await self._sync()
+        finally:
+            self._counting_gap = False
+        if synced:
             last = self._position()
             if seq <= last:
                 return  # the replay brought it
@@ -195,8 +210,10 @@ class Feed:
             return True
         first = replayed[0][0] if replayed else None
         if first == last and payload_digest(replayed[0][1]) == digest:
+            self._count_missed(len(replayed) - 1)
             await self._submit(replayed[1:])  # the same publisher: what came after us
         elif first == last + 1:
+            self._count_missed(len(replayed))
             await self._submit(replayed)  # our last batch left its buffer, but nothing is missing
         elif first is None or first == last:
             # Nothing at or after our position, or another batch under our last number: it restarted.
@@ -209,6 +226,11 @@ class Feed:
                            "resyncing from what it still holds", self.spec.pool_id, last + 1, first - 1)
             await self._submit(replayed, ResetKind.RESYNC)
         return True
+
+    def _count_missed(self, num_frames: int) -> None:
+        """A catch-up that found batches the live stream had not delivered: a gap (unless `_one` counted it)."""
+        if num_frames and not self._counting_gap:
+            self.gaps += 1
 
     async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
         """The publisher's buffered batches from `start` on; None when it did not answer in time."""
