@@ -10,7 +10,7 @@ import pytest
 from kvservice.allocator import Allocator
 from kvservice.commands import IngestEvents, RegisterExternalPool
 from kvservice.external.spec import SPEC_CHECK_BLOCKS, ExternalSpec
-from kvservice.external.vllm_hashes import block_hash, none_hash
+from kvservice.external.vllm_hashes import block_hash, external_form, none_hash
 from kvservice.hashing import hash_prompt
 from kvservice.store import wal
 from kvservice.store.snapshot import dump, load, state_digest
@@ -20,15 +20,20 @@ B = 4  # the engine's block size in most tests (a multiple of the allocator's ha
 
 
 class Engine:
-    """A stand-in for vLLM's BlockPool as its events describe it: every cached physical block by hash."""
+    """A stand-in for vLLM's BlockPool as its events describe it: every cached physical block by hash
+    (`as_int`: the 64-bit form vLLM publishes by default)."""
 
-    def __init__(self, block_size: int = B) -> None:
+    def __init__(self, block_size: int = B, as_int: bool = False) -> None:
         self.block_size = block_size
+        self.as_int = as_int
         self.cached: Counter = Counter()
+
+    def chain(self, prompt: list[int]) -> list:
+        return [external_form(h, self.as_int) for h in chain(prompt, self.block_size)]
 
     def hits(self, prompt: list[int]) -> int:
         n = 0
-        for h in chain(prompt, self.block_size)[:(len(prompt) - 1) // self.block_size]:
+        for h in self.chain(prompt)[:(len(prompt) - 1) // self.block_size]:
             if not self.cached[h]:
                 break
             n += self.block_size
@@ -59,17 +64,18 @@ def hit(a: Allocator, prompt, pool_id="vllm-0", **kw) -> int:
     return a.lookup("", token_ids=prompt, **kw).tokens(pool_id)
 
 
-def test_random_traces_match_the_model():
+@pytest.mark.parametrize("as_int", [False, True], ids=["bytes-hashes", "int-hashes"])
+def test_random_traces_match_the_model(as_int):
     rng = random.Random(7)
     prefixes = [[rng.randrange(50) for _ in range(rng.choice([4, 8, 12]))] for _ in range(4)]
     for trial in range(6):
-        a, feed, engine = new_allocator(), None, Engine()
+        a, feed, engine = new_allocator(), None, Engine(as_int=as_int)
         feed = Feed(a)
         for step in range(150):
             op = rng.random()
             if op < 0.55:  # a request caches blocks [k, m) of its prompt (its first k were hits)
                 prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(0, 13))]
-                hashes = chain(prompt)
+                hashes = engine.chain(prompt)
                 if not hashes:
                     continue
                 k = rng.randrange(len(hashes))
@@ -77,7 +83,7 @@ def test_random_traces_match_the_model():
                 feed.send(stored(hashes[k:], parent, prompt[k * B:len(hashes) * B]))
                 engine.cached.update(hashes[k:])
             elif op < 0.93 and +engine.cached:  # vLLM evicts any free cached block, parents included
-                h = rng.choice(sorted(+engine.cached))
+                h = rng.choice(sorted(+engine.cached, key=repr))
                 feed.send(removed([h]))
                 engine.cached[h] -= 1
             elif op < 0.95:
@@ -267,3 +273,18 @@ def test_register_refusals():
     with pytest.raises(Exception, match="only an admin"):
         a.apply(RegisterExternalPool("t2", ExternalSpec("e2", "tcp://127.0.0.1:2", bind=True), admin=False), 0.0)
     assert a.lookup("t2", token_ids=[1, 2, 3], admin=False).hits == []  # another tenant sees none of it
+
+
+def test_spec_check_follows_int_parents_across_events():
+    # vLLM publishes the low 64 bits of each hash by default: a child names its parent by those bits only.
+    a = new_allocator()
+    feed = Feed(a)
+    p = list(range(40, 57))
+    full = chain(p)
+    ints = [external_form(h, True) for h in full]
+    feed.send(stored(ints[:2], None, p[:8]))
+    feed.send(stored(ints[2:], ints[1], p[8:16]))
+    check = a.state.external.pools["vllm-0"].check
+    assert check.checked == 4 and check.status.value == "unchecked"
+    feed.send(stored([ints[3] ^ 1], ints[2], p[12:16]))  # a block whose hash is not the declared spec's
+    assert check.status.value == "mismatch"
