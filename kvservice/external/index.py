@@ -21,7 +21,6 @@ Everything is a pure function of the events applied, in order (the WAL replays t
 
 from __future__ import annotations
 
-import sys
 from array import array
 from collections import deque
 from dataclasses import dataclass, fields
@@ -30,14 +29,13 @@ import msgpack
 import xxhash
 
 from kvservice.external.frames import EngineHash, Removed, Stored
-from kvservice.hashing import hash_packed_blocks, root_hash
+from kvservice.hashing import hash_packed_blocks, le_bytes, root_hash
 
 TIERS = ("GPU", "CPU", "STORAGE")
 TIER_OF = {None: 0, "GPU": 0, "CPU": 1, "STORAGE": 2}
 _BITS = 16
 _MASK = (1 << _BITS) - 1
 _SEALED = b"\xff"  # a tag DESIGN §4 never produces: blocks keyed with it never match a token Lookup
-_LITTLE_ENDIAN = sys.byteorder == "little"
 _h128 = xxhash.xxh3_128_digest
 
 
@@ -78,14 +76,6 @@ class IndexCounters:
     evictions: int = 0  # indexed blocks evicted by the memory bound
     clears: int = 0  # AllBlocksCleared
     ignored_events: int = 0  # another KV-cache group, an unknown medium, a block size or shape not indexed
-
-
-def _le(tokens: array) -> bytes:
-    if _LITTLE_ENDIAN:
-        return tokens.tobytes()
-    swapped = array("I", tokens)
-    swapped.byteswap()
-    return swapped.tobytes()
 
 
 class ExternalIndex:
@@ -171,7 +161,7 @@ class ExternalIndex:
         if not n:
             return
         self.counters.stored_blocks += n
-        packed = _le(ev.token_ids)
+        packed = le_bytes(ev.token_ids)
         width = 4 * size
         extras = [_split_extra(ev.extra_keys[i] if ev.extra_keys else None, ev.lora_name) for i in range(n)]
         parent = None
