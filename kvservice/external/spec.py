@@ -22,9 +22,9 @@ MAX_BLOCK_SIZE = 65_536
 SPEC_CHECK_BLOCKS = 64  # blocks verified per epoch before the spec is declared ok
 _ENDPOINT = re.compile(r"^tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.*-]+):(\d{1,5})$|^ipc://.+$")
 _POOL_ID = re.compile(r"^[\x21-\x7e]{1,256}$")
-FLAG_HELP = ("POOL=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,block-size=N][,hash=sha256|sha256_cbor|xxhash|"
-             "xxhash_cbor][,hash-seed=S][,bind][,topic=T][,max-blocks=N][,tenant=T]: index a stock vLLM engine "
-             "from its KV events (its --kv-events-config endpoint and replay_endpoint); repeatable")
+FLAG_HELP = ("index a stock vLLM engine from its KV events (its --kv-events-config endpoint and replay_endpoint): "
+             "POOL=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,block-size=N][,hash=sha256|sha256_cbor|xxhash|"
+             "xxhash_cbor][,hash-seed=S][,bind][,topic=T][,max-blocks=N][,tenant=T]; repeatable (default: None)")
 
 
 class SpecError(ValueError):
