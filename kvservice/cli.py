@@ -30,6 +30,19 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--tls-key", help="client private key (PEM)")
     status.add_argument("--check-invariants", action="store_true", help="walk every block (admin token)")
 
+    shards = sub.add_parser("shards", help="a sharded allocator's map, and moving pools between its shards")
+    shards.add_argument("action", choices=["list", "rebalance", "move"],
+                        help="list: pools per shard; rebalance: even them out; move: one pool (--pool, --to)")
+    shards.add_argument("--target", default="127.0.0.1:50051", help="any shard (default: %(default)s)")
+    shards.add_argument("--token", help="an admin bearer token (rebalance, move)")
+    shards.add_argument("--token-file", help="read the bearer token from this file (its first token)")
+    shards.add_argument("--tls-ca", help="CA that signed the servers' certificates (PEM): turns on TLS")
+    shards.add_argument("--tls-cert", help="client certificate (PEM), for mutual TLS")
+    shards.add_argument("--tls-key", help="client private key (PEM)")
+    shards.add_argument("--pool", help="move: the pool")
+    shards.add_argument("--to", help="move: the destination shard")
+    shards.add_argument("--dry-run", action="store_true", help="rebalance: print the moves, make none")
+
     sub.add_parser("demo", help="end-to-end demo (allocator + Ray workers + a tiny model); options after it go "
                                "to worker/demo.py (e.g. --requests, --dcp, --backend, --num-blocks)", add_help=False)
     sub.add_parser("generate", help="generate with a Hugging Face checkpoint on kvservice's paged KV; options after "
@@ -82,6 +95,51 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_shards(args: argparse.Namespace) -> int:
+    from kvservice.client import KVServiceClient
+    from kvservice.errors import KVServiceError
+    from kvservice.shards.rebalance import Rebalancer
+    token = args.token or (Path(args.token_file).read_text().split()[0] if args.token_file else None)
+    with KVServiceClient(args.target, token, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                         retries=1, timeout_s=10) as client:
+        try:
+            shard_map = client.shard_map()
+            if not shard_map.sharded:
+                print(f"kvservice shards: {args.target} is not sharded (kvservice serve --shard)", file=sys.stderr)
+                return 2
+            if args.action == "list":
+                for info in shard_map.shards:
+                    pools = sorted(p for p, s in shard_map.pools.items() if s == info.shard_id)
+                    print(f"{info.shard_id}  {info.address}  epoch {info.epoch}  {len(pools)} pools: "
+                          f"{' '.join(pools)}")
+                return 0
+            rebalancer = Rebalancer(client)
+            if args.action == "move":
+                if not args.pool or not args.to:
+                    print("kvservice shards move: give --pool and --to", file=sys.stderr)
+                    return 2
+                src = shard_map.pools.get(args.pool)
+                if src is None:
+                    print(f"kvservice shards move: no pool {args.pool!r} in the shard map", file=sys.stderr)
+                    return 2
+                addresses = {s.shard_id: s.address for s in shard_map.shards}
+                results = [rebalancer.move(args.pool, src, args.to, addresses)]
+            else:
+                results = rebalancer.rebalance(args.dry_run)
+            for r in results:
+                if isinstance(r, tuple):
+                    print(f"would move {r[0]}: {r[1]} -> {r[2]}")
+                else:
+                    print(f"moved {r.pool_id}: {r.from_shard} -> {r.to_shard} ({r.num_requests} requests, "
+                          f"{r.export_bytes:,} bytes, {r.seconds * 1000:.0f} ms)")
+            if not results:
+                print("kvservice shards: balanced, nothing to move")
+        except KVServiceError as exc:
+            print(f"kvservice shards: {exc.code.name}: {exc}", file=sys.stderr)
+            return 1
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     return subprocess.call([sys.executable, str(Path(__file__).resolve().parent.parent / "bench" / "run_all.py")])
 
@@ -108,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.demo_args = args.deploy_args = extra
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return {"serve": cmd_serve, "status": cmd_status, "demo": cmd_demo, "bench": cmd_bench,
+    return {"serve": cmd_serve, "status": cmd_status, "shards": cmd_shards, "demo": cmd_demo, "bench": cmd_bench,
             "deploy": cmd_deploy, "generate": cmd_generate}[args.command](args)
 
 

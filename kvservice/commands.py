@@ -33,6 +33,10 @@ class CommandKind(IntEnum):
     RESET_PREFIX_CACHE = 6
     RETIRE_POOLS = 7
     BARRIER = 8
+    FREEZE_POOL = 9
+    THAW_POOL = 10
+    DROP_POOL = 11
+    IMPORT_POOL = 12
     # External pools (kvservice.external), numbered apart from the core kinds above.
     REGISTER_EXTERNAL_POOL = 20
     REMOVE_EXTERNAL_POOL = 21
@@ -92,6 +96,7 @@ class OpenSession:
     last_acked_sequence: int = 0
     resume_pool_ids: Sequence[str] = ()
     admin: bool = True
+    attach: bool = False  # resume_session_id unknown here: open it under that id (one id on every shard)
     kind = CommandKind.OPEN_SESSION
 
 
@@ -170,6 +175,46 @@ class Barrier:
     kind = CommandKind.BARRIER
 
 
+@dataclass(slots=True)
+class FreezePool:
+    """Rebalance, on the source shard: the pool takes no calls (UNAVAILABLE) while it moves to `to_shard`;
+    its cross-pool transfers are aborted."""
+
+    pool_id: str
+    to_shard: str
+    kind = CommandKind.FREEZE_POOL
+
+
+@dataclass(slots=True)
+class ThawPool:
+    """Rebalance abandoned: the frozen pool serves again where it is."""
+
+    pool_id: str
+    kind = CommandKind.THAW_POOL
+
+
+@dataclass(slots=True)
+class DropPool:
+    """Rebalance, on the source shard once the destination serves the pool: it leaves this state."""
+
+    pool_id: str
+    kind = CommandKind.DROP_POOL
+
+
+# Decodes a PoolExport into the state (kvservice.store.snapshot.import_pool): (state, export bytes) -> pool id.
+PoolImporter = Callable[[object, bytes], str]
+
+
+@dataclass(slots=True)
+class ImportPool:
+    """Rebalance, on the destination shard: the pool (as the source exported it) joins this state."""
+
+    pool_id: str
+    export: bytes
+    importer: PoolImporter
+    kind = CommandKind.IMPORT_POOL
+
+
 # ---- external pools (stock vLLM engines indexed from their KV events) ---------------------------------------
 @dataclass(slots=True)
 class RegisterExternalPool:
@@ -203,6 +248,8 @@ class IngestEvents:
     kind = CommandKind.INGEST_EVENTS
 
 
+
 Command = (OpenSession | RegisterPool | Step | CommitTransfer | ExpireSessions | ResetPrefixCache | RetirePools
-           | Barrier | RegisterExternalPool | RemoveExternalPool | IngestEvents)
+           | Barrier | FreezePool | ThawPool | DropPool | ImportPool | RegisterExternalPool | RemoveExternalPool
+           | IngestEvents)
 Sequenced = RegisterPool | Step | CommitTransfer

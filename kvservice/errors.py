@@ -71,6 +71,15 @@ class FailedPrecondition(KVServiceError):
     code = Code.FAILED_PRECONDITION
 
 
+class Moved(FailedPrecondition):
+    """The pool is served by another shard (sharded allocators): send its calls to `address`."""
+
+    def __init__(self, pool_id: str, shard_id: str, address: str, message: str = "") -> None:
+        super().__init__(message or f"pool {pool_id!r} is served by shard {shard_id!r} at {address}; send its "
+                                    f"calls there (GetShardMap lists every pool's shard)")
+        self.pool_id, self.shard_id, self.address = pool_id, shard_id, address
+
+
 class PermissionDenied(KVServiceError):
     code = Code.PERMISSION_DENIED
 

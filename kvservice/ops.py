@@ -39,6 +39,16 @@ class AddRequestOp:
 
 
 @dataclass(slots=True)
+class ExternalSource:
+    """A prefix pinned on another shard's pool (a PinOp there) that an admission copies in."""
+
+    pin_id: str
+    src_pool_id: str
+    src_block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass(slots=True)
 class AllocateOp:
     """Schedule up to `num_new_tokens` of a request after its `num_computed_tokens`."""
 
@@ -51,6 +61,25 @@ class AllocateOp:
     num_lookahead_tokens: int = 0
     delay_cache_blocks: bool = False
     allow_transfer: bool = False
+    external_source: ExternalSource | None = None
+
+
+@dataclass(slots=True)
+class PinOp:
+    """Pins a prompt's cached prefix in this pool (the source of a cross-shard transfer) until UnpinOp or the
+    session's end. Its result: the pinned block ids and the prefix tokens they hold."""
+
+    pin_id: str
+    token_ids: array | list[int] | None = None
+    block_hashes: list[bytes] | None = None
+    num_tokens: int = 0  # with block_hashes
+    cache_salt: str | None = None
+    lora_name: str | None = None
+
+
+@dataclass(slots=True)
+class UnpinOp:
+    pin_id: str
 
 
 @dataclass(slots=True)
@@ -91,7 +120,7 @@ class AdmitBatchOp:
     lora_names: list[str | None] | None = None
 
 
-Op = AddRequestOp | AllocateOp | ForkOp | FreeOp | DecodeBatchOp | AdmitBatchOp
+Op = AddRequestOp | AllocateOp | ForkOp | FreeOp | DecodeBatchOp | AdmitBatchOp | PinOp | UnpinOp
 
 
 @dataclass(slots=True)

@@ -33,8 +33,26 @@ class PoolHit:
     pool_id: str
     num_cached_tokens: int
     num_free_blocks: int
+    num_cached_blocks: int = 0
     external: bool = False  # an external pool (kvservice.external): num_cached_tokens is its GPU tier
     tiers: dict[str, int] = field(default_factory=dict)  # an external pool: hit tokens per medium
+
+
+def best_pool(hits: list[PoolHit], first_block_hash: bytes | None) -> str:
+    """Where a KV-aware router sends a prompt: the longest cached prefix; ties to the most free blocks that
+    hold nothing cached (filling them evicts no one's prefix); remaining ties by the prompt's first block
+    hash, so a prompt family keeps landing on the same pool instead of every cold prompt piling onto the
+    first one. The same rule whether one allocator or a client over several shards applies it."""
+    if not hits:
+        return ""
+    best = max(h.num_cached_tokens for h in hits)
+    tied = [h for h in hits if h.num_cached_tokens == best]
+    empty = {h.pool_id: max(0, h.num_free_blocks - h.num_cached_blocks) for h in tied}
+    most = max(empty.values())
+    names = sorted(pool_id for pool_id, n in empty.items() if n == most)
+    if len(names) == 1 or not first_block_hash:
+        return names[0]
+    return names[int.from_bytes(first_block_hash[:8], "big") % len(names)]
 
 
 @dataclass(slots=True)

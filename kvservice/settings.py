@@ -85,8 +85,9 @@ class ServerSettings:
     tls_key: str | None = flag(None, "--tls-key", "server private key (PEM)")
     tls_ca: str | None = flag(None, "--tls-ca", "client CA (PEM): turns on mutual TLS")
     max_message_mb: int = flag(64, "--max-message-mb", "largest request or reply in MiB", type=int)
-    redis_url: str | None = flag(None, "--redis-url", "use this Redis, e.g. redis://host:6379/0 (none: a private "
-                                 "redis-server in --data-dir)", group="persistence")
+    redis_url: str | None = flag(None, "--redis-url", "use this Redis, e.g. redis://host:6379/0, or a Redis Cluster, "
+                                 "rediscluster://host:port (none: a private redis-server in --data-dir)",
+                                 group="persistence")
     persistence: bool = flag(True, "--no-persistence", "memory only: a restart loses everything",
                              group="persistence", action="store_false")
     require_persistence: bool = flag(False, "--require-persistence", "refuse mutations (UNAVAILABLE) unless they "
@@ -108,12 +109,30 @@ class ServerSettings:
                              "empty", group="persistence", action="store_true")
     vllm_events: list[str] = flag([], "--vllm-events", EXTERNAL_FLAG_HELP, action="append",
                                   metavar="POOL=tcp://HOST:PORT[,...]")
+    shard_id: str = flag("", "--shard", "serve as shard ID of a sharded allocator: pools are spread over the "
+                         "shards by a map in Redis (needs --redis-url, the same for every shard)", group="sharding")
+    advertise: str = flag("", "--advertise", "HOST:PORT clients reach this shard at, written to the shard map "
+                          "(default: --host and the bound port)", group="sharding")
+    standby: bool = flag(False, "--standby", "serve as the hot standby of the allocator (or --shard) in this "
+                         "Redis: follow its WAL, answer nothing but GetShardMap, take over when its lease lapses "
+                         "(needs --redis-url)", group="sharding", action="store_true")
+    leader_lease_s: float = flag(2.0, "--leader-lease", "seconds a leader's lease lasts (renewed twice a second); a "
+                                 "standby takes over once it lapsed for that long", group="sharding", type=float)
     redis_wait_s: float = 30.0  # how long start-up waits for Redis to answer
     allocator: AllocatorSettings = field(default_factory=AllocatorSettings)
 
     @property
     def max_message_bytes(self) -> int:
         return self.max_message_mb << 20
+
+    @property
+    def store_namespace(self) -> str:
+        """This allocator's key prefix in Redis: hash tagged (one cluster slot) for a shard or a Redis Cluster."""
+        from kvservice.store.redis_store import hash_tagged, is_cluster
+        if self.shard_id:
+            return hash_tagged(f"{self.redis_namespace}/{self.shard_id}")
+        return hash_tagged(self.redis_namespace) if self.redis_url and is_cluster(self.redis_url) else \
+            self.redis_namespace
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
@@ -131,7 +150,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         kw = dict(meta["kw"])
         default = f.default if f.default is not MISSING else None
         flagged = kw.get("action") in ("store_true", "store_false")
-        shown = "" if flagged or default is None else f" (default: {default})"
+        shown = "" if flagged or default in (None, "") else f" (default: {default})"
         if kw.get("action") == "append":
             default, shown = None, ""
         if not flagged and "choices" not in kw:

@@ -43,7 +43,7 @@ def disconnect_mid_step(target: str, pool: str, tag: str) -> str:
     future.cancel()
     client.channel.close()
     retry = KVServiceClient(target, retries=0)
-    retry.session_id, retry.next_sequence = client.session_id, client.next_sequence
+    retry.continue_session(client.session_id, client.next_sequence)
     _retry_exactly_once(retry, pool, tag)
     retry.close()
     return "client disconnected mid-Step"

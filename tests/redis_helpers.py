@@ -50,6 +50,7 @@ class RedisServer:
         self.data_dir: Path | None = None
         self._proc: subprocess.Popen | None = None
         self.executable = executable
+        self.extra_config: dict[str, str | int] = {}
 
     @property
     def url(self) -> str:
@@ -88,6 +89,7 @@ class RedisServer:
         conf.write_text(config_text({
             "port": self.port, "bind": "127.0.0.1", "dir": str(self.data_dir), "daemonize": "no",
             "logfile": str(log), "appendonly": "yes", "appendfsync": self.appendfsync, "save": "",
+            **self.extra_config,
         }))
         self._proc = spawn_redis_server(conf, log, self.executable)
         with redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2, retry=no_retry()) as probe:

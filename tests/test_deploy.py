@@ -4,9 +4,11 @@ on the head node, one pool per node, KV-aware routing, outputs equal to the dens
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import redis as redis_py
 
 from worker import deploy
 from worker.model import ModelConfig, TinyTransformer
@@ -131,6 +133,8 @@ def test_deploy_configs_parse():
         for doc in yaml.safe_load_all(path.read_text()):
             docs[doc["kind"], doc["metadata"]["name"]] = doc
     assert {("RayCluster", "kvservice"), ("RayJob", "kvservice-pools"), ("Deployment", "kvservice-redis"),
+            ("StatefulSet", "kvservice-shard-a"), ("StatefulSet", "kvservice-shard-b"),
+            ("StatefulSet", "kvservice-redis-cluster"), ("Job", "kvservice-redis-cluster-create"),
             ("Service", "kvservice-redis"), ("PersistentVolumeClaim", "kvservice-redis"),
             ("Deployment", "kvservice-allocator"), ("Service", "kvservice-allocator")} <= set(docs)
     allocator = docs["Deployment", "kvservice-allocator"]["spec"]["template"]["spec"]["containers"][0]
@@ -138,6 +142,81 @@ def test_deploy_configs_parse():
     assert "redis://kvservice-redis:6379/0" in allocator["command"] and "--token-file" in allocator["command"]
     redis = docs["Deployment", "kvservice-redis"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert redis[:4] == ["--appendonly", "yes", "--appendfsync", "everysec"]
+
+
+def _container_argv(container: dict, hostname: str, bin_dir: Path) -> list[str]:
+    """What a manifest container runs, its `sh -c` script expanded by a real sh in pod `hostname` ($HOSTNAME
+    and `hostname`), the program it execs replaced by one that prints its argv."""
+    argv = container["command"] + container.get("args", [])
+    if argv[:2] != ["sh", "-c"]:
+        return argv
+    program = argv[2].removeprefix("exec ").split()[0]
+    bin_dir.mkdir(exist_ok=True)
+    for name, body in ((program, 'printf "%s\\0" "$(basename "$0")" "$@"'), ("hostname", f"echo {hostname}")):
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    out = subprocess.run(["sh", "-c", argv[2]], capture_output=True, text=True, check=True,
+                         env={"HOSTNAME": hostname, "PATH": f"{bin_dir}:/usr/bin:/bin"})
+    return out.stdout.split("\0")[:-1]
+
+
+def _serve_settings(argv: list[str]):
+    from kvservice.cli import build_parser
+    from kvservice.settings import AllocatorSettings, ServerSettings, from_args
+    assert argv[0] == "kvservice", argv
+    args = build_parser().parse_args(argv[1:])  # an unknown flag or a bad value exits here
+    assert args.command == "serve", argv
+    return from_args(ServerSettings, args, allocator=from_args(AllocatorSettings, args))
+
+
+def test_kuberay_shards_run_valid_commands(tmp_path):
+    """allocator-shards.yaml: pod b-1 is a standby of shard s1 advertising its own DNS name, over the Redis
+    Cluster of redis-cluster.yaml, whose node command a real redis-server 7 accepts in cluster mode."""
+    import yaml
+
+    from tests.redis_helpers import debian_redis, free_port
+    docs = {}
+    for name in ("allocator-shards.yaml", "redis-cluster.yaml", "rayjob-shards.yaml"):
+        for doc in yaml.safe_load_all((REPO / "deploy" / "kuberay" / name).read_text()):
+            docs[doc["kind"], doc["metadata"]["name"]] = doc
+    sets = [docs["StatefulSet", f"kvservice-shard-{x}"]["spec"] for x in "ab"]
+    assert sets[0]["replicas"] == sets[1]["replicas"] and sets[0]["selector"] != sets[1]["selector"]
+    for x, spec in zip("ab", sets):
+        assert spec["serviceName"] == "kvservice-shard-pods"
+        settings = _serve_settings(_container_argv(spec["template"]["spec"]["containers"][0], f"kvservice-shard-{x}-1",
+                                                   tmp_path / "bin"))
+        assert (settings.shard_id, settings.standby) == ("s1", True)
+        assert settings.advertise == f"kvservice-shard-{x}-1.kvservice-shard-pods:50051"
+        assert settings.redis_url.startswith("rediscluster://kvservice-redis-cluster-0.kvservice-redis-cluster:")
+        assert settings.token_file and settings.host == "0.0.0.0"
+    assert docs["Service", "kvservice-shard-pods"]["spec"]["clusterIP"] == "None"
+    job = docs["RayJob", "kvservice-pools-sharded"]["spec"]["entrypoint"].split()
+    assert job[job.index("--allocator") + 1] == "kvservice-shards:50051"
+
+    redis = docs["StatefulSet", "kvservice-redis-cluster"]["spec"]
+    argv = _container_argv(redis["template"]["spec"]["containers"][0], "kvservice-redis-cluster-2", tmp_path / "bin")
+    assert argv[0] == "redis-server" and "--cluster-enabled" in argv
+    if debian_redis() is None:
+        pytest.skip("Debian's redis-server 7 is not installed (make install installs it)")
+    port = free_port()
+    argv = [debian_redis()] + [str(tmp_path) if a == "/data" else a for a in argv[1:]] + ["--port", str(port)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        client = redis_py.Redis(port=port, socket_connect_timeout=1)
+        for _ in range(100):
+            try:
+                if client.ping():
+                    break
+            except redis_py.ConnectionError:
+                assert proc.poll() is None, proc.stdout.read()
+                time.sleep(0.1)
+        assert client.config_get("cluster-announce-hostname") == {
+            "cluster-announce-hostname": "kvservice-redis-cluster-2.kvservice-redis-cluster"}
+        assert client.info("cluster")["cluster_enabled"] == 1
+        client.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 @pytest.mark.slow

@@ -25,16 +25,18 @@ RESOURCE_EXHAUSTED: OpStatus
 EPOCH_CHANGED: OpStatus
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("client_name", "resume_pool_ids", "resume_session_id", "last_acked_sequence")
+    __slots__ = ("client_name", "resume_pool_ids", "resume_session_id", "last_acked_sequence", "attach")
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     RESUME_POOL_IDS_FIELD_NUMBER: _ClassVar[int]
     RESUME_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LAST_ACKED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_FIELD_NUMBER: _ClassVar[int]
     client_name: str
     resume_pool_ids: _containers.RepeatedScalarFieldContainer[str]
     resume_session_id: str
     last_acked_sequence: int
-    def __init__(self, client_name: _Optional[str] = ..., resume_pool_ids: _Optional[_Iterable[str]] = ..., resume_session_id: _Optional[str] = ..., last_acked_sequence: _Optional[int] = ...) -> None: ...
+    attach: bool
+    def __init__(self, client_name: _Optional[str] = ..., resume_pool_ids: _Optional[_Iterable[str]] = ..., resume_session_id: _Optional[str] = ..., last_acked_sequence: _Optional[int] = ..., attach: _Optional[bool] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session_id", "ttl_ms", "next_sequence", "tenant", "pools_failed")
@@ -183,7 +185,7 @@ class AddRequestOp(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., block_hashes: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., mm_items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ...) -> None: ...
 
 class AllocateOp(_message.Message):
-    __slots__ = ("request_id", "num_computed_tokens", "num_new_tokens", "append_token_ids", "append_block_hashes", "num_append_tokens", "num_lookahead_tokens", "delay_cache_blocks", "allow_transfer")
+    __slots__ = ("request_id", "num_computed_tokens", "num_new_tokens", "append_token_ids", "append_block_hashes", "num_append_tokens", "num_lookahead_tokens", "delay_cache_blocks", "allow_transfer", "external_source")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +195,7 @@ class AllocateOp(_message.Message):
     NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DELAY_CACHE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ALLOW_TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    EXTERNAL_SOURCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_computed_tokens: int
     num_new_tokens: int
@@ -202,7 +205,42 @@ class AllocateOp(_message.Message):
     num_lookahead_tokens: int
     delay_cache_blocks: bool
     allow_transfer: bool
-    def __init__(self, request_id: _Optional[str] = ..., num_computed_tokens: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., append_token_ids: _Optional[bytes] = ..., append_block_hashes: _Optional[bytes] = ..., num_append_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ..., delay_cache_blocks: _Optional[bool] = ..., allow_transfer: _Optional[bool] = ...) -> None: ...
+    external_source: ExternalSource
+    def __init__(self, request_id: _Optional[str] = ..., num_computed_tokens: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., append_token_ids: _Optional[bytes] = ..., append_block_hashes: _Optional[bytes] = ..., num_append_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ..., delay_cache_blocks: _Optional[bool] = ..., allow_transfer: _Optional[bool] = ..., external_source: _Optional[_Union[ExternalSource, _Mapping]] = ...) -> None: ...
+
+class ExternalSource(_message.Message):
+    __slots__ = ("pin_id", "src_pool_id", "src_block_ids", "num_tokens")
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    SRC_POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    SRC_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    pin_id: str
+    src_pool_id: str
+    src_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    def __init__(self, pin_id: _Optional[str] = ..., src_pool_id: _Optional[str] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class PinOp(_message.Message):
+    __slots__ = ("pin_id", "token_ids", "block_hashes", "num_tokens", "cache_salt", "lora_name")
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    pin_id: str
+    token_ids: bytes
+    block_hashes: bytes
+    num_tokens: int
+    cache_salt: str
+    lora_name: str
+    def __init__(self, pin_id: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., block_hashes: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ...) -> None: ...
+
+class UnpinOp(_message.Message):
+    __slots__ = ("pin_id",)
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    pin_id: str
+    def __init__(self, pin_id: _Optional[str] = ...) -> None: ...
 
 class ForkOp(_message.Message):
     __slots__ = ("parent_request_id", "child_request_id")
@@ -251,20 +289,24 @@ class AdmitBatchOp(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[bytes] = ..., num_prompt_tokens: _Optional[bytes] = ..., num_new_tokens: _Optional[bytes] = ..., num_lookahead_tokens: _Optional[int] = ..., cache_salts: _Optional[_Iterable[str]] = ..., lora_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Op(_message.Message):
-    __slots__ = ("add", "allocate", "fork", "free", "decode", "admit")
+    __slots__ = ("add", "allocate", "fork", "free", "pin", "unpin", "decode", "admit")
     ADD_FIELD_NUMBER: _ClassVar[int]
     ALLOCATE_FIELD_NUMBER: _ClassVar[int]
     FORK_FIELD_NUMBER: _ClassVar[int]
     FREE_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    UNPIN_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     ADMIT_FIELD_NUMBER: _ClassVar[int]
     add: AddRequestOp
     allocate: AllocateOp
     fork: ForkOp
     free: FreeOp
+    pin: PinOp
+    unpin: UnpinOp
     decode: DecodeBatchOp
     admit: AdmitBatchOp
-    def __init__(self, add: _Optional[_Union[AddRequestOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., fork: _Optional[_Union[ForkOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., decode: _Optional[_Union[DecodeBatchOp, _Mapping]] = ..., admit: _Optional[_Union[AdmitBatchOp, _Mapping]] = ...) -> None: ...
+    def __init__(self, add: _Optional[_Union[AddRequestOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., fork: _Optional[_Union[ForkOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., pin: _Optional[_Union[PinOp, _Mapping]] = ..., unpin: _Optional[_Union[UnpinOp, _Mapping]] = ..., decode: _Optional[_Union[DecodeBatchOp, _Mapping]] = ..., admit: _Optional[_Union[AdmitBatchOp, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("session_id", "sequence", "pool_id", "ops")
@@ -469,18 +511,20 @@ class LookupRequest(_message.Message):
     def __init__(self, token_ids: _Optional[bytes] = ..., block_hashes: _Optional[bytes] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., pool_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class PoolHit(_message.Message):
-    __slots__ = ("pool_id", "num_cached_tokens", "num_free_blocks", "external", "tiers")
+    __slots__ = ("pool_id", "num_cached_tokens", "num_free_blocks", "num_cached_blocks", "external", "tiers")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     EXTERNAL_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     num_cached_tokens: int
     num_free_blocks: int
+    num_cached_blocks: int
     external: bool
     tiers: _containers.RepeatedCompositeFieldContainer[TierHit]
-    def __init__(self, pool_id: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., external: _Optional[bool] = ..., tiers: _Optional[_Iterable[_Union[TierHit, _Mapping]]] = ...) -> None: ...
+    def __init__(self, pool_id: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., external: _Optional[bool] = ..., tiers: _Optional[_Iterable[_Union[TierHit, _Mapping]]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("hits", "best_pool_id")
@@ -631,6 +675,73 @@ class ResetPrefixCacheResponse(_message.Message):
     reset_pool_ids: _containers.RepeatedScalarFieldContainer[str]
     refused_pool_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, reset_pool_ids: _Optional[_Iterable[str]] = ..., refused_pool_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetShardMapRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ShardInfo(_message.Message):
+    __slots__ = ("shard_id", "address", "epoch", "num_pools")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NUM_POOLS_FIELD_NUMBER: _ClassVar[int]
+    shard_id: str
+    address: str
+    epoch: int
+    num_pools: int
+    def __init__(self, shard_id: _Optional[str] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ..., num_pools: _Optional[int] = ...) -> None: ...
+
+class ShardMapResponse(_message.Message):
+    __slots__ = ("version", "shards", "pools", "shard_id", "sharded")
+    class PoolsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARDED_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    shards: _containers.RepeatedCompositeFieldContainer[ShardInfo]
+    pools: _containers.ScalarMap[str, str]
+    shard_id: str
+    sharded: bool
+    def __init__(self, version: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., pools: _Optional[_Mapping[str, str]] = ..., shard_id: _Optional[str] = ..., sharded: _Optional[bool] = ...) -> None: ...
+
+class MovePoolRequest(_message.Message):
+    __slots__ = ("pool_id", "phase", "to_shard", "from_shard")
+    class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        FREEZE: _ClassVar[MovePoolRequest.Phase]
+        IMPORT: _ClassVar[MovePoolRequest.Phase]
+        DROP: _ClassVar[MovePoolRequest.Phase]
+        THAW: _ClassVar[MovePoolRequest.Phase]
+    FREEZE: MovePoolRequest.Phase
+    IMPORT: MovePoolRequest.Phase
+    DROP: MovePoolRequest.Phase
+    THAW: MovePoolRequest.Phase
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    TO_SHARD_FIELD_NUMBER: _ClassVar[int]
+    FROM_SHARD_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    phase: MovePoolRequest.Phase
+    to_shard: str
+    from_shard: str
+    def __init__(self, pool_id: _Optional[str] = ..., phase: _Optional[_Union[MovePoolRequest.Phase, str]] = ..., to_shard: _Optional[str] = ..., from_shard: _Optional[str] = ...) -> None: ...
+
+class MovePoolResponse(_message.Message):
+    __slots__ = ("num_requests", "export_bytes")
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    num_requests: int
+    export_bytes: int
+    def __init__(self, num_requests: _Optional[int] = ..., export_bytes: _Optional[int] = ...) -> None: ...
 
 class ExternalPoolSpec(_message.Message):
     __slots__ = ("pool_id", "endpoint", "replay_endpoint", "block_size", "hash_algo", "hash_seed", "has_hash_seed", "bind", "topic", "max_blocks")

@@ -109,6 +109,16 @@ class AllocatorStub:
                 request_serializer=kvservice_dot___proto_dot_allocator__pb2.RemoveExternalPoolRequest.SerializeToString,
                 response_deserializer=kvservice_dot___proto_dot_allocator__pb2.RemoveExternalPoolResponse.FromString,
                 _registered_method=True)
+        self.GetShardMap = channel.unary_unary(
+                '/kvservice.v1.Allocator/GetShardMap',
+                request_serializer=kvservice_dot___proto_dot_allocator__pb2.GetShardMapRequest.SerializeToString,
+                response_deserializer=kvservice_dot___proto_dot_allocator__pb2.ShardMapResponse.FromString,
+                _registered_method=True)
+        self.MovePool = channel.unary_unary(
+                '/kvservice.v1.Allocator/MovePool',
+                request_serializer=kvservice_dot___proto_dot_allocator__pb2.MovePoolRequest.SerializeToString,
+                response_deserializer=kvservice_dot___proto_dot_allocator__pb2.MovePoolResponse.FromString,
+                _registered_method=True)
 
 
 class AllocatorServicer:
@@ -215,6 +225,23 @@ class AllocatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetShardMap(self, request, context):
+        """Which shard serves which pool (sharded allocators; one unnamed shard otherwise). Every shard, and a
+        standby, answers it. A call for a pool another shard serves fails with FAILED_PRECONDITION carrying a
+        google.rpc.ErrorInfo (reason POOL_MOVED, metadata pool_id / shard_id / address): clients follow it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MovePool(self, request, context):
+        """Admin only, sharded allocators: one phase of moving a pool between shards (`kvservice shards rebalance`
+        drives them: FREEZE on the source, IMPORT on the destination, DROP on the source; THAW undoes a FREEZE).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AllocatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -292,6 +319,16 @@ def add_AllocatorServicer_to_server(servicer, server):
                     servicer.RemoveExternalPool,
                     request_deserializer=kvservice_dot___proto_dot_allocator__pb2.RemoveExternalPoolRequest.FromString,
                     response_serializer=kvservice_dot___proto_dot_allocator__pb2.RemoveExternalPoolResponse.SerializeToString,
+            ),
+            'GetShardMap': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetShardMap,
+                    request_deserializer=kvservice_dot___proto_dot_allocator__pb2.GetShardMapRequest.FromString,
+                    response_serializer=kvservice_dot___proto_dot_allocator__pb2.ShardMapResponse.SerializeToString,
+            ),
+            'MovePool': grpc.unary_unary_rpc_method_handler(
+                    servicer.MovePool,
+                    request_deserializer=kvservice_dot___proto_dot_allocator__pb2.MovePoolRequest.FromString,
+                    response_serializer=kvservice_dot___proto_dot_allocator__pb2.MovePoolResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -699,6 +736,60 @@ class Allocator:
             '/kvservice.v1.Allocator/RemoveExternalPool',
             kvservice_dot___proto_dot_allocator__pb2.RemoveExternalPoolRequest.SerializeToString,
             kvservice_dot___proto_dot_allocator__pb2.RemoveExternalPoolResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetShardMap(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.Allocator/GetShardMap',
+            kvservice_dot___proto_dot_allocator__pb2.GetShardMapRequest.SerializeToString,
+            kvservice_dot___proto_dot_allocator__pb2.ShardMapResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MovePool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.Allocator/MovePool',
+            kvservice_dot___proto_dot_allocator__pb2.MovePoolRequest.SerializeToString,
+            kvservice_dot___proto_dot_allocator__pb2.MovePoolResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WalEntry(_message.Message):
-    __slots__ = ("legacy_kind", "session_id", "request", "tenant", "client_name", "session_ids", "pool_ids", "command", "rpc", "resync", "admin", "resume_session_id", "last_acked_sequence", "ingest")
+    __slots__ = ("legacy_kind", "session_id", "request", "tenant", "client_name", "session_ids", "pool_ids", "command", "rpc", "resync", "admin", "resume_session_id", "last_acked_sequence", "attach", "pool_export", "shard_id", "ingest")
     LEGACY_KIND_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,9 @@ class WalEntry(_message.Message):
     ADMIN_FIELD_NUMBER: _ClassVar[int]
     RESUME_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LAST_ACKED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_FIELD_NUMBER: _ClassVar[int]
+    POOL_EXPORT_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     INGEST_FIELD_NUMBER: _ClassVar[int]
     legacy_kind: str
     session_id: str
@@ -35,8 +38,11 @@ class WalEntry(_message.Message):
     admin: bool
     resume_session_id: str
     last_acked_sequence: int
+    attach: bool
+    pool_export: bytes
+    shard_id: str
     ingest: ExternalIngest
-    def __init__(self, legacy_kind: _Optional[str] = ..., session_id: _Optional[str] = ..., request: _Optional[bytes] = ..., tenant: _Optional[str] = ..., client_name: _Optional[str] = ..., session_ids: _Optional[_Iterable[str]] = ..., pool_ids: _Optional[_Iterable[str]] = ..., command: _Optional[int] = ..., rpc: _Optional[int] = ..., resync: _Optional[bool] = ..., admin: _Optional[bool] = ..., resume_session_id: _Optional[str] = ..., last_acked_sequence: _Optional[int] = ..., ingest: _Optional[_Union[ExternalIngest, _Mapping]] = ...) -> None: ...
+    def __init__(self, legacy_kind: _Optional[str] = ..., session_id: _Optional[str] = ..., request: _Optional[bytes] = ..., tenant: _Optional[str] = ..., client_name: _Optional[str] = ..., session_ids: _Optional[_Iterable[str]] = ..., pool_ids: _Optional[_Iterable[str]] = ..., command: _Optional[int] = ..., rpc: _Optional[int] = ..., resync: _Optional[bool] = ..., admin: _Optional[bool] = ..., resume_session_id: _Optional[str] = ..., last_acked_sequence: _Optional[int] = ..., attach: _Optional[bool] = ..., pool_export: _Optional[bytes] = ..., shard_id: _Optional[str] = ..., ingest: _Optional[_Union[ExternalIngest, _Mapping]] = ...) -> None: ...
 
 class ExternalIngest(_message.Message):
     __slots__ = ("pool_id", "registration", "reset", "sequences", "payloads")
@@ -173,7 +179,7 @@ class ManagerState(_message.Message):
     def __init__(self, ref_cnts: _Optional[bytes] = ..., free_order: _Optional[bytes] = ..., index_keys: _Optional[bytes] = ..., index_key_lengths: _Optional[bytes] = ..., index_block_ids: _Optional[bytes] = ..., groups: _Optional[_Iterable[_Union[GroupState, _Mapping]]] = ..., copy_src: _Optional[bytes] = ..., copy_dst: _Optional[bytes] = ..., evictions: _Optional[int] = ..., total_queries: _Optional[int] = ..., total_hits: _Optional[int] = ..., total_requests: _Optional[int] = ..., interval_stats: _Optional[_Iterable[int]] = ..., interval_reset: _Optional[bool] = ...) -> None: ...
 
 class PoolState(_message.Message):
-    __slots__ = ("register_request", "pool_id", "epoch", "manager", "requests", "tombstone_keys", "tombstone_reasons", "owner_tenant")
+    __slots__ = ("register_request", "pool_id", "epoch", "manager", "requests", "tombstone_keys", "tombstone_reasons", "owner_tenant", "moving_to", "pins")
     REGISTER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +188,8 @@ class PoolState(_message.Message):
     TOMBSTONE_KEYS_FIELD_NUMBER: _ClassVar[int]
     TOMBSTONE_REASONS_FIELD_NUMBER: _ClassVar[int]
     OWNER_TENANT_FIELD_NUMBER: _ClassVar[int]
+    MOVING_TO_FIELD_NUMBER: _ClassVar[int]
+    PINS_FIELD_NUMBER: _ClassVar[int]
     register_request: bytes
     pool_id: str
     epoch: int
@@ -190,7 +198,33 @@ class PoolState(_message.Message):
     tombstone_keys: _containers.RepeatedScalarFieldContainer[str]
     tombstone_reasons: _containers.RepeatedScalarFieldContainer[str]
     owner_tenant: str
-    def __init__(self, register_request: _Optional[bytes] = ..., pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., manager: _Optional[_Union[ManagerState, _Mapping]] = ..., requests: _Optional[_Iterable[_Union[RequestState, _Mapping]]] = ..., tombstone_keys: _Optional[_Iterable[str]] = ..., tombstone_reasons: _Optional[_Iterable[str]] = ..., owner_tenant: _Optional[str] = ...) -> None: ...
+    moving_to: str
+    pins: _containers.RepeatedCompositeFieldContainer[PinState]
+    def __init__(self, register_request: _Optional[bytes] = ..., pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., manager: _Optional[_Union[ManagerState, _Mapping]] = ..., requests: _Optional[_Iterable[_Union[RequestState, _Mapping]]] = ..., tombstone_keys: _Optional[_Iterable[str]] = ..., tombstone_reasons: _Optional[_Iterable[str]] = ..., owner_tenant: _Optional[str] = ..., moving_to: _Optional[str] = ..., pins: _Optional[_Iterable[_Union[PinState, _Mapping]]] = ...) -> None: ...
+
+class PinState(_message.Message):
+    __slots__ = ("key", "session_id", "block_ids", "num_tokens")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    session_id: str
+    block_ids: bytes
+    num_tokens: int
+    def __init__(self, key: _Optional[str] = ..., session_id: _Optional[str] = ..., block_ids: _Optional[bytes] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class PoolExport(_message.Message):
+    __slots__ = ("pool", "session_ids", "session_tenants", "session_names")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TENANTS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_NAMES_FIELD_NUMBER: _ClassVar[int]
+    pool: PoolState
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    session_tenants: _containers.RepeatedScalarFieldContainer[str]
+    session_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, pool: _Optional[_Union[PoolState, _Mapping]] = ..., session_ids: _Optional[_Iterable[str]] = ..., session_tenants: _Optional[_Iterable[str]] = ..., session_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SessionState(_message.Message):
     __slots__ = ("session_id", "tenant", "client_name", "last_sequence", "reply_kind", "reply", "request_pool_ids", "request_keys", "last_digest")

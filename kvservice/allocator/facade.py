@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from kvservice.allocator.batches import Batches
 from kvservice.allocator.keys import SEP, client_request_id, request_key
+from kvservice.allocator.moves import PoolMoves
+from kvservice.allocator.pins import PinBook
 from kvservice.allocator.placement import Placement
 from kvservice.allocator.pools import Pool
 from kvservice.allocator.registry import PoolRegistry
@@ -22,7 +24,10 @@ from kvservice.commands import (
     Barrier,
     Command,
     CommitTransfer,
+    DropPool,
     ExpireSessions,
+    FreezePool,
+    ImportPool,
     IngestEvents,
     OpenSession,
     RegisterExternalPool,
@@ -31,6 +36,7 @@ from kvservice.commands import (
     ResetPrefixCache,
     RetirePools,
     Step,
+    ThawPool,
     digest,
 )
 from kvservice.core import Request
@@ -42,10 +48,12 @@ from kvservice.ops import (
     AdmitBatchOp,
     AllocateOp,
     DecodeBatchOp,
+    ForkOp,
     FreeOp,
     Op,
     OpResult,
     OpStatus,
+    PinOp,
     StepResult,
 )
 from kvservice.results import LookupResult, PoolStats, RequestInfo, ResetResult, SessionOpened
@@ -87,6 +95,8 @@ class Allocator:
         self.registry = PoolRegistry(self.state, self.book)
         self.external = ExternalRegistry(self.state)
         self.placement = Placement(self.state, self.external)
+        self.moves = PoolMoves(self.state, self.book)
+        self.pins = PinBook(self.state)
 
     @property
     def settings(self) -> AllocatorSettings:
@@ -125,6 +135,9 @@ class Allocator:
             return Applied(None, True)
         if kind is Barrier:
             return Applied(None, False)
+        if kind in (FreezePool, ThawPool, DropPool, ImportPool):
+            self.moves.apply(command, guard)
+            return Applied(None, True)
         if kind in EXTERNAL_COMMANDS:
             return Applied(*self.external.apply(command, guard))
         raise TypeError(f"not a command: {command!r}")
@@ -147,7 +160,7 @@ class Allocator:
         return Applied(reply, True)
 
     def _step(self, session: Session, command: Step, guard: Guard) -> StepResult:
-        pool = self.state.pool(command.pool_id, session.tenant, command.admin)
+        pool = self.state.mutable_pool(command.pool_id, session.tenant, command.admin)
         ops = command.decode_ops(pool.spec, pool.hash_block_size)  # validated before anything changes
         guard()
         return self.run_ops(pool, session, command.sequence, ops)
@@ -170,8 +183,12 @@ class Allocator:
                 append(self.batches.admit(pool, session, op))
             elif kind is FreeOp:
                 append(self.book.free_op(pool, session, op))
-            else:
+            elif kind is ForkOp:
                 append(self.book.fork(pool, session, op))
+            elif kind is PinOp:
+                append(self.pins.pin(pool, session, op))
+            else:
+                append(self.pins.unpin(pool, session, op))
         result = StepResult(sequence, results, pool.manager.take_block_copies())
         self.state.drain(pool)
         return result
@@ -185,7 +202,7 @@ class Allocator:
         """Commit: the destination's copied blocks become cached. Abort: the destination request is freed.
         Either way the source pins drop."""
         state = self.state
-        pool = state.pool(command.pool_id, session.tenant, command.admin)
+        pool = state.mutable_pool(command.pool_id, session.tenant, command.admin)
         guard()
         transfer = state.transfers.transfers.get(command.transfer_id)
         owner = state.sessions.sessions.get(transfer.session_id) if transfer is not None else None
@@ -215,6 +232,10 @@ class Allocator:
         if command.resume_session_id:
             if command.resume_session_id in sessions.sessions:
                 session = sessions.get(command.resume_session_id, command.tenant, now)
+            elif command.attach:  # a sharded client's session, new on this shard
+                guard()
+                mutated = True
+                session = sessions.open(command.resume_session_id, command.tenant, command.client_name, now)
             recovered = session.last_sequence if session is not None else 0
             if command.last_acked_sequence > recovered:
                 used = set(command.resume_pool_ids) | (set(session.requests) if session is not None else set())
@@ -300,6 +321,7 @@ class Allocator:
             return str(exc)
         live = {req.request_id for req in pool.requests.values()}
         live |= {t.holder for t in self.state.transfers.transfers.values() if t.src_pool == pool.pool_id}
+        live |= {pin.holder for pin in pool.pins.values()}
         for manager in pool.manager.coordinator.managers:
             stray = set(manager.req_to_blocks) - live
             if stray:

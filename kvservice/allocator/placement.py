@@ -6,12 +6,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvservice.allocator.keys import namespace
-from kvservice.allocator.pools import Pool
 from kvservice.allocator.state import AllocatorState
-from kvservice.external.pool import ExternalPool
 from kvservice.external.registry import ExternalRegistry
 from kvservice.hashing import hash_prompt
-from kvservice.results import LookupResult, PoolHit
+from kvservice.results import LookupResult, PoolHit, best_pool
 
 
 class Placement:
@@ -40,25 +38,9 @@ class Placement:
         else:
             pools, externals = state.visible_pools(tenant, admin), external.visible(tenant, admin)
         hits = [PoolHit(p.pool_id, p.cached_prefix_tokens(hashes, num_tokens),
-                        p.manager.block_pool.get_num_free_blocks()) for p in pools]
-        if externals:  # ranked with the others: an engine kvservice does not allocate for is a pool too
+                        p.manager.block_pool.get_num_free_blocks(),
+                        len(p.manager.block_pool.cached_block_hash_to_block))
+                for p in pools]
+        if externals:  # ranked with the others (best_pool: no free blocks published, so 0 empty ones)
             hits += external.hits(externals, raw, num_tokens, token_ids, cache_salt, lora_name)
-        return LookupResult(hits, self.place([*pools, *externals], hits, raw))
-
-    @staticmethod
-    def place(pools: list[Pool | ExternalPool], hits: list[PoolHit], raw_hashes: Sequence[bytes]) -> str:
-        """Longest cached prefix; ties to the most free blocks that hold nothing cached (filling them
-        evicts no one's prefix; an external pool publishes no free count: 0); remaining ties by the
-        prompt's first block hash, so a prompt family keeps landing on the same pool instead of every
-        cold prompt piling onto the first one."""
-        if not hits:
-            return ""
-        best = max(h.num_cached_tokens for h in hits)
-        tied = [(p, h) for p, h in zip(pools, hits) if h.num_cached_tokens == best]
-        empty = {p.pool_id: 0 if h.external else
-                 max(0, h.num_free_blocks - len(p.manager.block_pool.cached_block_hash_to_block)) for p, h in tied}
-        most = max(empty.values())
-        names = sorted(p.pool_id for p, _ in tied if empty[p.pool_id] == most)
-        if len(names) == 1 or not raw_hashes:
-            return names[0]
-        return names[int.from_bytes(raw_hashes[0][:8], "big") % len(names)]
+        return LookupResult(hits, best_pool(hits, raw[0] if raw else None))

@@ -30,6 +30,8 @@ class Pool:
         self.owner_tenant = ""  # the tenant that registered the pool
         # Requests failed by an epoch change: ops on them answer EPOCH_CHANGED (bounded, oldest dropped).
         self.tombstones: OrderedDict[str, str] = OrderedDict()
+        self.moving_to = ""  # frozen while a rebalance moves it to this shard
+        self.pins: dict = {}  # pin key -> allocator.pins.Pin: prefixes held for cross-shard transfers
 
     @property
     def hash_block_size(self) -> int:

@@ -36,6 +36,8 @@ class PoolRegistry:
             raise FailedPrecondition(f"pool {spec.pool_id!r} is an external pool (RegisterExternalPool); pick "
                                      f"another id or remove it first")
         current = state.pools.get(spec.pool_id)
+        if current is not None and current.moving_to:
+            state.mutable_pool(spec.pool_id)  # raises: it is moving
         if current is not None and not command.admin and current.owner_tenant != session.tenant:
             raise PermissionDenied(f"pool {spec.pool_id!r} belongs to another tenant; only it or an admin may "
                                    f"re-register it")

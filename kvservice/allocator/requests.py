@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 
 from kvservice.allocator.keys import namespace, request_key, tenant_of
+from kvservice.allocator.pins import release_session_pins
 from kvservice.allocator.pools import Pool
 from kvservice.allocator.sessions import Session
 from kvservice.allocator.state import AllocatorState
@@ -136,6 +137,7 @@ class RequestBook:
         session = state.sessions.sessions.pop(session_id)
         for transfer in state.transfers.of_session(session_id):
             self.abort_transfer(transfer)
+        release_session_pins(state, session_id)
         num_freed = 0
         for pool_id, keys in session.requests.items():
             pool = state.pools.get(pool_id)

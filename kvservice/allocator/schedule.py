@@ -21,7 +21,7 @@ from kvservice.allocator.state import AllocatorState
 from kvservice.allocator.transfers import Transfer
 from kvservice.core import KVCacheBlocks, KVCacheManager, Request
 from kvservice.hashing import HASH_BYTES, MAX_TOKEN_ID, token_array
-from kvservice.ops import AllocateOp, OpResult, OpStatus
+from kvservice.ops import AllocateOp, ExternalSource, OpResult, OpStatus
 
 EMPTY_BLOCKS = KVCacheBlocks(((),))  # an append-only op: scheduled nothing
 
@@ -38,6 +38,7 @@ class Allocation:
     num_lookahead: int = 0
     delay_cache_blocks: bool = False
     allow_transfer: bool = False
+    external_source: ExternalSource | None = None  # a prefix pinned on another shard
 
     @classmethod
     def of(cls, op: AllocateOp) -> Allocation:
@@ -45,7 +46,7 @@ class Allocation:
         if tokens is not None and len(tokens) == 1:
             tokens = tokens[0]
         return cls(op.num_computed_tokens, op.num_new_tokens, tokens, op.append_block_hashes, op.num_append_tokens,
-                   op.num_lookahead_tokens, op.delay_cache_blocks, op.allow_transfer)
+                   op.num_lookahead_tokens, op.delay_cache_blocks, op.allow_transfer, op.external_source)
 
     @property
     def appends(self) -> bool:
@@ -73,7 +74,7 @@ class Plan:
     running: bool
     hits: KVCacheBlocks | None
     num_hit: int
-    source: tuple[Pool, int] | None  # (pool, tokens cached there) to copy the prefix from
+    source: tuple[Pool | ExternalSource, int] | None  # (pool here or pinned elsewhere, tokens it holds) to copy
     start: int
     num_new: int
     total_computed: int  # allocate_slots' view: computed + hit tokens (transferred ones are new to it)
@@ -114,7 +115,8 @@ class Scheduler:
             return self.book.missing(pool, key, request_id)
         a = Allocation.of(op)
         if (a.num_new_tokens and (a.append_tokens is None or type(a.append_tokens) is int)
-                and a.append_hashes is None and not a.num_append and not a.delay_cache_blocks):
+                and a.append_hashes is None and not a.num_append and not a.delay_cache_blocks
+                and a.external_source is None):
             fast = self._fast_path(pool, session.tenant, key)
             new_blocks = fast.allocate_running(req, a.num_computed_tokens, a.append_tokens, a.num_new_tokens,
                                                a.num_lookahead) if fast is not None else None
@@ -204,7 +206,9 @@ class Scheduler:
             if a.appends:  # the lookup needs the appended tokens' hashes: decide on a copy
                 view = self._with_append(req, tokens, a)
             hits, num_hit = manager.get_computed_blocks(view)
-            if a.allow_transfer:
+            if a.external_source is not None:
+                source = transfers.external(pool, view, num_hit, a.external_source)
+            elif a.allow_transfer:
                 source = transfers.source(state.pools, pool, view, num_hit)
         # Tokens copied from the source pool are scheduled like hits: computed before this step's tokens.
         transferred = source[1] - num_hit if source is not None else 0
@@ -255,7 +259,11 @@ class Scheduler:
             new = KVCacheBlocks(manager.coordinator.get_blocks(key), new.replaced)
             if plan.source is not None:
                 src, src_hit = plan.source
-                transfer = self.state.transfers.open(session.session_id, src, src_hit, pool, key, req, plan.num_hit)
+                transfers = self.state.transfers
+                if isinstance(src, ExternalSource):
+                    transfer = transfers.open_external(session.session_id, src, pool, key, plan.num_hit)
+                else:
+                    transfer = transfers.open(session.session_id, src, src_hit, pool, key, req, plan.num_hit)
         if self.state.usage.quotas:
             self.state.usage.update(session.tenant, pool, key)
         return Scheduled(OpStatus.OK, "", new, plan.start, plan.num_new, transfer)

@@ -6,7 +6,7 @@ from kvservice.allocator.events import EventLog
 from kvservice.allocator.pools import Pool, TenantUsage
 from kvservice.allocator.sessions import SessionTable
 from kvservice.allocator.transfers import TransferBook
-from kvservice.errors import NotFound
+from kvservice.errors import NotFound, Unavailable
 from kvservice.external.registry import ExternalPools
 from kvservice.hashing import spec_fingerprint
 from kvservice.settings import AllocatorSettings
@@ -40,6 +40,14 @@ class AllocatorState:
         pool = self.pools.get(pool_id)
         if pool is None or not (admin or tenant is None or pool.owner_tenant == tenant):
             raise NotFound(f"pool {pool_id!r} is not registered; call RegisterPool first")
+        return pool
+
+    def mutable_pool(self, pool_id: str, tenant: str | None = None, admin: bool = True) -> Pool:
+        """`pool()`, for a mutation: a pool a rebalance is moving takes none (UNAVAILABLE, retry)."""
+        pool = self.pool(pool_id, tenant, admin)
+        if pool.moving_to:
+            raise Unavailable(f"pool {pool_id!r} is moving to shard {pool.moving_to!r}; retry shortly (the shard "
+                              f"map will say where it is)")
         return pool
 
     def visible_pools(self, tenant: str, admin: bool) -> list[Pool]:

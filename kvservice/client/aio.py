@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
 from kvservice._proto import allocator_pb2 as pb
-from kvservice.client.base import RETRYABLE, Call, ClientBase
-from kvservice.errors import NotFound
+from kvservice.client.base import MAX_HOPS, RETRYABLE, Call, ClientBase
+from kvservice.client.routing import Conn
+from kvservice.errors import Moved, NotFound, Unavailable
 from kvservice.results import Event
 from kvservice.wire import replies
 from kvservice.wire.status import from_rpc_error
@@ -36,10 +38,12 @@ class AsyncKVServiceClient(ClientBase):
             self._renewer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._renewer
-        await self.channel.close()
+        for channel in self.shards.channels():
+            await channel.close()
 
-    async def _call(self, method: str, request, timeout_s: float | None = None):
-        rpc = getattr(self.stub, method)
+    # ---- calls ---------------------------------------------------------------------------------
+    async def _call(self, conn: Conn, method: str, request, timeout_s: float | None = None):
+        rpc = getattr(conn.stub, method)
         delay = 0.05
         for attempt in range(self.retries + 1):
             try:
@@ -51,46 +55,116 @@ class AsyncKVServiceClient(ClientBase):
                 delay = min(delay * 2, 1.0)
         raise AssertionError("unreachable")
 
-    async def _run(self, call: Call):
+    async def _run_on(self, conn: Conn, call: Call):
         try:
             if not call.mutating:
-                result = call.decode(await self._call(call.method, call.request))
+                result = call.decode(await self._call(conn, call.method, call.request))
                 if call.method == "OpenSession":
                     self._renew_in_background()
                 return result
-            async with self._lock:
-                if not self.session_id:
-                    await self.open_session()
-                self._stamp(call.request)
-                try:
-                    reply = await self._call(call.method, call.request)
-                except grpc.RpcError as err:
-                    self._unacked(err)
-                    raise
-                self._acked()
-                return call.decode(reply)
+            if not conn.attached or conn.stale:
+                await self._run_on(conn, self._session_call(conn))
+            self._stamp(conn, self.session_id, call.request)
+            try:
+                reply = await self._call(conn, call.method, call.request)
+            except grpc.RpcError as err:
+                self._unacked(conn, err)
+                raise
+            self._acked(conn)
+            return call.decode(reply)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 
+    async def _run(self, call: Call):
+        shards = self.shards
+        if not shards.known and call.method != "GetShardMap":
+            await self._refresh_map(shards.seed)
+        if call.merge is not None and shards.sharded and call.conn is None:
+            calls = []
+            for conn in shards.all():
+                request = call.per_shard(conn) if call.per_shard is not None else call.request
+                if request is not None:
+                    calls.append(self._run(Call(call.method, request, call.decode, conn=conn)))
+            return call.merge(list(await asyncio.gather(*calls)))
+        hops, deadline = 0, None
+        while True:
+            conn = call.conn or shards.conn_for(call.pool_id)
+            try:
+                if not call.mutating:
+                    return await self._run_on(conn, call)
+                async with self._lock:  # one sequence at a time per session
+                    return await self._run_on(conn, call)
+            except Moved as exc:
+                hops += 1
+                if hops > MAX_HOPS or call.conn is not None:
+                    raise
+                await self._close(shards.moved(exc.pool_id, exc.shard_id, exc.address))
+            except Unavailable as exc:
+                deadline = deadline or time.monotonic() + self.failover_timeout_s
+                if not self._may_fail_over(exc) or not await self._failed_over(conn, deadline):
+                    raise
+
+    async def _refresh_map(self, conn: Conn) -> bool:
+        try:
+            reply = await self._call(conn, "GetShardMap", pb.GetShardMapRequest(), timeout_s=min(self.timeout_s, 5))
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self.shards.known = True
+            return False
+        await self._close(self.shards.adopt(reply))
+        return True
+
+    async def _failed_over(self, dead: Conn, deadline: float) -> bool:
+        """Whether the call may be retried after UNAVAILABLE: a standby (the next address) or another shard's
+        map names a new leader for `dead`'s shard, before `deadline`."""
+        shards = self.shards
+        if not shards.sharded:
+            if not shards.alternates or time.monotonic() > deadline:
+                return False
+            await self._close([shards.rotate(dead)])
+            await asyncio.sleep(0.1)
+            return True
+        # Sharded: a failed leader's standby (a new address in the map), or a pool being moved (a new shard
+        # for it, or frozen for a moment): ask the shards, then retry the call, until the deadline.
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.2)
+        for conn in [c for c in shards.all() if c is not dead] + [dead]:
+            if await self._refresh_map(conn):
+                break
+        return True
+
+    @staticmethod
+    async def _close(channels) -> None:
+        for channel in channels:
+            await channel.close()
+
+    # ---- the lease -----------------------------------------------------------------------------
     def _renew_in_background(self) -> None:
         if self.heartbeat_enabled and (self._renewer is None or self._renewer.done()):
             self._renewer = asyncio.get_running_loop().create_task(self._renew())
 
     async def _renew(self) -> None:
+        lapsed: set[tuple[str, str]] = set()
         while True:
             await asyncio.sleep(max(self.ttl_s / 3, 0.05))
-            try:
-                await self.stub.Heartbeat(pb.HeartbeatRequest(session_id=self.session_id), timeout=self.timeout_s,
-                                          metadata=self.metadata)
-            except grpc.RpcError as err:
-                if isinstance(from_rpc_error(err), NotFound):
-                    return
+            for conn in self.shards.all():
+                if not conn.attached or (conn.shard_id, self.session_id) in lapsed:
+                    continue
+                try:
+                    await conn.stub.Heartbeat(pb.HeartbeatRequest(session_id=self.session_id),
+                                              timeout=self.timeout_s, metadata=self.metadata)
+                except grpc.RpcError as err:
+                    if isinstance(from_rpc_error(err), NotFound):
+                        lapsed.add((conn.shard_id, self.session_id))
 
     async def watch_events(self, pool_ids: Sequence[str] = (),
                            start_sequence: int | None = None) -> AsyncIterator[Event]:
+        if not self.shards.known:
+            await self._refresh_map(self.shards.seed)
         msg = self._watch_request(pool_ids, start_sequence)
         try:
-            async for e in self.stub.WatchEvents(msg, metadata=self.metadata):
+            async for e in self._watch_target(pool_ids).stub.WatchEvents(msg, metadata=self.metadata):
                 yield replies.decode_event(e)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None

@@ -1,30 +1,33 @@
-"""What both clients share: the channel, the session's sequence numbers, and every RPC written once.
+"""What both clients share: the connections (one per shard), the session's sequence numbers, and every RPC
+written once.
 
 Each API method builds a `Call` (the RPC's name, its request, how to decode the reply, whether it is a
-mutation) and hands it to `_run`, which the blocking client runs to the result and the asyncio client
-returns as a coroutine. So `client.step(...)` and `await aclient.step(...)` are the same method.
+mutation, the pool it is about) and hands it to `_run`, which the blocking client runs to the result and
+the asyncio client returns as a coroutine. So `client.step(...)` and `await aclient.step(...)` are the same
+method. Against a sharded allocator a call goes to the shard serving its pool (`routing.Shards`); calls
+about no pool in particular (GetStats, Lookup, ResetPrefixCache) go to every shard and are merged.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import grpc
 
 from kvservice._proto import allocator_pb2 as pb
-from kvservice._proto import allocator_pb2_grpc as pb_grpc
+from kvservice.client.routing import SERVICE_NAME, Conn, Shards
 from kvservice.core import KVCacheConfig
 from kvservice.hashing import DEFAULT_HASH_BLOCK_SIZE, DEFAULT_HASH_SEED, hash_prompt, spec_fingerprint
 from kvservice.ops import AddRequestOp, AllocateOp, Op
-from kvservice.results import SessionOpened
+from kvservice.results import LookupResult, SessionOpened, Stats, best_pool
 from kvservice.wire import encode, replies
-from kvservice.wire.framing import serialize_step
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Allocator"].full_name
+MAX_HOPS = 4  # redirects (and failovers) one call follows
+__all__ = ["RETRYABLE", "SERVICE_NAME", "Call", "ClientBase"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -32,7 +35,11 @@ class Call:
     method: str  # the Allocator RPC
     request: Any
     decode: Callable[[Any], Any]
-    mutating: bool = False  # carries the session's next sequence (opened on first use)
+    mutating: bool = False  # carries the session's next sequence on its shard (the session opens on first use)
+    pool_id: str | None = None  # routes it to the pool's shard
+    conn: Conn | None = None  # pins it to one connection
+    merge: Callable[[list], Any] | None = None  # about no pool: run on every shard, merge the results
+    per_shard: Callable[[Conn], Any] | None = None  # with merge: the request for one shard (None: skip it)
 
 
 def channel_credentials(tls_ca: str | None, tls_cert: str | None, tls_key: str | None):
@@ -40,33 +47,45 @@ def channel_credentials(tls_ca: str | None, tls_cert: str | None, tls_key: str |
     return grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
 
 
-def _stats(r: pb.GetStatsResponse):
-    return replies.decode_stats(r)
+_SEVERITY = ["ok", "off", "resyncing", "degraded", "down", "fenced"]
+
+
+def merge_stats(parts: list[Stats]) -> Stats:
+    """GetStats over every shard: their pools, sessions and counters together, the worst persistence state."""
+    first = parts[0]
+    out = replace(first, pools={}, num_sessions=0, lease_expiries=0)
+    for s in parts:
+        out.pools.update(s.pools)
+        out.num_sessions += s.num_sessions
+        out.lease_expiries += s.lease_expiries
+        if _SEVERITY.index(s.persistence if s.persistence in _SEVERITY else "down") > _SEVERITY.index(
+                out.persistence if out.persistence in _SEVERITY else "down"):
+            out.persistence = s.persistence
+    return out
 
 
 class ClientBase:
     """Options: client_name, tls_ca / tls_cert / tls_key (TLS, mutual with a cert), timeout_s (10),
     retries (4), hash_seed, hash_block_size (the server's hash spec), max_message_bytes, heartbeat
-    (True: renew the session's lease in the background while the client is open)."""
+    (True: renew the session's lease in the background while the client is open), failover_timeout_s (15:
+    how long a call waits for a failed shard's standby to take over)."""
 
     def _setup(self, grpc_module, target: str, token: str | None, *, client_name: str = "",
                tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
                timeout_s: float = 10.0, retries: int = 4, hash_seed: str = DEFAULT_HASH_SEED,
                hash_block_size: int = DEFAULT_HASH_BLOCK_SIZE, max_message_bytes: int = 64 * 1024 * 1024,
-               heartbeat: bool = True) -> None:
-        """`grpc_module` is grpc (blocking) or grpc.aio."""
+               heartbeat: bool = True, failover_timeout_s: float = 15.0) -> None:
+        """`grpc_module` is grpc (blocking) or grpc.aio; `target` any shard (or the only allocator), or several
+        comma-separated addresses (an allocator and its standbys)."""
         options = [("grpc.max_receive_message_length", max_message_bytes),
                    ("grpc.max_send_message_length", max_message_bytes)]
         if tls_ca or tls_cert:
             creds = channel_credentials(tls_ca, tls_cert, tls_key)
-            self.channel = grpc_module.secure_channel(target, creds, options)
+            make = lambda address: grpc_module.secure_channel(address, creds, options)
         else:
-            self.channel = grpc_module.insecure_channel(target, options)
+            make = lambda address: grpc_module.insecure_channel(address, options)
+        self.shards = Shards.start(target, make)
         self.target = target
-        self.stub = pb_grpc.AllocatorStub(self.channel)
-        # Step with the op-by-op serializer (see serialize_step): the same bytes, faster for big steps.
-        self.stub.Step = self.channel.unary_unary(f"/{SERVICE_NAME}/Step", request_serializer=serialize_step,
-                                                  response_deserializer=pb.StepResponse.FromString)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.client_name = client_name
         self.timeout_s = timeout_s
@@ -74,105 +93,181 @@ class ClientBase:
         self.hash_seed = hash_seed
         self.hash_block_size = hash_block_size
         self.heartbeat_enabled = heartbeat
+        self.failover_timeout_s = failover_timeout_s
         self.session_id = ""
-        self.next_sequence = 1
         self.tenant = ""
         self.ttl_s = 0.0
-        # A mutation sent but never acknowledged (the reply was lost): its sequence survives a resume, so
-        # sending it again gets the stored reply instead of applying it twice.
-        self.unacked_sequence = 0
+
+    # The first (or only) shard's connection, as the unsharded client always had it.
+    @property
+    def channel(self):
+        return self.shards.seed.channel
+
+    @property
+    def stub(self):
+        return self.shards.seed.stub
+
+    @property
+    def next_sequence(self) -> int:
+        return self.shards.seed.next_sequence
+
+    @next_sequence.setter
+    def next_sequence(self, value: int) -> None:
+        self.shards.seed.next_sequence = value
+
+    @property
+    def unacked_sequence(self) -> int:
+        return self.shards.seed.unacked_sequence
 
     def _run(self, call: Call):  # pragma: no cover - each client defines it
         raise NotImplementedError
 
     # ---- session bookkeeping -------------------------------------------------------------------
-    def _session_request(self, resume: bool) -> pb.OpenSessionRequest:
+    def _session_call(self, conn: Conn, fresh: bool = False) -> Call:
+        """OpenSession on `conn`: a new session (`fresh`, or none yet), else this one resumed there (attached,
+        on a shard that does not know it yet)."""
         msg = pb.OpenSessionRequest(client_name=self.client_name)
-        if resume and self.session_id:
+        if self.session_id and not fresh:
             msg.resume_session_id = self.session_id
-            msg.last_acked_sequence = self.next_sequence - 1  # an unacknowledged one is next_sequence itself
-        return msg
+            msg.last_acked_sequence = conn.next_sequence - 1  # an unacknowledged one is next_sequence itself
+            msg.attach = self.shards.sharded
+        return Call("OpenSession", msg, lambda r: self._adopt_session(conn, r), conn=conn)
 
-    def _adopt_session(self, r: pb.OpenSessionResponse) -> SessionOpened:
+    def _adopt_session(self, conn: Conn, r: pb.OpenSessionResponse) -> SessionOpened:
         opened = replies.decode_session_opened(r)
-        pending = self.unacked_sequence
+        pending = conn.unacked_sequence
         resumed = opened.session_id == self.session_id
         self.session_id, self.tenant, self.ttl_s = opened.session_id, opened.tenant, opened.ttl_ms / 1000
+        conn.attached, conn.stale = True, False
         if resumed and pending and opened.next_sequence in (pending, pending + 1):
-            self.next_sequence = pending  # resend that request as it was: applied or not, it applies once
+            conn.next_sequence = pending  # resend that request as it was: applied or not, it applies once
         else:
-            self.next_sequence = opened.next_sequence
-            self.unacked_sequence = 0
+            conn.next_sequence = opened.next_sequence
+            conn.unacked_sequence = 0
         return opened
 
-    def _stamp(self, request) -> None:
-        request.session_id = self.session_id
-        request.sequence = self.next_sequence
+    @staticmethod
+    def _stamp(conn: Conn, session_id: str, request) -> None:
+        request.session_id = session_id
+        request.sequence = conn.next_sequence
 
-    def _acked(self) -> None:
-        self.next_sequence += 1
-        self.unacked_sequence = 0
+    @staticmethod
+    def _acked(conn: Conn) -> None:
+        conn.next_sequence += 1
+        conn.unacked_sequence = 0
 
-    def _unacked(self, err: grpc.RpcError) -> None:
+    @staticmethod
+    def _unacked(conn: Conn, err: grpc.RpcError) -> None:
         """A mutation failed: if the transport failed (not the server refusing it), it may have been applied."""
         if err.code() in RETRYABLE:
-            self.unacked_sequence = self.next_sequence
+            conn.unacked_sequence = conn.next_sequence
+
+    @staticmethod
+    def _may_fail_over(exc: Exception) -> bool:
+        """An UNAVAILABLE a failover may cure: a lost connection, a standby, a fenced leader; not a server
+        refusing mutations while its persistence is down (every such refusal names persistence)."""
+        return "persistence" not in str(exc)
 
     # ---- the API -------------------------------------------------------------------------------
     def open_session(self, resume: bool = False):
         """Opens a session (or resumes this client's after a restart of the server: its pools start new
-        epochs if the server's state is behind what this client saw acknowledged)."""
-        return self._run(Call("OpenSession", self._session_request(resume), self._adopt_session))
+        epochs if the server's state is behind what this client saw acknowledged). Sharded: on the first
+        shard now, on the others when first used (a resume marks them for resuming too)."""
+        for conn in self.shards.all():
+            if resume:
+                conn.stale = conn.attached
+            else:
+                conn.attached = conn.stale = False  # a new session: every shard opens (attaches) it anew
+                conn.next_sequence, conn.unacked_sequence = 1, 0
+        return self._run(self._session_call(self.shards.seed, fresh=not resume))
+
+    def continue_session(self, session_id: str, next_sequence: int) -> None:
+        """Goes on with a session another client (a restarted process, say) had open on this allocator (its
+        first shard): the next mutation carries `next_sequence` as it is, so resending an unacknowledged
+        request gets its stored reply. No call is made."""
+        self.session_id = session_id
+        seed = self.shards.seed
+        seed.attached, seed.stale, seed.next_sequence, seed.unacked_sequence = True, False, next_sequence, 0
 
     def register_pool(self, pool_id: str, config: KVCacheConfig, max_model_len: int, epoch: int = 0,
                       dcp_world_size: int = 1, enable_caching: bool = True, vocab_size: int = 0,
                       kv_layout: str = ""):
         msg = encode.register_request(pool_id, config, max_model_len, epoch, dcp_world_size, enable_caching,
                                       vocab_size, kv_layout, spec_fingerprint(self.hash_seed, self.hash_block_size))
-        return self._run(Call("RegisterPool", msg, replies.decode_register_result, True))
+        return self._run(Call("RegisterPool", msg, replies.decode_register_result, True, pool_id))
 
     def step(self, pool_id: str, ops: Sequence[Op]):
-        return self._run(Call("Step", encode.step_request(pool_id, ops), replies.decode_step_result, True))
+        return self._run(Call("Step", encode.step_request(pool_id, ops), replies.decode_step_result, True, pool_id))
 
     def allocate(self, pool_id: str, op: AllocateOp, add: AddRequestOp | None = None):
         return self._run(Call("Allocate", encode.allocate_request(pool_id, op, add), replies.decode_step_result,
-                              True))
+                              True, pool_id))
 
     def free(self, pool_id: str, *request_ids: str):
         msg = pb.FreeRequest(pool_id=pool_id, request_ids=list(request_ids))
-        return self._run(Call("Free", msg, replies.decode_step_result, True))
+        return self._run(Call("Free", msg, replies.decode_step_result, True, pool_id))
 
     def fork(self, pool_id: str, parent_request_id: str, *child_request_ids: str):
         msg = pb.ForkRequest(pool_id=pool_id, parent_request_id=parent_request_id,
                              child_request_ids=list(child_request_ids))
-        return self._run(Call("Fork", msg, replies.decode_step_result, True))
+        return self._run(Call("Fork", msg, replies.decode_step_result, True, pool_id))
 
     def commit_transfer(self, pool_id: str, transfer_id: str, abort: bool = False):
         """After the workers copied a transfer order's blocks: commit (they become cached here) or abort."""
         msg = pb.CommitTransferRequest(pool_id=pool_id, transfer_id=transfer_id, abort=abort)
-        return self._run(Call("CommitTransfer", msg, replies.decode_step_result, True))
+        return self._run(Call("CommitTransfer", msg, replies.decode_step_result, True, pool_id))
 
     def get_request(self, pool_id: str, request_id: str):
         msg = pb.GetRequestRequest(pool_id=pool_id, request_id=request_id)
-        return self._run(Call("GetRequest", msg, replies.decode_request_info))
+        return self._run(Call("GetRequest", msg, replies.decode_request_info, pool_id=pool_id))
 
     def lookup(self, token_ids: Sequence[int] | None = None, block_hashes: Sequence[bytes] | None = None,
                num_tokens: int = 0, cache_salt: str | None = None, lora_name: str | None = None,
                pool_ids: Sequence[str] = ()):
+        """Per pool (this tenant's; `pool_ids`: these), the prefix tokens cached, and where a KV-aware router
+        sends the prompt. Sharded: every shard answers for its pools, the best pool is chosen over all."""
         msg = encode.lookup_request(token_ids, block_hashes, num_tokens, cache_salt, lora_name, pool_ids)
-        return self._run(Call("Lookup", msg, replies.decode_lookup))
+
+        def per_shard(conn: Conn):
+            if not pool_ids:
+                return msg
+            mine = [p for p in pool_ids if self.shards.conn_for(p) is conn]
+            return encode.lookup_request(token_ids, block_hashes, num_tokens, cache_salt, lora_name, mine) \
+                if mine else None
+
+        def merge(parts: list[LookupResult]) -> LookupResult:
+            hits = [h for part in parts for h in part.hits]
+            first = block_hashes[0] if block_hashes else (self.hash_prompt(token_ids[:self.hash_block_size],
+                                                                           cache_salt, lora_name) or [None])[0]
+            return LookupResult(hits, best_pool(hits, first))
+
+        return self._run(Call("Lookup", msg, replies.decode_lookup, merge=merge, per_shard=per_shard))
 
     def heartbeat(self):
         """Renews the session's lease (the client does this in the background while it is open)."""
-        return self._run(Call("Heartbeat", pb.HeartbeatRequest(session_id=self.session_id), lambda r: None))
+        return self._run(Call("Heartbeat", pb.HeartbeatRequest(session_id=self.session_id), lambda r: None,
+                              merge=lambda parts: None,
+                              per_shard=lambda conn: pb.HeartbeatRequest(session_id=self.session_id)
+                              if conn.attached else None))
 
     def get_stats(self, check_invariants: bool = False, include_state_digest: bool = False):
         msg = pb.GetStatsRequest(check_invariants=check_invariants, include_state_digest=include_state_digest)
-        return self._run(Call("GetStats", msg, _stats))
+        return self._run(Call("GetStats", msg, replies.decode_stats, merge=merge_stats))
 
     def reset_prefix_cache(self, pool_ids: Sequence[str] = ()):
         msg = pb.ResetPrefixCacheRequest(pool_ids=list(pool_ids))
-        return self._run(Call("ResetPrefixCache", msg, lambda r: (list(r.reset_pool_ids), list(r.refused_pool_ids))))
+
+        def per_shard(conn: Conn):
+            mine = [p for p in pool_ids if self.shards.conn_for(p) is conn]
+            return pb.ResetPrefixCacheRequest(pool_ids=mine) if mine or not pool_ids else None
+
+        return self._run(Call("ResetPrefixCache", msg, lambda r: (list(r.reset_pool_ids), list(r.refused_pool_ids)),
+                              merge=lambda parts: ([p for d, _ in parts for p in d], [p for _, r in parts for p in r]),
+                              per_shard=per_shard))
+
+    def shard_map(self) -> pb.ShardMapResponse:
+        """The shard map (unsharded: one unnamed shard), from the first shard (or, failing it, another)."""
+        return self._run(Call("GetShardMap", pb.GetShardMapRequest(), lambda r: r))
 
     # ---- external pools: stock vLLM engines indexed from their KV events (idempotent: no session) ----
     def register_external_pool(self, pool_id: str, endpoint: str, replay_endpoint: str = "", block_size: int = 16,
@@ -193,6 +288,14 @@ class ClientBase:
                     lora_name: str | None = None) -> list[bytes]:
         """Block hashes exactly as the server computes them (to add requests by hashes)."""
         return hash_prompt(token_ids, self.hash_block_size, self.hash_seed, cache_salt, lora_name)
+
+    def _watch_target(self, pool_ids: Sequence[str]) -> Conn:
+        conns = {id(self.shards.conn_for(p)): self.shards.conn_for(p) for p in pool_ids}
+        if len(conns) > 1:
+            from kvservice.errors import InvalidArgument
+            raise InvalidArgument("pool_ids", list(pool_ids), "these pools are on different shards; event "
+                                  "sequences are per shard: watch each shard's pools in a stream of its own")
+        return next(iter(conns.values())) if conns else self.shards.seed
 
     @staticmethod
     def _watch_request(pool_ids: Sequence[str], start_sequence: int | None) -> pb.WatchEventsRequest:

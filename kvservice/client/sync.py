@@ -9,8 +9,9 @@ from collections.abc import Iterator, Sequence
 import grpc
 
 from kvservice._proto import allocator_pb2 as pb
-from kvservice.client.base import RETRYABLE, Call, ClientBase
-from kvservice.errors import NotFound
+from kvservice.client.base import MAX_HOPS, RETRYABLE, Call, ClientBase
+from kvservice.client.routing import Conn
+from kvservice.errors import Moved, NotFound, Unavailable
 from kvservice.results import Event
 from kvservice.wire import replies
 from kvservice.wire.status import from_rpc_error
@@ -33,10 +34,12 @@ class KVServiceClient(ClientBase):
 
     def close(self) -> None:
         self._closed.set()
-        self.channel.close()
+        for channel in self.shards.channels():
+            channel.close()
 
-    def _call(self, method: str, request, timeout_s: float | None = None):
-        rpc = getattr(self.stub, method)
+    # ---- calls ---------------------------------------------------------------------------------
+    def _call(self, conn: Conn, method: str, request, timeout_s: float | None = None):
+        rpc = getattr(conn.stub, method)
         delay = 0.05
         for attempt in range(self.retries + 1):
             try:
@@ -48,26 +51,90 @@ class KVServiceClient(ClientBase):
                 delay = min(delay * 2, 1.0)
         raise AssertionError("unreachable")
 
-    def _run(self, call: Call):
+    def _run_on(self, conn: Conn, call: Call):
         try:
             if not call.mutating:
-                result = call.decode(self._call(call.method, call.request))
+                result = call.decode(self._call(conn, call.method, call.request))
                 if call.method == "OpenSession":
                     self._renew_in_background()
                 return result
-            if not self.session_id:
-                self.open_session()
-            self._stamp(call.request)
+            if not conn.attached or conn.stale:
+                self._run_on(conn, self._session_call(conn))
+            self._stamp(conn, self.session_id, call.request)
             try:
-                reply = self._call(call.method, call.request)
+                reply = self._call(conn, call.method, call.request)
             except grpc.RpcError as err:
-                self._unacked(err)
+                self._unacked(conn, err)
                 raise
-            self._acked()
+            self._acked(conn)
             return call.decode(reply)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 
+    def _run(self, call: Call):
+        shards = self.shards
+        if not shards.known and call.method != "GetShardMap":
+            self._refresh_map(shards.seed)
+        if call.merge is not None and shards.sharded and call.conn is None:
+            parts = []
+            for conn in shards.all():
+                request = call.per_shard(conn) if call.per_shard is not None else call.request
+                if request is not None:
+                    parts.append(self._run(Call(call.method, request, call.decode, conn=conn)))
+            return call.merge(parts)
+        hops, deadline = 0, None
+        while True:
+            conn = call.conn or shards.conn_for(call.pool_id)
+            try:
+                return self._run_on(conn, call)
+            except Moved as exc:
+                hops += 1
+                if hops > MAX_HOPS or call.conn is not None:
+                    raise
+                self._close(shards.moved(exc.pool_id, exc.shard_id, exc.address))
+            except Unavailable as exc:
+                # A shard's leader may have failed over: ask the others (or the next address) where it is now.
+                deadline = deadline or time.monotonic() + self.failover_timeout_s
+                # (A pinned call may too: its connection is the shard's, whatever address the shard moves to.)
+                if not self._may_fail_over(exc) or not self._failed_over(conn, deadline):
+                    raise
+
+    def _refresh_map(self, conn: Conn) -> bool:
+        try:
+            reply = self._call(conn, "GetShardMap", pb.GetShardMapRequest(), timeout_s=min(self.timeout_s, 5))
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.UNIMPLEMENTED:  # an allocator older than sharding
+                self.shards.known = True
+            return False
+        self._close(self.shards.adopt(reply))
+        return True
+
+    def _failed_over(self, dead: Conn, deadline: float) -> bool:
+        """Whether the call may be retried after UNAVAILABLE: a standby (the next address) or another shard's
+        map names a new leader for `dead`'s shard, before `deadline`."""
+        shards = self.shards
+        if not shards.sharded:
+            if not shards.alternates or time.monotonic() > deadline:
+                return False
+            self._close([shards.rotate(dead)])
+            time.sleep(0.1)
+            return True
+        # Sharded: a failed leader's standby (a new address in the map), or a pool being moved (a new shard
+        # for it, or frozen for a moment): ask the shards, then retry the call, until the deadline.
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+        for conn in [c for c in shards.all() if c is not dead] + [dead]:
+            if self._refresh_map(conn):
+                break
+        return True
+
+    @staticmethod
+    def _close(channels) -> None:
+        for channel in channels:
+            channel.close()
+
+    # ---- the lease -----------------------------------------------------------------------------
     def _renew_in_background(self) -> None:
         if not self.heartbeat_enabled or (self._renewer is not None and self._renewer.is_alive()):
             return
@@ -75,22 +142,31 @@ class KVServiceClient(ClientBase):
         self._renewer.start()
 
     def _renew(self) -> None:
-        """Heartbeats every third of the lease until closed; a lapsed session is left to the next call."""
+        """Heartbeats every shard holding the session, every third of the lease, until closed. A shard that
+        no longer knows the session (it lapsed anyway) is left alone: the next call there says so."""
+        lapsed: set[tuple[str, str]] = set()
         while not self._closed.wait(max(self.ttl_s / 3, 0.05)):
-            try:
-                self.stub.Heartbeat(pb.HeartbeatRequest(session_id=self.session_id),
-                                    timeout=self.timeout_s, metadata=self.metadata)
-            except grpc.RpcError as err:
-                if isinstance(from_rpc_error(err), NotFound) or self._closed.is_set():
-                    return
-            except ValueError:  # the channel was closed under it
-                return
+            for conn in self.shards.all():
+                if not conn.attached or (conn.shard_id, self.session_id) in lapsed:
+                    continue
+                try:
+                    conn.stub.Heartbeat(pb.HeartbeatRequest(session_id=self.session_id), timeout=self.timeout_s,
+                                        metadata=self.metadata)
+                except grpc.RpcError as err:
+                    if isinstance(from_rpc_error(err), NotFound):
+                        lapsed.add((conn.shard_id, self.session_id))
+                except ValueError:  # the channel was closed under it
+                    if self._closed.is_set():
+                        return
 
     def watch_events(self, pool_ids: Sequence[str] = (), start_sequence: int | None = None,
                      timeout_s: float | None = None) -> Iterator[Event]:
+        """Events of `pool_ids` (all of one shard, when sharded), from `start_sequence` on."""
+        if not self.shards.known:
+            self._refresh_map(self.shards.seed)
         msg = self._watch_request(pool_ids, start_sequence)
         try:
-            for e in self.stub.WatchEvents(msg, metadata=self.metadata, timeout=timeout_s):
+            for e in self._watch_target(pool_ids).stub.WatchEvents(msg, metadata=self.metadata, timeout=timeout_s):
                 yield replies.decode_event(e)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None

@@ -126,5 +126,5 @@ class ExternalRegistry:
                                                      lora_name))
                 hashes = other_sizes[size]
             tiers = index.hits(hashes, num_tokens)
-            out.append(PoolHit(pool.pool_id, tiers[0], 0, True, dict(zip(TIERS, tiers))))
+            out.append(PoolHit(pool.pool_id, tiers[0], 0, external=True, tiers=dict(zip(TIERS, tiers))))
         return out

@@ -24,7 +24,7 @@ _ENDPOINT = re.compile(r"^tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.*-]+):(\d{1,5})$
 _POOL_ID = re.compile(r"^[\x21-\x7e]{1,256}$")
 FLAG_HELP = ("index a stock vLLM engine from its KV events (its --kv-events-config endpoint and replay_endpoint): "
              "POOL=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,block-size=N][,hash=sha256|sha256_cbor|xxhash|"
-             "xxhash_cbor][,hash-seed=S][,bind][,topic=T][,max-blocks=N][,tenant=T]; repeatable (default: None)")
+             "xxhash_cbor][,hash-seed=S][,bind][,topic=T][,max-blocks=N][,tenant=T]; repeatable, none by default")
 
 
 class SpecError(ValueError):

@@ -23,7 +23,7 @@ from kvservice.launch import READY_PREFIX
 from kvservice.server.auth import Authenticator, AuthInterceptor, load_token_file
 from kvservice.server.metrics import Metrics
 from kvservice.server.servicer import AllocatorServicer, freeze_long_lived, method_handlers
-from kvservice.server.startup import DataDirLock, check_port_free, is_loopback, token_file_for
+from kvservice.server.startup import DataDirLock, StartupError, check_port_free, is_loopback, token_file_for
 from kvservice.settings import ServerSettings
 from kvservice.store.base import Journal, PersistenceState
 
@@ -86,8 +86,10 @@ class AllocatorServer:
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         await self._update_persistence_health()
         self._lease_task = asyncio.create_task(self._expire_leases())
-        logger.info("%s%s:%d (auth %s, TLS %s, persistence %s)", READY_PREFIX, cfg.host, self.port,
-                    "on" if self.auth.enabled else "OFF", "on" if cfg.tls_cert else "off", self.journal.state.value)
+        role = "hot standby: following the leader's WAL" if self.servicer.standby else \
+            f"persistence {self.journal.state.value}"
+        logger.info("%s%s:%d (auth %s, TLS %s, %s)", READY_PREFIX, cfg.host, self.port,
+                    "on" if self.auth.enabled else "OFF", "on" if cfg.tls_cert else "off", role)
         return self.port
 
     async def _expire_leases(self) -> None:
@@ -107,6 +109,17 @@ class AllocatorServer:
             status = (health_pb2.HealthCheckResponse.SERVING if state in (PersistenceState.OK, PersistenceState.OFF)
                       else health_pb2.HealthCheckResponse.NOT_SERVING)
             await self.health.set(PERSISTENCE_HEALTH, status)
+
+    def lead(self, store) -> None:
+        """Makes this server the leader's: mutations are journaled in `store` (whose leadership it holds)."""
+        from kvservice.store.journal import PersistentJournal
+        cfg = self.config
+        journal = PersistentJournal(store, self.allocator, cfg.require_persistence, cfg.snapshot_every,
+                                    cfg.snapshot_interval_s, snapshot_mode=cfg.snapshot_mode,
+                                    standby_options=cfg.allocator.to_argv())
+        journal.on_fenced = self.on_fenced
+        journal.write_observer = self.metrics.redis_write.observe
+        self.journal = self.servicer.journal = journal
 
     def on_fenced(self, message: str) -> None:
         """A newer allocator took over: go NOT_SERVING and exit (never serve from memory)."""
@@ -162,8 +175,31 @@ async def build_server(config: ServerSettings) -> AllocatorServer:
     if not config.persistence:
         logger.warning("persistence is OFF (--no-persistence): a restart loses every allocation")
         return AllocatorServer(config, allocator)
-    from kvservice.store.journal import PersistentJournal
     from kvservice.store.recovery import recover
+    store, embedded, url = await connect_store(config)
+    try:
+        if config.reset_state:
+            logger.warning("--reset-state: deleting the allocator state in Redis namespace %r", config.store_namespace)
+            await store.reset()
+        epoch = await store.acquire_leadership()
+        snapshot, covered, entries = await store.load()
+        info = recover(allocator, snapshot, entries)
+        logger.info("recovered as leader epoch %d: snapshot %d bytes (WAL id %s) + %d WAL entries in %.3f s",
+                    epoch, info["snapshot_bytes"], covered, info["replayed"], info["seconds"])
+    except BaseException:
+        if embedded is not None:
+            embedded.stop()
+        raise
+    freeze_long_lived()
+    server = AllocatorServer(config, allocator)
+    server.embedded = embedded
+    attach_sharding(server, url)
+    server.lead(store)
+    return server
+
+
+async def connect_store(config: ServerSettings):
+    """(RedisStore, the embedded Redis started for it or None, its URL), once Redis answers."""
     from kvservice.store.redis_store import RedisStore
     embedded = None
     url = config.redis_url
@@ -172,37 +208,89 @@ async def build_server(config: ServerSettings) -> AllocatorServer:
         embedded = EmbeddedRedis(config.data_dir, config.redis_fsync)
         url = embedded.start()
     try:
-        store = RedisStore(url, config.redis_namespace)
+        store = RedisStore(url, config.store_namespace)
+        store.lease_ms = int(config.leader_lease_s * 1000)
         deadline = time.monotonic() + config.redis_wait_s
         while True:
             try:
                 await store.ping()
-                break
+                return store, embedded, url
             except Exception as exc:
                 if time.monotonic() > deadline:
                     raise ConnectionError(f"Redis at {url} did not answer within {config.redis_wait_s} s ({exc!r}); "
                                           f"start it, fix --redis-url, or run with --no-persistence") from None
                 await asyncio.sleep(0.5)
-        if config.reset_state:
-            logger.warning("--reset-state: deleting the allocator state in Redis namespace %r", config.redis_namespace)
-            await store.reset()
-        epoch = await store.acquire_leadership()
-        snapshot, covered, entries = await store.load()
-        info = recover(allocator, snapshot, entries)
-        logger.info("recovered as leader epoch %d: snapshot %d bytes (WAL id %s) + %d WAL entries in %.3f s",
-                    epoch, info["snapshot_bytes"], covered, info["replayed"], info["seconds"])
-        journal = PersistentJournal(store, allocator, config.require_persistence, config.snapshot_every,
-                                    config.snapshot_interval_s, snapshot_mode=config.snapshot_mode,
-                                    standby_options=config.allocator.to_argv())
     except BaseException:
         if embedded is not None:
             embedded.stop()
         raise
-    freeze_long_lived()
-    server = AllocatorServer(config, allocator, journal)
-    server.embedded = embedded
-    journal.on_fenced = server.on_fenced
-    return server
+
+
+def attach_sharding(server: AllocatorServer, url: str) -> None:
+    config = server.config
+    if config.shard_id:
+        from kvservice.server.sharding import ShardRouter
+        from kvservice.shards.shardmap import ShardMapStore
+        server.servicer.sharding = ShardRouter(ShardMapStore(url, config.redis_namespace), config.shard_id)
+
+
+async def _serve_standby(config: ServerSettings, ready_line: bool) -> int:
+    """A hot standby: follows the leader's WAL, answers only GetShardMap (and health: NOT_SERVING), and takes
+    over (a new epoch, the old leader fenced) once the leader's lease has lapsed for a whole lease."""
+    from kvservice.store.follower import Follower
+    store, _, url = await connect_store(config)
+    follower = Follower(store, config.allocator)
+    await follower.load()
+    server = AllocatorServer(config, follower.allocator)
+    attach_sharding(server, url)
+    who = f"shard {config.shard_id}" if config.shard_id else "the allocator"
+    server.servicer.standby = (f"this is the hot standby of {who} (Redis namespace {config.store_namespace}); it "
+                               f"serves once the leader's lease lapses: retry, or ask GetShardMap for the leader")
+    try:
+        port = await server.start()
+        await server.set_serving(False)
+        if ready_line:
+            print(f"{READY_PREFIX}{config.host}:{port}", flush=True)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, server.stopped.set)
+        stopping = asyncio.create_task(server.stopped.wait())
+        while True:
+            following = asyncio.create_task(follower.follow_until_lapse(config.leader_lease_s))
+            await asyncio.wait([following, stopping], return_when=asyncio.FIRST_COMPLETED)
+            if server.stopped.is_set():
+                following.cancel()
+                return server.exit_code
+            started = time.monotonic()
+            epoch = await store.take_over()
+            if epoch:
+                break
+        await follower.catch_up()  # what the old leader wrote before it was fenced
+        if not follower.consistent:
+            await follower.load()  # a resync it never finished: recover as a restart would
+        freeze_long_lived()
+        server.lead(store)
+        server.servicer.standby = ""
+        server.journal.start()
+        await server.set_serving(True)
+        if server.servicer.sharding is not None:
+            await server.servicer.sharding.announce(config.advertise or f"{advertised_host(config.host)}:{port}",
+                                                    epoch)
+        logger.warning("took over as leader epoch %d, %.3f s after the lease lapsed (%d WAL entries followed)",
+                       epoch, time.monotonic() - started, follower.applied)
+        await server.stopped.wait()
+    finally:
+        await server.stop()
+        await store.close()
+    return server.exit_code
+
+
+def advertised_host(host: str) -> str:
+    """The address other processes reach a server bound to `host` at."""
+    if host in ("0.0.0.0", "::", "[::]", ""):
+        import socket
+        return socket.gethostbyname(socket.gethostname())
+    return host
 
 
 # A Step allocates thousands of container objects (decoded ops, results, events) that reference counting
@@ -222,8 +310,13 @@ def preflight(config: ServerSettings) -> DataDirLock | None:
         except SpecError as exc:
             raise ValueError(f"--vllm-events: {exc}") from None
     generates_token = not config.token_file and not is_loopback(config.host) and not config.insecure
+    if config.shard_id and not (config.persistence and config.redis_url):
+        raise StartupError(f"--shard {config.shard_id} needs --redis-url: every shard reads the shard map and writes "
+                           f"its state in the same Redis (or Redis Cluster)")
+    if config.standby and not (config.persistence and config.redis_url):
+        raise StartupError("--standby needs --redis-url: it follows the leader's WAL in a Redis both reach")
     lock = None
-    if (config.persistence and not config.redis_url) or generates_token:
+    if (config.persistence and not config.redis_url and not config.standby) or generates_token:
         lock = DataDirLock(config.data_dir).acquire()
     try:
         check_port_free(config.host, config.port)
@@ -247,10 +340,15 @@ async def serve(config: ServerSettings, ready_line: bool = True) -> int:
 
 
 async def _serve(config: ServerSettings, ready_line: bool) -> int:
+    if config.standby:
+        return await _serve_standby(config, ready_line)
     server = await build_server(config)
     try:
         port = await server.start()
         server.journal.start()
+        if server.servicer.sharding is not None:
+            await server.servicer.sharding.announce(config.advertise or f"{advertised_host(config.host)}:{port}",
+                                                    server.journal.leader_epoch)
         await server.start_external()
         if ready_line:
             print(f"{READY_PREFIX}{config.host}:{port}", flush=True)

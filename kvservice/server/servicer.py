@@ -21,7 +21,7 @@ import grpc
 from kvservice._proto import allocator_pb2 as pb
 from kvservice.allocator import Allocator
 from kvservice.commands import ExpireSessions, RegisterExternalPool, RemoveExternalPool, ResetPrefixCache, StepRpc
-from kvservice.errors import InvalidArgument, KVServiceError
+from kvservice.errors import FailedPrecondition, InvalidArgument, KVServiceError, Unavailable
 from kvservice.external import wire as external_wire
 from kvservice.server.auth import Authenticator
 from kvservice.server.metrics import Metrics
@@ -69,6 +69,8 @@ def rpc(method: Callable) -> Callable:
     async def wrapper(self: AllocatorServicer, raw: bytes, context: grpc.aio.ServicerContext):
         start = time.perf_counter()
         try:
+            if self.standby and name != "GetShardMap":
+                raise Unavailable(self.standby)
             if takes_raw:
                 return await method(self, parse(name, raw), context, raw)
             return await method(self, parse(name, raw), context)
@@ -99,6 +101,13 @@ class AllocatorServicer:
         allocator.state.events.listeners.append(self._event_signal.set)
         self.num_watchers = 0
         self.feeds = None  # kvservice.external.subscriber.Feeds, once the server runs them
+        self.sharding = None  # a ShardRouter when this allocator is one shard of several
+        self.standby = ""  # a hot standby's refusal message (it serves nothing until it takes over)
+
+    async def _here(self, pool_id: str) -> None:
+        """Redirects (raises Moved) a call naming a pool another shard serves."""
+        if self.sharding is not None and pool_id not in self.allocator.state.pools:
+            await self.sharding.redirect(pool_id)
 
     async def _apply(self, command):
         """The one path of a mutation: apply (guarded by the journal's writability), then journal."""
@@ -126,6 +135,8 @@ class AllocatorServicer:
         principal = self.auth.of(context)
         command = decode.register_command(request, raw, principal.tenant, principal.admin,
                                           self.allocator.settings.hash_block_size)
+        if self.sharding is not None and command.spec.pool_id not in self.allocator.state.pools:
+            await self.sharding.claim(command.spec.pool_id, principal.tenant)
         reply = await self._apply(command)
         if reply.new_epoch:
             freeze_long_lived()
@@ -134,6 +145,7 @@ class AllocatorServicer:
     async def _step(self, context, request, raw: bytes, rpc_kind: StepRpc) -> pb.StepResponse:
         principal = self.auth.of(context)
         command = decode.step_command(rpc_kind, request, raw, principal.tenant, principal.admin)
+        await self._here(command.pool_id)
         result = await self._apply(command)
         self.metrics.count_outcomes(result.results)
         return replies.encode_step_result(result, pb.StepResponse())
@@ -158,6 +170,7 @@ class AllocatorServicer:
     async def CommitTransfer(self, request: pb.CommitTransferRequest, context, raw: bytes) -> pb.StepResponse:
         principal = self.auth.of(context)
         command = decode.commit_transfer_command(request, raw, principal.tenant, principal.admin)
+        await self._here(command.pool_id)
         return replies.encode_step_result(await self._apply(command), pb.StepResponse())
 
     @rpc
@@ -178,6 +191,7 @@ class AllocatorServicer:
     @rpc
     async def GetRequest(self, request: pb.GetRequestRequest, context) -> pb.RequestInfo:
         principal = self.auth.of(context)
+        await self._here(check_id("pool_id", request.pool_id))
         info = self.allocator.request_info(principal.tenant, check_id("pool_id", request.pool_id),
                                            check_id("request_id", request.request_id), principal.admin)
         return replies.encode_request_info(info)
@@ -186,6 +200,8 @@ class AllocatorServicer:
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
         principal = self.auth.of(context)
         pool_ids = [check_id(f"pool_ids[{i}]", p) for i, p in enumerate(request.pool_ids)]
+        for pool_id in pool_ids:
+            await self._here(pool_id)
         if request.block_hashes:
             if request.token_ids:
                 raise InvalidArgument("token_ids", f"<{len(request.token_ids)} bytes>",
@@ -254,14 +270,41 @@ class AllocatorServicer:
                        else external_wire.pool_stats(pool))
         return out
 
+    @rpc
+    async def GetShardMap(self, request: pb.GetShardMapRequest, context) -> pb.ShardMapResponse:
+        principal = self.auth.of(context)
+        if self.sharding is None:  # one unnamed shard: this one
+            pools = self.allocator.state.visible_pools(principal.tenant, principal.admin)
+            return pb.ShardMapResponse(pools={p.pool_id: "" for p in pools}, sharded=False)
+        current = await self.sharding.refresh(0.5)
+        counts = current.pool_counts()
+        out = pb.ShardMapResponse(version=current.version, shard_id=self.sharding.shard_id, sharded=True)
+        for info in sorted(current.shards.values(), key=lambda i: i.shard_id):
+            out.shards.add(shard_id=info.shard_id, address=info.address, epoch=info.epoch,
+                           num_pools=counts[info.shard_id])
+        for pool_id, (shard, tenant) in current.pools.items():
+            if principal.admin or tenant == principal.tenant:
+                out.pools[pool_id] = shard
+        return out
+
+    @rpc
+    async def MovePool(self, request: pb.MovePoolRequest, context) -> pb.MovePoolResponse:
+        self.auth.require_admin(context)
+        if self.sharding is None:
+            raise FailedPrecondition("MovePool is for sharded allocators (kvservice serve --shard)")
+        return await self.sharding.move(request, self.allocator, self._apply)
+
     # ---- events --------------------------------------------------------------------------------
     async def WatchEvents(self, raw: bytes, context):
         try:
+            if self.standby:
+                raise Unavailable(self.standby)
             request = parse("WatchEvents", raw)
             principal = self.auth.of(context)
             pool_ids = {check_id(f"pool_ids[{i}]", p) for i, p in enumerate(request.pool_ids)}
             state = self.allocator.state
             for pool_id in pool_ids:
+                await self._here(pool_id)
                 state.pool(pool_id, principal.tenant, principal.admin)  # NOT_FOUND for another tenant's
             log = state.events
             cursor = request.start_sequence if request.HasField("start_sequence") else log.next_sequence

@@ -210,6 +210,16 @@ class PersistentJournal(Journal):
                     self.snapshot()
             else:
                 await self._watch_standby()
+            if not await self._renew():
+                self._fenced(f"the lease belongs to a newer leader than epoch {self.store.epoch}", [])
+                return
+
+    async def _renew(self) -> bool:
+        """The lease a hot standby watches (False: this allocator is not the leader any more)."""
+        try:
+            return await self.store.renew_lease()
+        except REDIS_ERRORS:
+            return True  # Redis away: nothing to renew against (a standby cannot take over meanwhile either)
 
     async def _leader_lost(self) -> int | None:
         """Redis answers without our leader key: it lost its data, and with it the WAL and the snapshot. Only

@@ -7,6 +7,7 @@ Keys under a namespace `ns`:
     ns:snapshot          the latest full snapshot (bytes)
     ns:snapshot:wal_id   the WAL id the snapshot covers (entries after it are replayed)
     ns:snapshot:pending:W  a snapshot being written by writer W (renamed into place when complete)
+    ns:alive             the leader's lease (its epoch, expiring): a hot standby takes over when it lapses
     ns:snapshot:count    snapshots committed
     ns:snapshot:at       when the last one was committed (Unix seconds, Redis's clock)
 
@@ -21,6 +22,32 @@ from __future__ import annotations
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.cluster import RedisCluster
+
+CLUSTER_SCHEME = "rediscluster://"  # a Redis Cluster: any node's address (redis-py finds the others)
+
+
+def is_cluster(url: str) -> bool:
+    return url.startswith(CLUSTER_SCHEME)
+
+
+def connect(url: str, **options) -> aioredis.Redis:
+    """An asyncio client for `url`: `redis://`, `rediss://`, `unix://`, or `rediscluster://host:port`."""
+    if is_cluster(url):
+        return AsyncRedisCluster.from_url("redis://" + url[len(CLUSTER_SCHEME):], **options)
+    return aioredis.Redis.from_url(url, **options)
+
+
+def connect_sync(url: str, **options) -> redis.Redis:
+    if is_cluster(url):
+        return RedisCluster.from_url("redis://" + url[len(CLUSTER_SCHEME):], **options)
+    return redis.Redis.from_url(url, **options)
+
+
+def hash_tagged(namespace: str) -> str:
+    """A namespace whose keys all hash to one Redis Cluster slot (scripts touch several of them at once)."""
+    return namespace if namespace.startswith("{") and namespace.endswith("}") else "{" + namespace + "}"
 
 FENCED_PREFIX, LOST_PREFIX = "FENCED", "LEADERLOST"
 
@@ -41,8 +68,10 @@ if counter < tonumber(ARGV[1]) then redis.call('SET', KEYS[2], ARGV[1]) end
 redis.call('SET', KEYS[1], ARGV[1])
 return 1
 """
-# A new leader: the next epoch, above any epoch the leader key holds (the counter may have been lost).
+# A new leader: the next epoch, above any epoch the leader key holds (the counter may have been lost), with
+# a fresh lease. With ARGV[2] = 1 only if the lease lapsed (a standby taking over): 0 when it has not.
 ACQUIRE = """
+if ARGV[2] == '1' and redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
 local epoch = redis.call('INCR', KEYS[2])
 local leader = tonumber(redis.call('GET', KEYS[1]) or '0')
 if leader >= epoch then
@@ -50,7 +79,14 @@ if leader >= epoch then
   redis.call('SET', KEYS[2], epoch)
 end
 redis.call('SET', KEYS[1], epoch)
+redis.call('SET', KEYS[3], epoch, 'PX', ARGV[1])
 return epoch
+"""
+# The leader renews its lease, only while it is the leader: 1, else 0.
+RENEW = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+return 1
 """
 APPEND = _CHECK + """
 local ids = {}
@@ -103,13 +139,18 @@ class RedisStore:
         self.k_epoch, self.k_leader, self.k_wal = f"{ns}:epoch", f"{ns}:leader", f"{ns}:wal"
         self.k_snapshot, self.k_snapshot_id = f"{ns}:snapshot", f"{ns}:snapshot:wal_id"
         self.k_snapshot_count, self.k_snapshot_at = f"{ns}:snapshot:count", f"{ns}:snapshot:at"
-        self.redis = aioredis.Redis.from_url(url, socket_timeout=socket_timeout_s,
-                                             socket_connect_timeout=socket_timeout_s)
+        self.k_alive = f"{ns}:alive"
+        self.lease_ms = 2000
+        if is_cluster(url) and hash_tagged(namespace) != namespace:
+            raise ValueError(f"namespace {namespace!r} on a Redis Cluster must be hash tagged "
+                             f"({hash_tagged(namespace)!r})")
+        self.redis = connect(url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s)
         self._append = self.redis.register_script(APPEND)
         self._commit = self.redis.register_script(COMMIT_SNAPSHOT)
         self._set_pending = self.redis.register_script(SET_PENDING)
         self._retake = self.redis.register_script(RETAKE)
         self._acquire = self.redis.register_script(ACQUIRE)
+        self._renew = self.redis.register_script(RENEW)
         self.epoch = 0
 
     async def close(self) -> None:
@@ -120,8 +161,22 @@ class RedisStore:
 
     async def acquire_leadership(self) -> int:
         """Takes the leader key with a new epoch: from now on older allocators are fenced."""
-        self.epoch = int(await self._acquire(keys=[self.k_leader, self.k_epoch]))
+        self.epoch = int(await self._acquire(keys=[self.k_leader, self.k_epoch, self.k_alive], args=[self.lease_ms, 0]))
         return self.epoch
+
+    async def take_over(self) -> int:
+        """A standby's takeover: leadership with a new epoch, only if the leader's lease lapsed (0: it has not)."""
+        epoch = int(await self._acquire(keys=[self.k_leader, self.k_epoch, self.k_alive], args=[self.lease_ms, 1]))
+        if epoch:
+            self.epoch = epoch
+        return epoch
+
+    async def renew_lease(self) -> bool:
+        """The leader's heartbeat to its standbys; False: it is not the leader any more."""
+        return bool(await self._renew(keys=[self.k_leader, self.k_alive], args=[self.epoch, self.lease_ms]))
+
+    async def lease_held(self) -> bool:
+        return bool(await self.redis.exists(self.k_alive))
 
     async def leader(self) -> int | None:
         """The leader's epoch, or None when the key is gone."""
@@ -197,7 +252,7 @@ class RedisStore:
 
 def write_pending_snapshot_sync(url: str, namespace: str, epoch: int, data: bytes, writer: str = "fork") -> None:
     """Writes a snapshot as pending from a forked child (its own, blocking connection)."""
-    client = redis.Redis.from_url(url, socket_timeout=60)
+    client = connect_sync(url, socket_timeout=60)
     try:
         client.eval(SET_PENDING, 2, f"{namespace}:leader", f"{namespace}:snapshot:pending:{writer}", epoch, data)
     finally:

@@ -4,6 +4,7 @@ checksum, so a corrupt or foreign snapshot is refused whole, never half-loaded."
 
 from __future__ import annotations
 
+import time
 from array import array
 
 import xxhash
@@ -12,6 +13,7 @@ from kvservice._proto import allocator_pb2 as pb
 from kvservice._proto import state_pb2 as st
 from kvservice.allocator import Allocator, AllocatorState
 from kvservice.allocator.keys import tenant_of
+from kvservice.allocator.pins import Pin
 from kvservice.allocator.pools import Pool
 from kvservice.allocator.sessions import Session
 from kvservice.allocator.transfers import Transfer
@@ -97,9 +99,13 @@ def _encode_pool(pool: Pool) -> st.PoolState:
                      running_keys=g.running_keys, num_cached_block=g.num_cached_block.tobytes())
     out = st.PoolState(register_request=reg.SerializeToString(deterministic=True), pool_id=pool.pool_id,
                        epoch=pool.epoch, manager=m, tombstone_keys=list(pool.tombstones),
-                       tombstone_reasons=list(pool.tombstones.values()), owner_tenant=pool.owner_tenant)
+                       tombstone_reasons=list(pool.tombstones.values()), owner_tenant=pool.owner_tenant,
+                       moving_to=pool.moving_to)
     for key in sorted(pool.requests):
         out.requests.append(_encode_request(pool.requests[key], pool.owner.get(key, "")))
+    for key in sorted(pool.pins):
+        pin = pool.pins[key]
+        out.pins.add(key=key, session_id=pin.session_id, block_ids=_u32(pin.block_ids), num_tokens=pin.num_tokens)
     return out
 
 
@@ -170,36 +176,7 @@ def _decode_into(snap: st.Snapshot, state: AllocatorState, now: float) -> None:
     state.events.next_sequence = snap.next_event_sequence
     state.lease_expiries = snap.lease_expiries
     for ps in snap.pools:
-        spec = decode_pool_spec(pb.RegisterPoolRequest.FromString(ps.register_request), settings.hash_block_size)
-        pool = state.new_pool(spec)
-        pool.owner_tenant = ps.owner_tenant
-        m = ps.manager
-        lengths = _from_u32(m.index_key_lengths, "index_key_lengths")
-        raw_keys = m.index_keys  # bind once: each protobuf field access copies the bytes
-        keys, pos = [], 0
-        for n in lengths:
-            keys.append(raw_keys[pos:pos + n])
-            pos += n
-        ref_cnts = array("i")
-        ref_cnts.frombytes(m.ref_cnts)
-        groups = [GroupTables(list(g.request_keys), _from_u32(g.num_blocks, "num_blocks"),
-                              _from_u32(g.block_ids, "block_ids"), list(g.running_keys),
-                              _from_u32(g.num_cached_block, "num_cached_block")) for g in m.groups]
-        manager_state = ManagerState(ref_cnts, _from_u32(m.free_order, "free_order"), keys,
-                                     _from_u32(m.index_block_ids, "index_block_ids"), groups,
-                                     list(zip(_from_u32(m.copy_src, "copy_src"), _from_u32(m.copy_dst, "copy_dst"))),
-                                     m.evictions, (m.total_queries, m.total_hits, m.total_requests),
-                                     tuple(m.interval_stats), m.interval_reset)
-        import_manager_state(pool.manager, manager_state)
-        for rs in ps.requests:
-            pool.requests[rs.key] = _decode_request(rs)
-            if rs.owner:
-                pool.owner[rs.key] = rs.owner
-        for key, reason in zip(ps.tombstone_keys, ps.tombstone_reasons):
-            pool.tombstones[key] = reason
-        state.pools[pool.pool_id] = pool
-        for key in pool.requests:
-            state.usage.update(tenant_of(key), pool, key)
+        _decode_pool(ps, state)
     for ss in snap.sessions:
         session = state.sessions.open(ss.session_id, ss.tenant, ss.client_name, now)
         session.last_sequence = ss.last_sequence
@@ -219,6 +196,76 @@ def _decode_into(snap: st.Snapshot, state: AllocatorState, now: float) -> None:
         book.transfers[t.transfer_id] = t
         book.by_dst[(t.dst_pool, t.dst_key)] = t.transfer_id
     decode_external(snap, state.external, settings.hash_block_size, settings.hash_seed)
+
+
+def _decode_pool(ps: st.PoolState, state: AllocatorState) -> Pool:
+    """One pool into `state` (its requests' quota usage too; the sessions owning them are the caller's)."""
+    settings = state.settings
+    spec = decode_pool_spec(pb.RegisterPoolRequest.FromString(ps.register_request), settings.hash_block_size)
+    pool = state.new_pool(spec)
+    pool.owner_tenant = ps.owner_tenant
+    pool.moving_to = ps.moving_to
+    m = ps.manager
+    lengths = _from_u32(m.index_key_lengths, "index_key_lengths")
+    raw_keys = m.index_keys  # bind once: each protobuf field access copies the bytes
+    keys, pos = [], 0
+    for n in lengths:
+        keys.append(raw_keys[pos:pos + n])
+        pos += n
+    ref_cnts = array("i")
+    ref_cnts.frombytes(m.ref_cnts)
+    groups = [GroupTables(list(g.request_keys), _from_u32(g.num_blocks, "num_blocks"),
+                          _from_u32(g.block_ids, "block_ids"), list(g.running_keys),
+                          _from_u32(g.num_cached_block, "num_cached_block")) for g in m.groups]
+    manager_state = ManagerState(ref_cnts, _from_u32(m.free_order, "free_order"), keys,
+                                 _from_u32(m.index_block_ids, "index_block_ids"), groups,
+                                 list(zip(_from_u32(m.copy_src, "copy_src"), _from_u32(m.copy_dst, "copy_dst"))),
+                                 m.evictions, (m.total_queries, m.total_hits, m.total_requests),
+                                 tuple(m.interval_stats), m.interval_reset)
+    import_manager_state(pool.manager, manager_state)
+    for rs in ps.requests:
+        pool.requests[rs.key] = _decode_request(rs)
+        if rs.owner:
+            pool.owner[rs.key] = rs.owner
+    for key, reason in zip(ps.tombstone_keys, ps.tombstone_reasons):
+        pool.tombstones[key] = reason
+    for p in ps.pins:
+        pool.pins[p.key] = Pin(p.key, p.session_id, list(_from_u32(p.block_ids, "pin block_ids")), p.num_tokens)
+    state.pools[pool.pool_id] = pool
+    for key in pool.requests:
+        state.usage.update(tenant_of(key), pool, key)
+    return pool
+
+
+# ---- moving one pool between shards (rebalance) --------------------------------------------------
+def export_pool(allocator: Allocator, pool_id: str) -> bytes:
+    """The pool's whole state and the sessions owning its requests (it should be frozen: nothing moves)."""
+    state = allocator.state
+    pool = state.pools[pool_id]
+    out = st.PoolExport(pool=_encode_pool(pool))
+    out.pool.moving_to = ""  # it serves where it arrives
+    for session_id in sorted(set(pool.owner.values()) | {pin.session_id for pin in pool.pins.values()}):
+        session = state.sessions.sessions.get(session_id)
+        if session is not None:
+            out.session_ids.append(session_id)
+            out.session_tenants.append(session.tenant)
+            out.session_names.append(session.client_name)
+    return out.SerializeToString(deterministic=True)
+
+
+def import_pool(state: AllocatorState, data: bytes) -> str:
+    """Installs an exported pool; its owners' sessions are opened here when this shard did not know them."""
+    export = st.PoolExport.FromString(data)
+    pool = _decode_pool(export.pool, state)
+    now = time.monotonic()
+    for session_id, tenant, name in zip(export.session_ids, export.session_tenants, export.session_names):
+        if session_id not in state.sessions.sessions:
+            state.sessions.open(session_id, tenant, name, now)
+    for key, session_id in pool.owner.items():
+        session = state.sessions.sessions.get(session_id)
+        if session is not None:
+            session.own(pool.pool_id, key)
+    return pool.pool_id
 
 
 def _decode_request(rs: st.RequestState) -> Request:

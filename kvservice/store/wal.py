@@ -10,7 +10,10 @@ from kvservice.commands import (
     Barrier,
     Command,
     CommandKind,
+    DropPool,
     ExpireSessions,
+    FreezePool,
+    ImportPool,
     IngestEvents,
     OpenSession,
     RegisterExternalPool,
@@ -19,6 +22,7 @@ from kvservice.commands import (
     ResetPrefixCache,
     RetirePools,
     StepRpc,
+    ThawPool,
 )
 from kvservice.external.wire import spec_from_proto, spec_to_proto
 from kvservice.wire.decode import STEP_REQUESTS, commit_transfer_command, decode_pool_spec, step_command
@@ -38,13 +42,19 @@ def encode(command: Command) -> bytes:
         entry.session_id, entry.tenant, entry.client_name = command.session_id, command.tenant, command.client_name
         entry.resume_session_id, entry.last_acked_sequence = command.resume_session_id, command.last_acked_sequence
         entry.pool_ids.extend(command.resume_pool_ids)
-        entry.admin = command.admin
+        entry.admin, entry.attach = command.admin, command.attach
     elif kind is CommandKind.EXPIRE_SESSIONS:
         entry.session_ids.extend(command.session_ids)
     elif kind in (CommandKind.RESET_PREFIX_CACHE, CommandKind.RETIRE_POOLS):
         entry.pool_ids.extend(command.pool_ids)
     elif kind is CommandKind.BARRIER:
         entry.resync = command.resync
+    elif kind in (CommandKind.FREEZE_POOL, CommandKind.THAW_POOL, CommandKind.DROP_POOL, CommandKind.IMPORT_POOL):
+        entry.pool_ids.append(command.pool_id)
+        if kind is CommandKind.FREEZE_POOL:
+            entry.shard_id = command.to_shard
+        elif kind is CommandKind.IMPORT_POOL:
+            entry.pool_export = command.export
     elif kind is CommandKind.INGEST_EVENTS:
         ingest = entry.ingest
         ingest.pool_id, ingest.registration, ingest.reset = command.pool_id, command.registration, command.reset
@@ -75,13 +85,22 @@ def decode(raw: bytes, hash_block_size: int) -> Command:
                                        entry.admin)
     if kind is CommandKind.OPEN_SESSION:
         return OpenSession(entry.session_id, entry.tenant, entry.client_name, entry.resume_session_id,
-                           entry.last_acked_sequence, list(entry.pool_ids), entry.admin)
+                           entry.last_acked_sequence, list(entry.pool_ids), entry.admin, entry.attach)
     if kind is CommandKind.EXPIRE_SESSIONS:
         return ExpireSessions(list(entry.session_ids))
     if kind is CommandKind.RESET_PREFIX_CACHE:
         return ResetPrefixCache(list(entry.pool_ids))
     if kind is CommandKind.RETIRE_POOLS:
         return RetirePools(list(entry.pool_ids))
+    if kind is CommandKind.FREEZE_POOL:
+        return FreezePool(entry.pool_ids[0], entry.shard_id)
+    if kind is CommandKind.THAW_POOL:
+        return ThawPool(entry.pool_ids[0])
+    if kind is CommandKind.DROP_POOL:
+        return DropPool(entry.pool_ids[0])
+    if kind is CommandKind.IMPORT_POOL:
+        from kvservice.store.snapshot import import_pool
+        return ImportPool(entry.pool_ids[0], entry.pool_export, import_pool)
     if kind is CommandKind.INGEST_EVENTS:
         ingest = entry.ingest
         return IngestEvents(ingest.pool_id, ingest.registration, list(zip(ingest.sequences, ingest.payloads)),

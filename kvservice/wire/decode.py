@@ -18,8 +18,20 @@ from kvservice.core import (
 )
 from kvservice.errors import InvalidArgument
 from kvservice.hashing import MultiModalItem
-from kvservice.ops import AddRequestOp, AdmitBatchOp, AllocateOp, DecodeBatchOp, ForkOp, FreeOp, Op
+from kvservice.ops import (
+    AddRequestOp,
+    AdmitBatchOp,
+    AllocateOp,
+    DecodeBatchOp,
+    ExternalSource,
+    ForkOp,
+    FreeOp,
+    Op,
+    PinOp,
+    UnpinOp,
+)
 from kvservice.wire.fields import (
+    Field,
     at_most,
     check_count,
     check_id,
@@ -29,6 +41,7 @@ from kvservice.wire.fields import (
     decode_counts,
     decode_hashes,
     decode_u32,
+    field_name,
     id_problem,
     invalid,
     name_problem,
@@ -124,8 +137,13 @@ def decode_ops(ops: Sequence[pb.Op], spec: PoolSpec, hash_block_size: int, field
             f = op.fork
             append(ForkOp(check_id((field, i, "fork", "parent_request_id"), f.parent_request_id),
                           check_id((field, i, "fork", "child_request_id"), f.child_request_id)))
+        elif kind == "pin":
+            append(decode_pin(op.pin, max_len, vocab, hash_block_size, f"{field}[{i}].pin"))
+        elif kind == "unpin":
+            append(UnpinOp(check_id((field, i, "unpin", "pin_id"), op.unpin.pin_id)))
         else:
-            raise InvalidArgument(f"{field}[{i}]", "{}", "set one of add, allocate, decode, admit, fork, free")
+            raise InvalidArgument(f"{field}[{i}]", "{}", "set one of add, allocate, decode, admit, fork, free, pin, "
+                                                         "unpin")
     return out
 
 
@@ -229,8 +247,35 @@ def decode_allocate(a: pb.AllocateOp, max_len: int, vocab: int, field: str, inde
         if num_append == 0 or num_append > max_len:
             raise invalid((field, index, "allocate", "num_append_tokens"), num_append,
                           f"must be in [1, {what}] when appending hashes")
+    external = None
+    if a.HasField("external_source"):
+        external = decode_external(a.external_source, max_len, (field, index, "allocate", "external_source"))
+        if not a.allow_transfer:
+            raise invalid((field, index, "allocate", "allow_transfer"), False,
+                          "an external_source needs allow_transfer")
     return AllocateOp(request_id, computed, budget, tokens, hashes, num_append, lookahead, a.delay_cache_blocks,
-                      a.allow_transfer)
+                      a.allow_transfer, external)
+
+
+def decode_external(e: pb.ExternalSource, max_len: int, field: Field) -> ExternalSource:
+    name = field_name(field)
+    pin_id = check_id(f"{name}.pin_id", e.pin_id)
+    src_pool = check_id(f"{name}.src_pool_id", e.src_pool_id)
+    if not e.src_block_ids:
+        raise InvalidArgument(f"{name}.src_block_ids", [], "name the pinned blocks")
+    check_count(f"{name}.src_block_ids", len(e.src_block_ids), MAX_MODEL_LEN)
+    if e.num_tokens == 0 or e.num_tokens > max_len:
+        raise InvalidArgument(f"{name}.num_tokens", e.num_tokens, f"must be in [1, max_model_len {max_len}]")
+    return ExternalSource(pin_id, src_pool, list(e.src_block_ids), e.num_tokens)
+
+
+def decode_pin(p: pb.PinOp, max_len: int, vocab: int, hash_block_size: int, field: str) -> PinOp:
+    """A pin op's prompt is checked by the add op's rules (the fields have the same names, but the id)."""
+    check_id(f"{field}.pin_id", p.pin_id)
+    as_add = pb.AddRequestOp(request_id=p.pin_id, token_ids=p.token_ids, block_hashes=p.block_hashes,
+                             num_tokens=p.num_tokens, cache_salt=p.cache_salt, lora_name=p.lora_name)
+    add = decode_add(as_add, max_len, vocab, hash_block_size, field)
+    return PinOp(add.request_id, add.token_ids, add.block_hashes, add.num_tokens, add.cache_salt, add.lora_name)
 
 
 def decode_batch(d: pb.DecodeBatchOp, max_len: int, vocab: int, field: str) -> DecodeBatchOp:
@@ -301,4 +346,5 @@ def open_session_command(request: pb.OpenSessionRequest, session_id: str, tenant
     name = check_name("client_name", request.client_name) or ""
     pool_ids = [check_id(f"resume_pool_ids[{i}]", p) for i, p in enumerate(request.resume_pool_ids)]
     resume = check_id("resume_session_id", request.resume_session_id) if request.resume_session_id else ""
-    return OpenSession(session_id, tenant, name, resume, request.last_acked_sequence, pool_ids, admin)
+    return OpenSession(session_id, tenant, name, resume, request.last_acked_sequence, pool_ids, admin,
+                       request.attach and bool(resume))

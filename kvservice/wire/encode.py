@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from kvservice._proto import allocator_pb2 as pb
 from kvservice.core import ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
-from kvservice.ops import AddRequestOp, AdmitBatchOp, AllocateOp, DecodeBatchOp, ForkOp, FreeOp, Op
+from kvservice.ops import AddRequestOp, AdmitBatchOp, AllocateOp, DecodeBatchOp, ForkOp, FreeOp, Op, PinOp, UnpinOp
 from kvservice.wire.fields import encode_u32
 
 
@@ -57,6 +57,16 @@ def encode_op(op: Op, msg: pb.Op) -> None:
             a.lora_names.extend(name or "" for name in op.lora_names)
     elif isinstance(op, FreeOp):
         msg.free.request_id = op.request_id
+    elif isinstance(op, PinOp):
+        p = msg.pin
+        p.pin_id = op.pin_id
+        if op.block_hashes is not None:
+            p.block_hashes, p.num_tokens = b"".join(op.block_hashes), op.num_tokens
+        else:
+            p.token_ids = encode_u32(op.token_ids or [])
+        p.cache_salt, p.lora_name = op.cache_salt or "", op.lora_name or ""
+    elif isinstance(op, UnpinOp):
+        msg.unpin.pin_id = op.pin_id
     elif isinstance(op, ForkOp):
         msg.fork.parent_request_id = op.parent_request_id
         msg.fork.child_request_id = op.child_request_id
@@ -76,6 +86,10 @@ def encode_allocate(op: AllocateOp, a: pb.AllocateOp) -> None:
     a.num_lookahead_tokens = op.num_lookahead_tokens
     a.delay_cache_blocks = op.delay_cache_blocks
     a.allow_transfer = op.allow_transfer
+    if op.external_source is not None:
+        e = op.external_source
+        a.external_source.CopyFrom(pb.ExternalSource(pin_id=e.pin_id, src_pool_id=e.src_pool_id,
+                                                     src_block_ids=e.src_block_ids, num_tokens=e.num_tokens))
 
 
 def encode_add(op: AddRequestOp, a: pb.AddRequestOp) -> None:

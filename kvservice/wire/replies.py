@@ -139,7 +139,8 @@ def decode_request_info(r: pb.RequestInfo) -> RequestInfo:
 def encode_lookup(r: LookupResult) -> pb.LookupResponse:
     out = pb.LookupResponse(best_pool_id=r.best_pool_id)
     for h in r.hits:
-        hit = out.hits.add(pool_id=h.pool_id, num_cached_tokens=h.num_cached_tokens, num_free_blocks=h.num_free_blocks)
+        hit = out.hits.add(pool_id=h.pool_id, num_cached_tokens=h.num_cached_tokens, num_free_blocks=h.num_free_blocks,
+                           num_cached_blocks=h.num_cached_blocks)
         if h.external:
             hit.external = True
             for medium, n in h.tiers.items():
@@ -148,7 +149,7 @@ def encode_lookup(r: LookupResult) -> pb.LookupResponse:
 
 
 def decode_lookup(r: pb.LookupResponse) -> LookupResult:
-    return LookupResult([PoolHit(h.pool_id, h.num_cached_tokens, h.num_free_blocks, h.external,
+    return LookupResult([PoolHit(h.pool_id, h.num_cached_tokens, h.num_free_blocks, h.num_cached_blocks, h.external,
                                  {t.medium: t.num_cached_tokens for t in h.tiers}) for h in r.hits], r.best_pool_id)
 
 

@@ -9,7 +9,9 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from kvservice.errors import Code, InvalidArgument, KVServiceError, error_for
+from kvservice.errors import Code, InvalidArgument, KVServiceError, Moved, error_for
+
+MOVED_REASON, DOMAIN = "POOL_MOVED", "kvservice"
 
 _TO_GRPC = {code: getattr(grpc.StatusCode, code.name) for code in Code}
 _FROM_GRPC = {v: k for k, v in _TO_GRPC.items()}
@@ -26,12 +28,26 @@ def domain_code(code: grpc.StatusCode) -> Code:
 def rich_status(exc: KVServiceError) -> grpc.Status:
     """The error as a gRPC status carrying `google.rpc.Status` details (a BadRequest for InvalidArgument)."""
     status = status_pb2.Status(code=getattr(code_pb2, exc.code.name, code_pb2.UNKNOWN), message=exc.message)
+    detail = None
     if isinstance(exc, InvalidArgument):
-        detail = any_pb2.Any()
-        detail.Pack(error_details_pb2.BadRequest(field_violations=[
-            error_details_pb2.BadRequest.FieldViolation(field=exc.field, description=exc.description)]))
-        status.details.append(detail)
+        detail = error_details_pb2.BadRequest(field_violations=[
+            error_details_pb2.BadRequest.FieldViolation(field=exc.field, description=exc.description)])
+    elif isinstance(exc, Moved):
+        detail = error_details_pb2.ErrorInfo(reason=MOVED_REASON, domain=DOMAIN, metadata={
+            "pool_id": exc.pool_id, "shard_id": exc.shard_id, "address": exc.address})
+    if detail is not None:
+        packed = any_pb2.Any()
+        packed.Pack(detail)
+        status.details.append(packed)
     return rpc_status.to_status(status)
+
+
+def _details(err: grpc.RpcError) -> list:
+    try:
+        status = rpc_status.from_call(err) if hasattr(err, "trailing_metadata") else None
+    except ValueError:  # a status detail that disagrees with the call's code: ignore the details
+        return []
+    return list(status.details) if status is not None else []
 
 
 def from_rpc_error(err: grpc.RpcError) -> KVServiceError:
@@ -40,11 +56,16 @@ def from_rpc_error(err: grpc.RpcError) -> KVServiceError:
     details = (err.details() if hasattr(err, "details") else str(err)) or ""
     if code is Code.INVALID_ARGUMENT:
         field, description = details.split(" = ", 1)[0], ""
-        status = rpc_status.from_call(err) if hasattr(err, "trailing_metadata") else None
-        for detail in status.details if status is not None else ():
+        for detail in _details(err):
             bad = error_details_pb2.BadRequest()
             if detail.Unpack(bad) and bad.field_violations:
                 field, description = bad.field_violations[0].field, bad.field_violations[0].description
                 break
         return InvalidArgument.from_details(details, field, description)
+    if code is Code.FAILED_PRECONDITION:
+        for detail in _details(err):
+            info = error_details_pb2.ErrorInfo()
+            if detail.Unpack(info) and info.reason == MOVED_REASON:
+                m = info.metadata
+                return Moved(m.get("pool_id", ""), m.get("shard_id", ""), m.get("address", ""), details)
     return error_for(code, details)

@@ -20,6 +20,7 @@ from worker.deploy.names import (  # noqa: E402
     group_name,
     named_actors,
     rank_name,
+    shard_actor_name,
 )
 from worker.deploy.placement import Deployment, deploy, ensure_allocator, ensure_pools, existing_pools, teardown  # noqa: E402
 from worker.deploy.router import Route, Router  # noqa: E402
@@ -27,5 +28,5 @@ from worker.deploy.router import Route, Router  # noqa: E402
 __all__ = [
     "ALLOCATOR_NAME", "NAMESPACE", "AllocatorActor", "DeployConfig", "Deployment", "EngineActor", "NamedPeers",
     "PoolWorkers", "Route", "Router", "deploy", "engine_name", "ensure_allocator", "ensure_pools", "existing_pools",
-    "group_name", "main", "named_actors", "parse_args", "rank_name", "smoke", "teardown",
+    "group_name", "main", "named_actors", "parse_args", "rank_name", "shard_actor_name", "smoke", "teardown",
 ]

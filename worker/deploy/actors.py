@@ -30,8 +30,34 @@ SESSION_IDLE_S = 10.0
 class AllocatorActor:
     """Runs `kvservice serve ARGS` on its node (wrapped by `ray.remote` in `ensure_allocator`)."""
 
-    def __init__(self, serve_args: list[str], timeout_s: float = 120.0) -> None:
+    def __init__(self, serve_args: list[str], timeout_s: float = 120.0, advertise: bool = False,
+                 token: str | None = None, data_subdir: str = "") -> None:
+        """`advertise`: a shard (or a standby): it listens on a port picked here and writes this node's
+        address into the shard map. After Ray restarted the actor (its server died) it comes back as a
+        standby: the standby that took over meanwhile leads, and must not be fenced by the restart.
+        `token`: the deployment's one token (every shard takes the same), written into a token file here.
+        `data_subdir`: this server's own directory under --data-dir (several may share a node)."""
+        import ray
         args = [os.path.expanduser(a) for a in serve_args]  # paths are the head node's
+        if data_subdir and "--data-dir" in args:
+            i = args.index("--data-dir") + 1
+            args[i] = str(Path(args[i]) / data_subdir)
+        if token is not None and "--token-file" not in args:
+            path = Path(args[args.index("--data-dir") + 1]) / TOKEN_NAME
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(f"{token} kvservice admin\n")
+            args += ["--token-file", str(path)]
+        host = args[args.index("--host") + 1] if "--host" in args else "127.0.0.1"
+        # Bound to every interface: the node's address reaches it from every node; else the bound one.
+        self.ip = ray.util.get_node_ip_address() if host in ("0.0.0.0", "::", "[::]") else host
+        if advertise:
+            port = free_port()
+            args[args.index("--port") + 1] = str(port)
+            args += ["--advertise", f"{self.ip}:{port}"]
+            if ray.get_runtime_context().was_current_actor_reconstructed and "--standby" not in args:
+                args.append("--standby")
         if "--data-dir" in args:
             Path(args[args.index("--data-dir") + 1]).mkdir(parents=True, exist_ok=True)
         # Started from the actor's main thread: the parent-death signal follows the thread that forked.
@@ -40,10 +66,6 @@ class AllocatorActor:
         except (RuntimeError, TimeoutError) as exc:
             raise RuntimeError(f"`kvservice serve {' '.join(args)}` did not start ({exc}); its log is in this "
                                f"actor's Ray worker stderr") from exc
-        import ray
-        host = args[args.index("--host") + 1] if "--host" in args else "127.0.0.1"
-        # Bound to every interface: the node's address reaches it from every node; else the bound one.
-        self.ip = ray.util.get_node_ip_address() if host in ("0.0.0.0", "::", "[::]") else host
 
     def target(self) -> str:
         """host:port that every node of the cluster can reach."""

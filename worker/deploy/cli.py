@@ -86,6 +86,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, DeployConfig
     parser.add_argument("--insecure", action="store_true", help="beyond loopback: auth off instead (anyone who "
                         "reaches the head node can free every engine's blocks)")
     parser.add_argument("--port", type=int, default=d.port, help="allocator gRPC port on the head node")
+    parser.add_argument("--allocator-shards", type=int, default=1, metavar="N",
+                        help="N allocator shards (detached actors spread over the nodes; pools spread over the "
+                             "shards); needs --redis-url")
+    parser.add_argument("--standbys", action="store_true",
+                        help="a hot standby beside each allocator shard, on another node; needs --redis-url")
     parser.add_argument("--data-dir", default=d.data_dir, help="allocator's embedded Redis data on the head node")
     parser.add_argument("--redis-url", help="use this Redis instead of the embedded one")
     parser.add_argument("--no-persistence", action="store_true", help="allocator memory-only")
@@ -104,7 +109,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, DeployConfig
                        host=args.host or ("127.0.0.1" if args.local else d.host), insecure=args.insecure,
                        port=args.port, data_dir=args.data_dir, redis_url=args.redis_url,
                        no_persistence=args.no_persistence, token_file=args.token_file, token=args.token,
-                       allocator=args.allocator, detached=args.detached, timeout_s=args.timeout)
+                       allocator=args.allocator, allocator_shards=args.allocator_shards, standbys=args.standbys,
+                       detached=args.detached, timeout_s=args.timeout)
     return args, cfg
 
 

@@ -29,8 +29,13 @@ class DeployConfig:
     token_file: str | None = None  # on the head node; turns auth on
     token: str | None = None  # what the engines and the router send
     allocator: str | None = None  # an allocator running elsewhere (host:port): start none
+    allocator_shards: int = 1  # > 1: that many allocator shards (needs redis_url), spread over nodes
+    standbys: bool = False  # a hot standby beside each allocator (or shard), on another node (needs redis_url)
     detached: bool = False  # pools outlive this driver
     timeout_s: float = 600.0  # for the pools' placement groups (an autoscaler may have to add nodes first)
+
+    def shard_ids(self) -> list[str]:
+        return [f"s{i}" for i in range(self.allocator_shards)] if self.allocator_shards > 1 else []
 
     def serve_args(self) -> list[str]:
         # The data dir also holds the token the allocator generates when no --token-file is given (it

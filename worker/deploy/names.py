@@ -14,6 +14,17 @@ HEAD_RESOURCE = "node:__internal_head__"
 _ENGINE_NAME = re.compile(r"^kvservice-pool-(.+)-engine$")
 
 
+ALLOCATORS_GROUP = "kvservice-allocators"  # the placement group spreading shards (and standbys) over nodes
+
+
+def shard_actor_name(shard_id: str, standby: bool = False) -> str:
+    return f"{ALLOCATOR_NAME}-{shard_id}" + ("-standby" if standby else "")
+
+
+def is_allocator(actor_name: str) -> bool:
+    return actor_name == ALLOCATOR_NAME or actor_name.startswith(ALLOCATOR_NAME + "-")
+
+
 def rank_name(pool_id: str, rank: int) -> str:
     return f"kvservice-pool-{pool_id}-rank-{rank}"
 

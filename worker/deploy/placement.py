@@ -7,25 +7,30 @@ STRICT_PACK placement group) with pools spread over nodes, and the engines besid
 
 from __future__ import annotations
 
+import secrets
 import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 from kvservice.client import KVServiceClient
+from kvservice.server.startup import is_loopback
 from worker.actor import PoolLayout
 from worker.deploy.actors import AllocatorActor, EngineActor
 from worker.deploy.config import DeployConfig
 from worker.deploy.names import (
     ALLOCATOR_NAME,
+    ALLOCATORS_GROUP,
     HEAD_RESOURCE,
     NAMESPACE,
     engine_name,
     engine_pool_id,
     group_name,
+    is_allocator,
     named_actors,
     pool_index,
     rank_name,
+    shard_actor_name,
 )
 from worker.deploy.router import Router
 from worker.engine import EngineConfig
@@ -60,14 +65,79 @@ def deploy(cfg: DeployConfig) -> Deployment:
 
 
 def ensure_allocator(cfg: DeployConfig) -> tuple[object | None, str]:
-    """The allocator actor (reused when one is up) and its target; (None, target) for an external one."""
+    """The allocator actor (reused when one is up) and its target; (None, target) for an external one. With
+    shards or standbys: the first shard's actor, and every leader's (then standby's) address, comma-separated
+    (what the clients take: they find each pool's shard in the shard map)."""
     import ray
     if cfg.allocator:
         return None, cfg.allocator
-    actor = ray.remote(AllocatorActor).options(
-        name=ALLOCATOR_NAME, namespace=NAMESPACE, get_if_exists=True, lifetime="detached", num_cpus=0,
-        resources={HEAD_RESOURCE: 0.001}, max_restarts=3).remote(cfg.serve_args())
-    return actor, ray.get(actor.target.remote())
+    if cfg.allocator_shards <= 1 and not cfg.standbys:
+        actor = ray.remote(AllocatorActor).options(
+            name=ALLOCATOR_NAME, namespace=NAMESPACE, get_if_exists=True, lifetime="detached", num_cpus=0,
+            resources={HEAD_RESOURCE: 0.001}, max_restarts=3).remote(cfg.serve_args())
+        return actor, ray.get(actor.target.remote())
+    return _ensure_shards(cfg)
+
+
+def _ensure_shards(cfg: DeployConfig) -> tuple[object, str]:
+    """Each shard (and its standby) a detached actor running `kvservice serve --shard ...`, spread over the
+    nodes by one placement group; Ray restarts a dead one (it comes back as a standby)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    if not cfg.redis_url:
+        raise RuntimeError("--allocator-shards and --standbys need --redis-url: the shards and standbys share one "
+                           "Redis (or a Redis Cluster, rediscluster://host:port) that every node reaches")
+    shards = cfg.shard_ids() or [""]
+    roles = [(s, False) for s in shards] + ([(s, True) for s in shards] if cfg.standbys else [])
+    pg = _named_group(ALLOCATORS_GROUP, [{"CPU": 0.01}] * len(roles), "SPREAD", cfg)
+    nodes = ray.util.placement_group_table(pg)["bundles_to_node_id"]
+    bundles = assign_bundles(roles, {int(b): n for b, n in nodes.items()})
+    if not cfg.token_file and not cfg.insecure and not is_loopback(cfg.host):
+        cfg.token = cfg.token or secrets.token_urlsafe(32)  # one token for every shard (and the clients)
+    actors = []
+    for (shard, standby), bundle in zip(roles, bundles):
+        name = shard_actor_name(shard or "main", standby)
+        args = cfg.serve_args() + (["--shard", shard] if shard else []) + (["--standby"] if standby else [])
+        actors.append(ray.remote(AllocatorActor).options(
+            name=name, namespace=NAMESPACE, get_if_exists=True, lifetime="detached", num_cpus=0, max_restarts=-1,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
+        ).remote(args, advertise=True, token=None if cfg.token_file else cfg.token, data_subdir=name))
+    targets = ray.get([a.target.remote() for a in actors])
+    return actors[0], ",".join(targets)
+
+
+def assign_bundles(roles: list[tuple[str, bool]], bundle_nodes: dict[int, str]) -> list[int]:
+    """A bundle per (shard, standby?) role: leaders on as many nodes as there are, each standby on a node
+    other than its leader's where one has room."""
+    free: dict[str, list[int]] = {}
+    for bundle, node in sorted(bundle_nodes.items()):
+        free.setdefault(node, []).append(bundle)
+    nodes = sorted(free)
+    leader_node: dict[str, str] = {}
+    out = []
+    for i, (shard, standby) in enumerate(roles):
+        if not standby:
+            candidates = nodes[i % len(nodes):] + nodes[:i % len(nodes)]
+        else:
+            candidates = sorted((n for n in nodes if n != leader_node.get(shard)), key=lambda n: -len(free[n]))
+            candidates += [leader_node.get(shard, nodes[0])]
+        node = next(n for n in candidates + nodes if free.get(n))
+        out.append(free[node].pop(0))
+        if not standby:
+            leader_node[shard] = node
+    return out
+
+
+def _named_group(name: str, bundles: list[dict], strategy: str, cfg: DeployConfig):
+    """The detached placement group `name`, reused when it exists."""
+    import ray
+    for info in ray.util.placement_group_table().values():
+        if info["name"] == name and info["state"] != "REMOVED":
+            return ray.util.get_placement_group(name)
+    pg = ray.util.placement_group(bundles, strategy=strategy, name=name, lifetime="detached")
+    if not pg.wait(cfg.timeout_s):
+        raise RuntimeError(f"no room for the placement group {name!r} within {cfg.timeout_s:.0f} s")
+    return pg
 
 
 def existing_pools() -> dict[str, object]:
@@ -190,20 +260,20 @@ def teardown(timeout_s: float = 30.0) -> list[str]:
     """Kills every kvservice actor (engines and ranks first, the allocator last, after stopping its server)
     and removes the pools' placement groups. Returns the names killed."""
     import ray
-    names = sorted(named_actors(), key=lambda n: n == ALLOCATOR_NAME)
+    names = sorted(named_actors(), key=is_allocator)
     for name in names:
         try:
             actor = ray.get_actor(name, namespace=NAMESPACE)
         except ValueError:
             continue  # already gone
-        if name == ALLOCATOR_NAME:
+        if is_allocator(name):
             try:
                 ray.get(actor.stop.remote(), timeout=timeout_s)
             except Exception as exc:  # noqa: BLE001 - a dead allocator is killed all the same
                 print(f"  allocator did not stop cleanly ({exc!r}); killing it", file=sys.stderr)
         ray.kill(actor, no_restart=True)
     for info in ray.util.placement_group_table().values():
-        if info["name"].startswith("kvservice-pool-") and info["state"] != "REMOVED":
+        if info["name"].startswith(("kvservice-pool-", ALLOCATORS_GROUP)) and info["state"] != "REMOVED":
             ray.util.remove_placement_group(ray.util.get_placement_group(info["name"]))
     deadline = time.monotonic() + timeout_s  # names are released asynchronously
     while time.monotonic() < deadline and set(names) & set(named_actors()):

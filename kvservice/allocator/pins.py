@@ -1,0 +1,83 @@
+"""Pins: a prompt's cached prefix held in a pool for a cross-shard transfer (its source side). The pool and
+the destination are on different shards, so the two-phase protocol runs through the client: PinOp here
+(the blocks can be neither evicted nor reallocated), an admission with that external source on the
+destination's shard (a transfer order), the copy, CommitTransfer there, UnpinOp here. A pin belongs to its
+session: when the session's lease lapses it is released, so a client that dies mid-way frees everything."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvservice.allocator.keys import SEP, namespace, request_key
+from kvservice.allocator.pools import Pool
+from kvservice.allocator.sessions import Session
+from kvservice.allocator.state import AllocatorState
+from kvservice.allocator.transfers import transferable
+from kvservice.core import KVCacheBlocks, Request
+from kvservice.ops import OpResult, OpStatus, PinOp, UnpinOp
+
+
+@dataclass(slots=True)
+class Pin:
+    key: str  # the tenant-namespaced pin id
+    session_id: str
+    block_ids: list[int]
+    num_tokens: int
+
+    @property
+    def holder(self) -> str:
+        """The manager's holder table for the pinned blocks."""
+        return f"{SEP}pin{SEP}{self.key}"
+
+
+class PinBook:
+    def __init__(self, state: AllocatorState) -> None:
+        self.state = state
+
+    def pin(self, pool: Pool, session: Session, op: PinOp) -> OpResult:
+        key = request_key(session.tenant, op.pin_id)
+        if key in pool.pins:
+            return OpResult(op.pin_id, OpStatus.ALREADY_EXISTS, f"pin {op.pin_id!r} already exists in pool "
+                                                                f"{pool.pool_id!r}")
+        if not transferable(pool):
+            return OpResult(op.pin_id, OpStatus.FAILED_PRECONDITION,
+                            f"pool {pool.pool_id!r} exchanges no blocks (one full-attention group, prefix "
+                            f"caching on and a kv_layout declared are needed)")
+        ns = namespace(session.tenant)
+        if op.block_hashes is not None:
+            req = Request.from_block_hashes(key, op.block_hashes, op.num_tokens, pool.hash_block_size,
+                                            lora_name=op.lora_name, namespace=ns)
+        else:
+            req = Request(key, op.token_ids, pool.hash_block_size, op.cache_salt, op.lora_name,
+                          self.state.settings.hash_seed, namespace=ns)
+        found, hit = pool.manager.coordinator.find_longest_cache_hit(req.block_hashes, req.num_tokens - 1)
+        if not hit:
+            return OpResult(op.pin_id, num_computed_tokens=0)  # nothing cached: nothing to pin
+        pin = Pin(key, session.session_id, [b.block_id for b in found[0]], hit)
+        pool.manager.hold(pin.holder, KVCacheBlocks(found))
+        pool.pins[key] = pin
+        return OpResult(op.pin_id, new_block_ids=(list(pin.block_ids),), num_computed_tokens=hit)
+
+    def unpin(self, pool: Pool, session: Session, op: UnpinOp) -> OpResult:
+        key = request_key(session.tenant, op.pin_id)
+        pin = pool.pins.get(key)
+        if pin is None:
+            return OpResult(op.pin_id, OpStatus.NOT_FOUND, f"no pin {op.pin_id!r} in pool {pool.pool_id!r}")
+        self.release(pool, pin)
+        return OpResult(op.pin_id)
+
+    @staticmethod
+    def release(pool: Pool, pin: Pin) -> None:
+        del pool.pins[pin.key]
+        pool.manager.release(pin.holder)
+
+
+
+def release_session_pins(state: AllocatorState, session_id: str) -> None:
+    """The session's lease lapsed: every pin it holds goes."""
+    for pool in state.pools.values():
+        pins = [p for p in pool.pins.values() if p.session_id == session_id]
+        for pin in pins:
+            PinBook.release(pool, pin)
+        if pins:
+            state.drain(pool)

@@ -1,0 +1,123 @@
+"""Which connection a call goes to: one per shard of a sharded allocator (one in all for an unsharded one).
+
+A client has one session id; each shard knows it under that id (the first shard opens it, the others
+attach), and each keeps its own sequence numbers: a `Conn` carries a shard's channel, stub and sequence
+state. The shard map (GetShardMap) says which shard serves a pool; a redirect (`errors.Moved`) or a
+failover (a shard's leader moved) updates it. No I/O here: the sync and asyncio clients do the calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvservice._proto import allocator_pb2 as pb
+from kvservice._proto import allocator_pb2_grpc as pb_grpc
+from kvservice.wire.framing import serialize_step
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Allocator"].full_name
+
+
+def make_stub(channel) -> pb_grpc.AllocatorStub:
+    stub = pb_grpc.AllocatorStub(channel)
+    # Step with the op-by-op serializer (see serialize_step): the same bytes, faster for big steps.
+    stub.Step = channel.unary_unary(f"/{SERVICE_NAME}/Step", request_serializer=serialize_step,
+                                    response_deserializer=pb.StepResponse.FromString)
+    return stub
+
+
+@dataclass(slots=True)
+class Conn:
+    """One shard (or the only allocator) as this client sees it."""
+
+    shard_id: str
+    address: str
+    channel: Any
+    stub: pb_grpc.AllocatorStub
+    attached: bool = False  # the session is open (or attached) here
+    stale: bool = False  # the shard's leader changed (failover): resume before the next mutation
+    next_sequence: int = 1
+    # A mutation sent but never acknowledged (the reply was lost): its sequence survives a resume, so
+    # sending it again gets the stored reply instead of applying it twice.
+    unacked_sequence: int = 0
+
+
+@dataclass(slots=True)
+class Shards:
+    make_channel: Callable[[str], Any]
+    seed: Conn
+    sharded: bool = False
+    known: bool = False  # the map was read once
+    version: int = 0
+    conns: dict[str, Conn] = field(default_factory=dict)  # shard id -> connection
+    pools: dict[str, str] = field(default_factory=dict)  # pool id -> shard id
+    alternates: list[str] = field(default_factory=list)  # more addresses of an unsharded allocator (standbys)
+
+    @classmethod
+    def start(cls, target: str, make_channel: Callable[[str], Any]) -> Shards:
+        """`target`: an address, or several comma-separated (a leader and its standbys; any shard)."""
+        addresses = [a.strip() for a in target.split(",") if a.strip()]
+        channel = make_channel(addresses[0])
+        return cls(make_channel, Conn("", addresses[0], channel, make_stub(channel)), alternates=addresses[1:])
+
+    def rotate(self, conn: Conn) -> Any:
+        """An unsharded allocator's next address (its standby may lead now); returns the retired channel."""
+        self.alternates.append(conn.address)
+        retired = conn.channel
+        conn.address = self.alternates.pop(0)
+        conn.channel = self.make_channel(conn.address)
+        conn.stub, conn.stale = make_stub(conn.channel), conn.attached
+        return retired
+
+    def conn_for(self, pool_id: str | None) -> Conn:
+        if not self.sharded or pool_id is None:
+            return self.seed
+        shard = self.pools.get(pool_id)
+        return self.conns.get(shard, self.seed) if shard is not None else self.seed
+
+    def all(self) -> list[Conn]:
+        return list(self.conns.values()) if self.sharded else [self.seed]
+
+    def adopt(self, reply: pb.ShardMapResponse) -> list[Any]:
+        """Takes a GetShardMap reply; returns the channels it retired (to be closed by the caller)."""
+        self.known = True
+        if not reply.sharded:
+            self.sharded = False
+            return []
+        if self.sharded and reply.version < self.version:
+            return []  # an older map than the one in hand
+        self.sharded, self.version = True, reply.version
+        if not self.seed.shard_id:
+            self.seed.shard_id = reply.shard_id
+            self.conns[reply.shard_id] = self.seed
+        retired = []
+        for info in reply.shards:
+            conn = self.conns.get(info.shard_id)
+            if conn is None:
+                channel = self.make_channel(info.address)
+                self.conns[info.shard_id] = Conn(info.shard_id, info.address, channel, make_stub(channel))
+            elif conn.address != info.address:  # a failover: the shard's new leader
+                retired.append(conn.channel)
+                conn.address, conn.channel = info.address, self.make_channel(info.address)
+                conn.stub = make_stub(conn.channel)
+                conn.stale = conn.attached
+        self.pools = dict(reply.pools)
+        return retired
+
+    def moved(self, pool_id: str, shard_id: str, address: str) -> list[Any]:
+        """A redirect: `pool_id` is served by `shard_id` at `address`."""
+        self.pools[pool_id] = shard_id
+        conn = self.conns.get(shard_id)
+        if conn is None:
+            channel = self.make_channel(address)
+            self.conns[shard_id] = Conn(shard_id, address, channel, make_stub(channel))
+        elif conn.address != address:
+            retired = [conn.channel]
+            conn.address, conn.channel = address, self.make_channel(address)
+            conn.stub, conn.stale = make_stub(conn.channel), conn.attached
+            return retired
+        return []
+
+    def channels(self) -> list[Any]:
+        return [c.channel for c in self.all()]

@@ -1,0 +1,114 @@
+"""The shard map: which shard serves which pool, and where each shard's leader listens. It lives in Redis
+(one hash under the deployment's namespace, `{NS}:shards`) and every shard serves it (GetShardMap).
+
+    s:<shard id>  ->  "<epoch> <address>"      the shard's leader (written when it takes leadership)
+    p:<pool id>   ->  "<shard id> <tenant>"    set once when the pool is first registered; moved by rebalance
+    v             ->  version, incremented by every change
+
+A pool's assignment is decided by whoever registers it first (HSETNX: two shards can never both claim it).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from kvservice.store.redis_store import connect, hash_tagged
+
+ANNOUNCE = """
+local current = redis.call('HGET', KEYS[1], 's:' .. ARGV[1])
+if current then
+  local epoch = tonumber(string.match(current, '^(%d+)'))
+  if epoch > tonumber(ARGV[2]) then return 0 end
+end
+redis.call('HSET', KEYS[1], 's:' .. ARGV[1], ARGV[2] .. ' ' .. ARGV[3])
+redis.call('HINCRBY', KEYS[1], 'v', 1)
+return 1
+"""
+ASSIGN = """
+if redis.call('HSETNX', KEYS[1], 'p:' .. ARGV[1], ARGV[2] .. ' ' .. ARGV[3]) == 1 then
+  redis.call('HINCRBY', KEYS[1], 'v', 1)
+end
+return redis.call('HGET', KEYS[1], 'p:' .. ARGV[1])
+"""
+MOVE = """
+local current = redis.call('HGET', KEYS[1], 'p:' .. ARGV[1])
+if not current or string.match(current, '^(%S+)') ~= ARGV[2] then return 0 end
+redis.call('HSET', KEYS[1], 'p:' .. ARGV[1], ARGV[3] .. ' ' .. string.match(current, '^%S+ ?(.*)$'))
+redis.call('HINCRBY', KEYS[1], 'v', 1)
+return 1
+"""
+
+
+@dataclass(slots=True)
+class ShardInfo:
+    shard_id: str
+    address: str
+    epoch: int
+
+
+@dataclass(slots=True)
+class ShardMap:
+    version: int = 0
+    shards: dict[str, ShardInfo] = field(default_factory=dict)
+    pools: dict[str, tuple[str, str]] = field(default_factory=dict)  # pool id -> (shard id, owner tenant)
+
+    def shard_of(self, pool_id: str) -> str | None:
+        entry = self.pools.get(pool_id)
+        return entry[0] if entry is not None else None
+
+    def pool_counts(self) -> Counter:
+        return Counter(shard for shard, _ in self.pools.values())
+
+    def least_loaded(self) -> str:
+        """The shard with the fewest pools (ties: the smallest id)."""
+        counts = self.pool_counts()
+        return min(self.shards, key=lambda s: (counts[s], s))
+
+
+class ShardMapStore:
+    def __init__(self, url: str, namespace: str, socket_timeout_s: float = 2.0) -> None:
+        self.key = f"{hash_tagged(namespace)}:shards"
+        self.redis = connect(url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s)
+        self._announce = self.redis.register_script(ANNOUNCE)
+        self._assign = self.redis.register_script(ASSIGN)
+        self._move = self.redis.register_script(MOVE)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def load(self) -> ShardMap:
+        raw = await self.redis.hgetall(self.key)
+        out = ShardMap(int(raw.pop(b"v", 0)))
+        for k, v in raw.items():
+            kind, _, name = k.decode().partition(":")
+            value = v.decode()
+            if kind == "s":
+                epoch, _, address = value.partition(" ")
+                out.shards[name] = ShardInfo(name, address, int(epoch))
+            elif kind == "p":
+                shard, _, tenant = value.partition(" ")
+                out.pools[name] = (shard, tenant)
+        return out
+
+    async def announce(self, shard_id: str, address: str, epoch: int) -> bool:
+        """Records `address` as the shard's leader (unless a newer epoch already did)."""
+        return bool(await self._announce(keys=[self.key], args=[shard_id, epoch, address]))
+
+    async def assign(self, pool_id: str, shard_id: str, tenant: str) -> str:
+        """Assigns an unassigned pool to `shard_id`; returns the shard that serves it (maybe another)."""
+        current = await self._assign(keys=[self.key], args=[pool_id, shard_id, tenant])
+        return current.decode().partition(" ")[0]
+
+    async def move(self, pool_id: str, from_shard: str, to_shard: str) -> bool:
+        """Reassigns the pool, only if `from_shard` serves it."""
+        return bool(await self._move(keys=[self.key], args=[pool_id, from_shard, to_shard]))
+
+    def handoff_key(self, pool_id: str) -> str:
+        """Where a moving pool's export waits for its destination."""
+        return f"{self.key}:handoff:{pool_id}"
+
+    async def forget_pools(self, pool_ids: list[str]) -> None:
+        if pool_ids:
+            await self.redis.hdel(self.key, *[f"p:{p}" for p in pool_ids])
+            await self.redis.hincrby(self.key, "v", 1)

@@ -1,0 +1,86 @@
+"""`kvservice deploy --allocator-shards 2 --standbys` on a two-node Ray cluster on this machine
+(ray.cluster_utils): shards and their standbys as detached actors spread over the nodes, pools spread over
+the shards, the router and engines finding each pool's shard from the map; a shard's actor killed: its
+standby takes over and Ray brings the actor back (as a standby)."""
+
+import random
+import time
+
+import pytest
+
+from tests.redis_helpers import RedisServer
+from tests.test_deploy import MODEL, assert_dense
+from worker import deploy
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    c.add_node(num_cpus=1)
+    try:
+        ray.init(address=c.address, namespace=deploy.NAMESPACE, log_to_driver=False, configure_logging=False)
+        c.wait_for_nodes()
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def up(cluster, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("shards")
+    redis = RedisServer(tmp / "redis")
+    redis.start()
+    cfg = deploy.DeployConfig(pools=2, num_blocks=32, block_size=16, max_model_len=256, max_num_batched_tokens=128,
+                              max_num_seqs=8, backend="torch", rank_cpus=0.25, host="127.0.0.1", port=0,
+                              data_dir=str(tmp / "data"), redis_url=redis.url, allocator_shards=2, standbys=True)
+    try:
+        yield deploy.deploy(cfg)
+    finally:
+        deploy.teardown()
+        redis.stop()
+
+
+def node_of(name: str) -> str:
+    return ray.get(ray.get_actor(name, namespace=deploy.NAMESPACE).where.remote())
+
+
+def test_shards_spread_over_nodes_and_pools_over_shards(up):
+    names = {s: deploy.shard_actor_name(s) for s in ("s0", "s1")}
+    assert node_of(names["s0"]) != node_of(names["s1"])
+    assert node_of(deploy.shard_actor_name("s0", standby=True)) != node_of(names["s0"])
+    from kvservice.client import KVServiceClient
+    with KVServiceClient(up.target) as c:
+        m = c.shard_map()
+    assert m.sharded and sorted(s.shard_id for s in m.shards) == ["s0", "s1"]
+    assert sorted(m.pools.values()) == ["s0", "s1"]  # one pool on each shard
+
+
+def test_router_and_engines_follow_the_map_and_a_dead_shard_fails_over(up):
+    rng = random.Random(3)
+    prompts = [[rng.randrange(MODEL.vocab_size) for _ in range(40)] for _ in range(4)]
+    router = up.router()
+    outputs = router.generate(prompts, max_tokens=4)
+    assert_dense(prompts, outputs, 4)
+    victim = ray.get_actor(deploy.shard_actor_name("s0"), namespace=deploy.NAMESPACE)
+    ray.kill(victim, no_restart=False)  # its server dies with it; Ray restarts the actor
+    time.sleep(1)
+    again = router.generate(prompts[:2], max_tokens=4)  # the standby of s0 serves its pools now
+    assert again == outputs[:2]
+    from kvservice.client import KVServiceClient
+    with KVServiceClient(up.target) as c:
+        s0 = next(s for s in c.shard_map().shards if s.shard_id == "s0")
+    assert s0.epoch >= 2
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # Ray brings the killed actor back, as a standby
+        try:
+            if ray.get(victim.health.remote(), timeout=10) == "NOT_SERVING":
+                break
+        except Exception:  # noqa: BLE001 - still restarting
+            pass
+        time.sleep(1)
+    else:
+        pytest.fail("Ray did not restart the killed shard actor as a standby")
