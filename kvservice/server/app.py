@@ -273,6 +273,7 @@ async def _serve_standby(config: ServerSettings, ready_line: bool) -> int:
         server.servicer.standby = ""
         server.journal.start()
         await server.set_serving(True)
+        await server.start_external()  # the old leader's external pools (and --vllm-events): subscribe now
         if server.servicer.sharding is not None:
             await server.servicer.sharding.announce(config.advertise or f"{advertised_host(config.host)}:{port}",
                                                     epoch)
