@@ -37,6 +37,7 @@ from kvservice.commands import (  # noqa: E402
     Step,
 )
 from kvservice.core import FullAttentionSpec, KVCacheConfig  # noqa: E402
+from kvservice.external.snapshot import encode_index, load_index  # noqa: E402
 from kvservice.external.spec import ExternalSpec  # noqa: E402
 from kvservice.ops import AddRequestOp, AllocateOp, FreeOp  # noqa: E402
 
@@ -220,9 +221,9 @@ def main() -> int:
     print("ingest done", flush=True)
 
     external = external_allocator(args.pools, 10 * args.blocks)
-    encoded = source.state.external.pools["vllm-0"].index.encode()
+    encoded = encode_index(source.state.external.pools["vllm-0"].index)
     for pool in external.state.external.pools.values():
-        pool.index.load(encoded)  # the same 100k-block index in every pool (one ingest, copied)
+        load_index(pool.index, encoded)  # the same 100k-block index in every pool (one ingest, copied)
     indexed = len(external.state.external.pools["vllm-0"].index)
     own = own_allocator(work, args.pools, work.num_blocks)
     probes = []

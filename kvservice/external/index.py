@@ -21,9 +21,8 @@ Everything is a pure function of the events applied, in order (the WAL replays t
 
 from __future__ import annotations
 
-from array import array
 from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import msgpack
 import xxhash
@@ -37,6 +36,11 @@ _BITS = 16
 _MASK = (1 << _BITS) - 1
 _SEALED = b"\xff"  # a tag DESIGN §4 never produces: blocks keyed with it never match a token Lookup
 _h128 = xxhash.xxh3_128_digest
+
+
+def tier_count(counts: int, tier: int) -> int:
+    """A node's number of copies in one tier (`counts` packs 16 bits per tier)."""
+    return (counts >> (tier * _BITS)) & _MASK
 
 
 class Node:
@@ -154,7 +158,7 @@ class ExternalIndex:
             self.counters.ignored_events += 1
             return
         if self.block_size is None:
-            self._learn_block_size(size)
+            self.learn_block_size(size)
         elif size != self.block_size:
             self.counters.ignored_events += 1
             return
@@ -211,7 +215,7 @@ class ExternalIndex:
                 self._delete(node)
 
     # ---- mechanism -----------------------------------------------------------------------------
-    def _learn_block_size(self, size: int) -> None:
+    def learn_block_size(self, size: int) -> None:
         self.block_size = size
         h = self.hash_block_size
         self.key_block_size = h if size % h == 0 else size
@@ -236,7 +240,7 @@ class ExternalIndex:
             if parent is not None:
                 parent.children += 1
             self.tier_blocks[tier] += 1
-            self._push_leaf(node)
+            self.push_leaf(node)
         else:
             if node.counts:
                 self.counters.duplicate_stores += 1
@@ -248,7 +252,7 @@ class ExternalIndex:
             if count < _MASK:  # saturates rather than carrying into the next tier
                 node.counts += inc
             if not node.children:
-                self._push_leaf(node)  # stored again: the most recently used leaf
+                self.push_leaf(node)  # stored again: the most recently used leaf
         if adopt and self.waiting:
             self._adopt(engine, node)
         return node
@@ -265,7 +269,7 @@ class ExternalIndex:
         if isinstance(node.engine, list) and engine in node.engine:
             node.engine.remove(engine)
 
-    def _push_leaf(self, node: Node) -> None:
+    def push_leaf(self, node: Node) -> None:
         node.queued += 1
         self.leaves.append(node)
 
@@ -283,7 +287,7 @@ class ExternalIndex:
             if parent.children:
                 return
             if parent.counts:
-                self._push_leaf(parent)
+                self.push_leaf(parent)
                 return
             node = parent  # a ghost that only its children kept
 
@@ -303,7 +307,7 @@ class ExternalIndex:
             return True
         return False
 
-    def _live_leaves(self) -> list[Node]:
+    def live_leaves(self) -> list[Node]:
         """The leaf queue's entries that count (each live leaf's last one), oldest first."""
         seen: set[int] = set()
         live: list[Node] = []
@@ -374,65 +378,11 @@ class ExternalIndex:
         leaf's last entry and each live orphan, in order. Eviction order is unchanged."""
         for node in self.leaves:
             node.queued = 0
-        live = self._live_leaves()
+        live = self.live_leaves()
         for node in live:
             node.queued = 1
         self.leaves = deque(live)
         self.orphan_queue = deque(o for o in self.orphan_queue if self.orphans.get(o.engine) is o)
-
-    # ---- snapshot --------------------------------------------------------------------------------
-    def encode(self) -> bytes:
-        """The whole index, canonical (equal indexes encode equal): nodes in index order with their parent's
-        position, the leaf queue's live entries, the orphans in queue order, the counters."""
-        position = {}
-        keys, parents, counts, engines = [], array("i"), array("Q"), []
-        for i, node in enumerate(self.by_key.values()):
-            position[id(node)] = i
-            keys.append(node.key)
-        for node in self.by_key.values():
-            parents.append(position[id(node.parent)] if node.parent is not None else -1)
-            counts.append(node.counts)
-            engines.append(node.engine)
-        leaves = [position[id(node)] for node in self._live_leaves()]
-        orphans = [[o.engine, o.parent, o.tokens, o.salt, o.lora, o.sealed, o.tier] for o in self.orphan_queue
-                   if self.orphans.get(o.engine) is o]
-        c = self.counters
-        body = [self.block_size, b"".join(keys), parents.tobytes(), counts.tobytes(), engines, leaves, orphans,
-                [getattr(c, f.name) for f in fields(c)]]
-        return msgpack.packb(body, use_bin_type=True)
-
-    def load(self, data: bytes) -> None:
-        block_size, keys, raw_parents, raw_counts, engines, leaves, orphans, counters = msgpack.unpackb(
-            data, raw=False, strict_map_key=False)
-        self._empty()
-        if block_size is not None:
-            self._learn_block_size(block_size)
-        parents, counts = array("i"), array("Q")
-        parents.frombytes(raw_parents)
-        counts.frombytes(raw_counts)
-        nodes = []
-        for i in range(len(counts)):
-            engine = engines[i]
-            node = Node(keys[16 * i:16 * (i + 1)], engine, None, counts[i])
-            nodes.append(node)
-            self.by_key[node.key] = node
-            for e in engine if isinstance(engine, list) else (engine,):
-                self.by_engine[e] = node
-            for t in range(len(TIERS)):
-                if (node.counts >> (t * _BITS)) & _MASK:
-                    self.tier_blocks[t] += 1
-        for node, p in zip(nodes, parents):
-            if p >= 0:
-                node.parent = nodes[p]
-                nodes[p].children += 1
-        for i in leaves:
-            self._push_leaf(nodes[i])
-        for engine, parent, tokens, salt, lora, sealed, tier in orphans:
-            orphan = Orphan(engine, parent, tokens, salt, lora, sealed, tier)
-            self.orphans[engine] = orphan
-            self.waiting.setdefault(parent, []).append(orphan)
-            self.orphan_queue.append(orphan)
-        self.counters = IndexCounters(*counters)
 
 
 def _split_extra(published, lora_name: str | None) -> tuple[str | None, bytes]:
