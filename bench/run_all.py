@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ["core_bench.py", "rpc_bench.py", "persist_bench.py", "engine_bench.py", "transfer_bench.py"]
+BENCHMARKS = ["core_bench.py", "rpc_bench.py", "persist_bench.py", "engine_bench.py", "transfer_bench.py",
+              "events_bench.py"]
 
 
 def main() -> int:

@@ -18,6 +18,7 @@ from enum import IntEnum
 import xxhash
 
 from kvservice.core import KVCacheConfig
+from kvservice.external.spec import ExternalSpec
 from kvservice.ops import Op
 
 
@@ -36,6 +37,10 @@ class CommandKind(IntEnum):
     THAW_POOL = 10
     DROP_POOL = 11
     IMPORT_POOL = 12
+    # External pools (kvservice.external), numbered apart from the core kinds above.
+    REGISTER_EXTERNAL_POOL = 20
+    REMOVE_EXTERNAL_POOL = 21
+    INGEST_EVENTS = 22
 
 
 class StepRpc(IntEnum):
@@ -210,6 +215,41 @@ class ImportPool:
     kind = CommandKind.IMPORT_POOL
 
 
+# ---- external pools (stock vLLM engines indexed from their KV events) ---------------------------------------
+@dataclass(slots=True)
+class RegisterExternalPool:
+    """Registers (or, with another spec, replaces) an external pool; the same spec again changes nothing.
+    Not sequenced: it is idempotent. `tenant` owns it."""
+
+    tenant: str
+    spec: ExternalSpec
+    admin: bool = True
+    kind = CommandKind.REGISTER_EXTERNAL_POOL
+
+
+@dataclass(slots=True)
+class RemoveExternalPool:
+    tenant: str
+    pool_id: str
+    admin: bool = True
+    kind = CommandKind.REMOVE_EXTERNAL_POOL
+
+
+@dataclass(slots=True)
+class IngestEvents:
+    """Batches of one external pool's event stream, in order, as published (sequence, msgpack payload);
+    `reset` (kvservice.external.pool.ResetKind) drops the index first. `registration` ties it to the
+    registration whose subscription read them (a stale subscription's ingest is a no-op)."""
+
+    pool_id: str
+    registration: int
+    frames: Sequence[tuple[int, bytes]]
+    reset: int = 0
+    kind = CommandKind.INGEST_EVENTS
+
+
+
 Command = (OpenSession | RegisterPool | Step | CommitTransfer | ExpireSessions | ResetPrefixCache | RetirePools
-           | Barrier | FreezePool | ThawPool | DropPool | ImportPool)
+           | Barrier | FreezePool | ThawPool | DropPool | ImportPool | RegisterExternalPool | RemoveExternalPool
+           | IngestEvents)
 Sequenced = RegisterPool | Step | CommitTransfer

@@ -34,6 +34,8 @@ class PoolHit:
     num_cached_tokens: int
     num_free_blocks: int
     num_cached_blocks: int = 0
+    external: bool = False  # an external pool (kvservice.external): num_cached_tokens is its GPU tier
+    tiers: dict[str, int] = field(default_factory=dict)  # an external pool: hit tokens per medium
 
 
 def best_pool(hits: list[PoolHit], first_block_hash: bytes | None) -> str:
@@ -108,6 +110,7 @@ class Stats:
     hash_block_size: int
     state_digest: str = ""
     leader_epoch: int = 0
+    external_pools: dict = field(default_factory=dict)  # pool id -> kvservice.external.wire.ExternalPoolStats
 
 
 @dataclass(slots=True)

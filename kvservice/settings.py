@@ -9,6 +9,7 @@ import argparse
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from kvservice.external.spec import FLAG_HELP as EXTERNAL_FLAG_HELP
 from kvservice.hashing import DEFAULT_HASH_BLOCK_SIZE, DEFAULT_HASH_SEED
 
 
@@ -106,6 +107,8 @@ class ServerSettings:
                               "process's memory", group="persistence", choices=["standby", "fork"])
     reset_state: bool = flag(False, "--reset-state", "delete the stored state in --redis-namespace and start "
                              "empty", group="persistence", action="store_true")
+    vllm_events: list[str] = flag([], "--vllm-events", EXTERNAL_FLAG_HELP, action="append",
+                                  metavar="POOL=tcp://HOST:PORT[,...]")
     shard_id: str = flag("", "--shard", "serve as shard ID of a sharded allocator: pools are spread over the "
                          "shards by a map in Redis (needs --redis-url, the same for every shard)", group="sharding")
     advertise: str = flag("", "--advertise", "HOST:PORT clients reach this shard at, written to the shard map "

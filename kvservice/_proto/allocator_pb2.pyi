@@ -511,16 +511,20 @@ class LookupRequest(_message.Message):
     def __init__(self, token_ids: _Optional[bytes] = ..., block_hashes: _Optional[bytes] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., pool_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class PoolHit(_message.Message):
-    __slots__ = ("pool_id", "num_cached_tokens", "num_free_blocks", "num_cached_blocks")
+    __slots__ = ("pool_id", "num_cached_tokens", "num_free_blocks", "num_cached_blocks", "external", "tiers")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EXTERNAL_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     num_cached_tokens: int
     num_free_blocks: int
     num_cached_blocks: int
-    def __init__(self, pool_id: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
+    external: bool
+    tiers: _containers.RepeatedCompositeFieldContainer[TierHit]
+    def __init__(self, pool_id: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., external: _Optional[bool] = ..., tiers: _Optional[_Iterable[_Union[TierHit, _Mapping]]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("hits", "best_pool_id")
@@ -621,7 +625,7 @@ class PoolStats(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., evictions: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., invariant_violation: _Optional[str] = ..., num_pending_transfers: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("pools", "num_sessions", "persistence", "event_sequence", "lease_expiries", "hash_fingerprint", "hash_block_size", "state_digest", "wal_entries_written", "wal_bytes_written", "snapshots_written", "last_snapshot_bytes", "wal_lag", "leader_epoch")
+    __slots__ = ("pools", "num_sessions", "persistence", "event_sequence", "lease_expiries", "hash_fingerprint", "hash_block_size", "state_digest", "wal_entries_written", "wal_bytes_written", "snapshots_written", "last_snapshot_bytes", "wal_lag", "leader_epoch", "external_pools")
     POOLS_FIELD_NUMBER: _ClassVar[int]
     NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     PERSISTENCE_FIELD_NUMBER: _ClassVar[int]
@@ -636,6 +640,7 @@ class GetStatsResponse(_message.Message):
     LAST_SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     WAL_LAG_FIELD_NUMBER: _ClassVar[int]
     LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    EXTERNAL_POOLS_FIELD_NUMBER: _ClassVar[int]
     pools: _containers.RepeatedCompositeFieldContainer[PoolStats]
     num_sessions: int
     persistence: str
@@ -650,7 +655,8 @@ class GetStatsResponse(_message.Message):
     last_snapshot_bytes: int
     wal_lag: int
     leader_epoch: int
-    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., num_sessions: _Optional[int] = ..., persistence: _Optional[str] = ..., event_sequence: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., hash_fingerprint: _Optional[str] = ..., hash_block_size: _Optional[int] = ..., state_digest: _Optional[str] = ..., wal_entries_written: _Optional[int] = ..., wal_bytes_written: _Optional[int] = ..., snapshots_written: _Optional[int] = ..., last_snapshot_bytes: _Optional[int] = ..., wal_lag: _Optional[int] = ..., leader_epoch: _Optional[int] = ...) -> None: ...
+    external_pools: _containers.RepeatedCompositeFieldContainer[ExternalPoolStats]
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., num_sessions: _Optional[int] = ..., persistence: _Optional[str] = ..., event_sequence: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., hash_fingerprint: _Optional[str] = ..., hash_block_size: _Optional[int] = ..., state_digest: _Optional[str] = ..., wal_entries_written: _Optional[int] = ..., wal_bytes_written: _Optional[int] = ..., snapshots_written: _Optional[int] = ..., last_snapshot_bytes: _Optional[int] = ..., wal_lag: _Optional[int] = ..., leader_epoch: _Optional[int] = ..., external_pools: _Optional[_Iterable[_Union[ExternalPoolStats, _Mapping]]] = ...) -> None: ...
 
 class ResetPrefixCacheRequest(_message.Message):
     __slots__ = ("session_id", "sequence", "pool_ids")
@@ -736,3 +742,131 @@ class MovePoolResponse(_message.Message):
     num_requests: int
     export_bytes: int
     def __init__(self, num_requests: _Optional[int] = ..., export_bytes: _Optional[int] = ...) -> None: ...
+
+class ExternalPoolSpec(_message.Message):
+    __slots__ = ("pool_id", "endpoint", "replay_endpoint", "block_size", "hash_algo", "hash_seed", "has_hash_seed", "bind", "topic", "max_blocks")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
+    HASH_SEED_FIELD_NUMBER: _ClassVar[int]
+    HAS_HASH_SEED_FIELD_NUMBER: _ClassVar[int]
+    BIND_FIELD_NUMBER: _ClassVar[int]
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    endpoint: str
+    replay_endpoint: str
+    block_size: int
+    hash_algo: str
+    hash_seed: str
+    has_hash_seed: bool
+    bind: bool
+    topic: str
+    max_blocks: int
+    def __init__(self, pool_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., replay_endpoint: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algo: _Optional[str] = ..., hash_seed: _Optional[str] = ..., has_hash_seed: _Optional[bool] = ..., bind: _Optional[bool] = ..., topic: _Optional[str] = ..., max_blocks: _Optional[int] = ...) -> None: ...
+
+class RegisterExternalPoolRequest(_message.Message):
+    __slots__ = ("spec",)
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    spec: ExternalPoolSpec
+    def __init__(self, spec: _Optional[_Union[ExternalPoolSpec, _Mapping]] = ...) -> None: ...
+
+class RegisterExternalPoolResponse(_message.Message):
+    __slots__ = ("pool_id", "registration", "new_registration")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_FIELD_NUMBER: _ClassVar[int]
+    NEW_REGISTRATION_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    registration: int
+    new_registration: bool
+    def __init__(self, pool_id: _Optional[str] = ..., registration: _Optional[int] = ..., new_registration: _Optional[bool] = ...) -> None: ...
+
+class RemoveExternalPoolRequest(_message.Message):
+    __slots__ = ("pool_id",)
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
+
+class RemoveExternalPoolResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TierHit(_message.Message):
+    __slots__ = ("medium", "num_cached_tokens")
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    medium: str
+    num_cached_tokens: int
+    def __init__(self, medium: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class TierBlocks(_message.Message):
+    __slots__ = ("medium", "num_blocks")
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    medium: str
+    num_blocks: int
+    def __init__(self, medium: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class ExternalPoolStats(_message.Message):
+    __slots__ = ("pool_id", "endpoint", "connected", "epoch", "last_sequence", "num_blocks", "max_blocks", "tiers", "block_size", "spec_status", "spec_message", "spec_blocks_checked", "batches", "stored_blocks", "removed_blocks", "evictions", "restarts", "resyncs", "gaps", "replays", "clears", "orphans", "orphans_adopted", "orphans_dropped", "unknown_removals", "duplicate_stores", "ignored_events", "decode_errors", "owner_tenant")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SPEC_STATUS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    SPEC_BLOCKS_CHECKED_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    RESYNCS_FIELD_NUMBER: _ClassVar[int]
+    GAPS_FIELD_NUMBER: _ClassVar[int]
+    REPLAYS_FIELD_NUMBER: _ClassVar[int]
+    CLEARS_FIELD_NUMBER: _ClassVar[int]
+    ORPHANS_FIELD_NUMBER: _ClassVar[int]
+    ORPHANS_ADOPTED_FIELD_NUMBER: _ClassVar[int]
+    ORPHANS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_REMOVALS_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_STORES_FIELD_NUMBER: _ClassVar[int]
+    IGNORED_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_TENANT_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    endpoint: str
+    connected: bool
+    epoch: int
+    last_sequence: int
+    num_blocks: int
+    max_blocks: int
+    tiers: _containers.RepeatedCompositeFieldContainer[TierBlocks]
+    block_size: int
+    spec_status: str
+    spec_message: str
+    spec_blocks_checked: int
+    batches: int
+    stored_blocks: int
+    removed_blocks: int
+    evictions: int
+    restarts: int
+    resyncs: int
+    gaps: int
+    replays: int
+    clears: int
+    orphans: int
+    orphans_adopted: int
+    orphans_dropped: int
+    unknown_removals: int
+    duplicate_stores: int
+    ignored_events: int
+    decode_errors: int
+    owner_tenant: str
+    def __init__(self, pool_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., connected: _Optional[bool] = ..., epoch: _Optional[int] = ..., last_sequence: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierBlocks, _Mapping]]] = ..., block_size: _Optional[int] = ..., spec_status: _Optional[str] = ..., spec_message: _Optional[str] = ..., spec_blocks_checked: _Optional[int] = ..., batches: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., removed_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., restarts: _Optional[int] = ..., resyncs: _Optional[int] = ..., gaps: _Optional[int] = ..., replays: _Optional[int] = ..., clears: _Optional[int] = ..., orphans: _Optional[int] = ..., orphans_adopted: _Optional[int] = ..., orphans_dropped: _Optional[int] = ..., unknown_removals: _Optional[int] = ..., duplicate_stores: _Optional[int] = ..., ignored_events: _Optional[int] = ..., decode_errors: _Optional[int] = ..., owner_tenant: _Optional[str] = ...) -> None: ...

@@ -99,6 +99,16 @@ class AllocatorStub:
                 request_serializer=kvservice_dot___proto_dot_allocator__pb2.ResetPrefixCacheRequest.SerializeToString,
                 response_deserializer=kvservice_dot___proto_dot_allocator__pb2.ResetPrefixCacheResponse.FromString,
                 _registered_method=True)
+        self.RegisterExternalPool = channel.unary_unary(
+                '/kvservice.v1.Allocator/RegisterExternalPool',
+                request_serializer=kvservice_dot___proto_dot_allocator__pb2.RegisterExternalPoolRequest.SerializeToString,
+                response_deserializer=kvservice_dot___proto_dot_allocator__pb2.RegisterExternalPoolResponse.FromString,
+                _registered_method=True)
+        self.RemoveExternalPool = channel.unary_unary(
+                '/kvservice.v1.Allocator/RemoveExternalPool',
+                request_serializer=kvservice_dot___proto_dot_allocator__pb2.RemoveExternalPoolRequest.SerializeToString,
+                response_deserializer=kvservice_dot___proto_dot_allocator__pb2.RemoveExternalPoolResponse.FromString,
+                _registered_method=True)
         self.GetShardMap = channel.unary_unary(
                 '/kvservice.v1.Allocator/GetShardMap',
                 request_serializer=kvservice_dot___proto_dot_allocator__pb2.GetShardMapRequest.SerializeToString,
@@ -200,6 +210,21 @@ class AllocatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterExternalPool(self, request, context):
+        """External pools: stock vLLM engines indexed from their KV events (`kvservice serve --vllm-events`).
+        Idempotent (the same spec again changes nothing; another spec replaces the pool's index), so retries
+        are safe without a session. The pool belongs to the caller's tenant.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveExternalPool(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetShardMap(self, request, context):
         """Which shard serves which pool (sharded allocators; one unnamed shard otherwise). Every shard, and a
         standby, answers it. A call for a pool another shard serves fails with FAILED_PRECONDITION carrying a
@@ -284,6 +309,16 @@ def add_AllocatorServicer_to_server(servicer, server):
                     servicer.ResetPrefixCache,
                     request_deserializer=kvservice_dot___proto_dot_allocator__pb2.ResetPrefixCacheRequest.FromString,
                     response_serializer=kvservice_dot___proto_dot_allocator__pb2.ResetPrefixCacheResponse.SerializeToString,
+            ),
+            'RegisterExternalPool': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterExternalPool,
+                    request_deserializer=kvservice_dot___proto_dot_allocator__pb2.RegisterExternalPoolRequest.FromString,
+                    response_serializer=kvservice_dot___proto_dot_allocator__pb2.RegisterExternalPoolResponse.SerializeToString,
+            ),
+            'RemoveExternalPool': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveExternalPool,
+                    request_deserializer=kvservice_dot___proto_dot_allocator__pb2.RemoveExternalPoolRequest.FromString,
+                    response_serializer=kvservice_dot___proto_dot_allocator__pb2.RemoveExternalPoolResponse.SerializeToString,
             ),
             'GetShardMap': grpc.unary_unary_rpc_method_handler(
                     servicer.GetShardMap,
@@ -647,6 +682,60 @@ class Allocator:
             '/kvservice.v1.Allocator/ResetPrefixCache',
             kvservice_dot___proto_dot_allocator__pb2.ResetPrefixCacheRequest.SerializeToString,
             kvservice_dot___proto_dot_allocator__pb2.ResetPrefixCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterExternalPool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.Allocator/RegisterExternalPool',
+            kvservice_dot___proto_dot_allocator__pb2.RegisterExternalPoolRequest.SerializeToString,
+            kvservice_dot___proto_dot_allocator__pb2.RegisterExternalPoolResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveExternalPool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.Allocator/RemoveExternalPool',
+            kvservice_dot___proto_dot_allocator__pb2.RemoveExternalPoolRequest.SerializeToString,
+            kvservice_dot___proto_dot_allocator__pb2.RemoveExternalPoolResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WalEntry(_message.Message):
-    __slots__ = ("legacy_kind", "session_id", "request", "tenant", "client_name", "session_ids", "pool_ids", "command", "rpc", "resync", "admin", "resume_session_id", "last_acked_sequence", "attach", "pool_export", "shard_id")
+    __slots__ = ("legacy_kind", "session_id", "request", "tenant", "client_name", "session_ids", "pool_ids", "command", "rpc", "resync", "admin", "resume_session_id", "last_acked_sequence", "attach", "pool_export", "shard_id", "ingest")
     LEGACY_KIND_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class WalEntry(_message.Message):
     ATTACH_FIELD_NUMBER: _ClassVar[int]
     POOL_EXPORT_FIELD_NUMBER: _ClassVar[int]
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    INGEST_FIELD_NUMBER: _ClassVar[int]
     legacy_kind: str
     session_id: str
     request: bytes
@@ -40,7 +41,52 @@ class WalEntry(_message.Message):
     attach: bool
     pool_export: bytes
     shard_id: str
-    def __init__(self, legacy_kind: _Optional[str] = ..., session_id: _Optional[str] = ..., request: _Optional[bytes] = ..., tenant: _Optional[str] = ..., client_name: _Optional[str] = ..., session_ids: _Optional[_Iterable[str]] = ..., pool_ids: _Optional[_Iterable[str]] = ..., command: _Optional[int] = ..., rpc: _Optional[int] = ..., resync: _Optional[bool] = ..., admin: _Optional[bool] = ..., resume_session_id: _Optional[str] = ..., last_acked_sequence: _Optional[int] = ..., attach: _Optional[bool] = ..., pool_export: _Optional[bytes] = ..., shard_id: _Optional[str] = ...) -> None: ...
+    ingest: ExternalIngest
+    def __init__(self, legacy_kind: _Optional[str] = ..., session_id: _Optional[str] = ..., request: _Optional[bytes] = ..., tenant: _Optional[str] = ..., client_name: _Optional[str] = ..., session_ids: _Optional[_Iterable[str]] = ..., pool_ids: _Optional[_Iterable[str]] = ..., command: _Optional[int] = ..., rpc: _Optional[int] = ..., resync: _Optional[bool] = ..., admin: _Optional[bool] = ..., resume_session_id: _Optional[str] = ..., last_acked_sequence: _Optional[int] = ..., attach: _Optional[bool] = ..., pool_export: _Optional[bytes] = ..., shard_id: _Optional[str] = ..., ingest: _Optional[_Union[ExternalIngest, _Mapping]] = ...) -> None: ...
+
+class ExternalIngest(_message.Message):
+    __slots__ = ("pool_id", "registration", "reset", "sequences", "payloads")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOADS_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    registration: int
+    reset: int
+    sequences: _containers.RepeatedScalarFieldContainer[int]
+    payloads: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, pool_id: _Optional[str] = ..., registration: _Optional[int] = ..., reset: _Optional[int] = ..., sequences: _Optional[_Iterable[int]] = ..., payloads: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class ExternalPoolState(_message.Message):
+    __slots__ = ("spec", "owner_tenant", "registration", "epoch", "last_sequence", "last_digest", "index", "counters", "spec_status", "spec_message", "spec_checked", "spec_mismatches", "spec_chain")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    OWNER_TENANT_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    LAST_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_STATUS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    SPEC_CHECKED_FIELD_NUMBER: _ClassVar[int]
+    SPEC_MISMATCHES_FIELD_NUMBER: _ClassVar[int]
+    SPEC_CHAIN_FIELD_NUMBER: _ClassVar[int]
+    spec: bytes
+    owner_tenant: str
+    registration: int
+    epoch: int
+    last_sequence: int
+    last_digest: int
+    index: bytes
+    counters: _containers.RepeatedScalarFieldContainer[int]
+    spec_status: str
+    spec_message: str
+    spec_checked: int
+    spec_mismatches: int
+    spec_chain: bytes
+    def __init__(self, spec: _Optional[bytes] = ..., owner_tenant: _Optional[str] = ..., registration: _Optional[int] = ..., epoch: _Optional[int] = ..., last_sequence: _Optional[int] = ..., last_digest: _Optional[int] = ..., index: _Optional[bytes] = ..., counters: _Optional[_Iterable[int]] = ..., spec_status: _Optional[str] = ..., spec_message: _Optional[str] = ..., spec_checked: _Optional[int] = ..., spec_mismatches: _Optional[int] = ..., spec_chain: _Optional[bytes] = ...) -> None: ...
 
 class RequestState(_message.Message):
     __slots__ = ("key", "has_token_ids", "token_ids", "num_tokens", "num_prompt_tokens", "num_computed_tokens", "num_preemptions", "block_hashes", "namespace", "cache_salt", "has_cache_salt", "lora_name", "has_lora_name", "hash_seed", "mm_identifiers", "mm_offsets", "mm_lengths", "chain_tip", "owner", "block_size")
@@ -225,7 +271,7 @@ class TransferState(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., session_id: _Optional[str] = ..., src_pool: _Optional[str] = ..., holder: _Optional[str] = ..., dst_pool: _Optional[str] = ..., dst_key: _Optional[str] = ..., src_block_ids: _Optional[bytes] = ..., dst_block_ids: _Optional[bytes] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class Snapshot(_message.Message):
-    __slots__ = ("hash_block_size", "hash_seed", "next_event_sequence", "lease_expiries", "pools", "sessions", "transfers", "next_transfer")
+    __slots__ = ("hash_block_size", "hash_seed", "next_event_sequence", "lease_expiries", "pools", "sessions", "transfers", "next_transfer", "external_pools", "next_external_registration")
     HASH_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     HASH_SEED_FIELD_NUMBER: _ClassVar[int]
     NEXT_EVENT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +280,8 @@ class Snapshot(_message.Message):
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     NEXT_TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    EXTERNAL_POOLS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_EXTERNAL_REGISTRATION_FIELD_NUMBER: _ClassVar[int]
     hash_block_size: int
     hash_seed: str
     next_event_sequence: int
@@ -242,4 +290,6 @@ class Snapshot(_message.Message):
     sessions: _containers.RepeatedCompositeFieldContainer[SessionState]
     transfers: _containers.RepeatedCompositeFieldContainer[TransferState]
     next_transfer: int
-    def __init__(self, hash_block_size: _Optional[int] = ..., hash_seed: _Optional[str] = ..., next_event_sequence: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolState, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionState, _Mapping]]] = ..., transfers: _Optional[_Iterable[_Union[TransferState, _Mapping]]] = ..., next_transfer: _Optional[int] = ...) -> None: ...
+    external_pools: _containers.RepeatedCompositeFieldContainer[ExternalPoolState]
+    next_external_registration: int
+    def __init__(self, hash_block_size: _Optional[int] = ..., hash_seed: _Optional[str] = ..., next_event_sequence: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolState, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionState, _Mapping]]] = ..., transfers: _Optional[_Iterable[_Union[TransferState, _Mapping]]] = ..., next_transfer: _Optional[int] = ..., external_pools: _Optional[_Iterable[_Union[ExternalPoolState, _Mapping]]] = ..., next_external_registration: _Optional[int] = ...) -> None: ...

@@ -28,8 +28,11 @@ from kvservice.commands import (
     ExpireSessions,
     FreezePool,
     ImportPool,
+    IngestEvents,
     OpenSession,
+    RegisterExternalPool,
     RegisterPool,
+    RemoveExternalPool,
     ResetPrefixCache,
     RetirePools,
     Step,
@@ -39,6 +42,7 @@ from kvservice.commands import (
 from kvservice.core import Request
 from kvservice.core.invariants import InvariantError, check_invariants
 from kvservice.errors import InvalidArgument, NotFound
+from kvservice.external.registry import ExternalRegistry
 from kvservice.ops import (
     AddRequestOp,
     AdmitBatchOp,
@@ -56,6 +60,7 @@ from kvservice.results import LookupResult, PoolStats, RequestInfo, ResetResult,
 from kvservice.settings import AllocatorSettings
 
 logger = logging.getLogger(__name__)
+EXTERNAL_COMMANDS = (IngestEvents, RegisterExternalPool, RemoveExternalPool)
 Guard = Callable[[], None]  # raises when a mutation must not happen now (e.g. persistence is down)
 
 
@@ -88,7 +93,8 @@ class Allocator:
         self.scheduler = Scheduler(self.state, self.book)
         self.batches = Batches(self.state, self.book, self.scheduler)
         self.registry = PoolRegistry(self.state, self.book)
-        self.placement = Placement(self.state)
+        self.external = ExternalRegistry(self.state)
+        self.placement = Placement(self.state, self.external)
         self.moves = PoolMoves(self.state, self.book)
         self.pins = PinBook(self.state)
 
@@ -132,6 +138,8 @@ class Allocator:
         if kind in (FreezePool, ThawPool, DropPool, ImportPool):
             self.moves.apply(command, guard)
             return Applied(None, True)
+        if kind in EXTERNAL_COMMANDS:
+            return Applied(*self.external.apply(command, guard))
         raise TypeError(f"not a command: {command!r}")
 
     def _sequenced(self, command, now: float, guard: Guard, handler) -> Applied:

@@ -7,13 +7,15 @@ from collections.abc import Sequence
 
 from kvservice.allocator.keys import namespace
 from kvservice.allocator.state import AllocatorState
+from kvservice.external.registry import ExternalRegistry
 from kvservice.hashing import hash_prompt
 from kvservice.results import LookupResult, PoolHit, best_pool
 
 
 class Placement:
-    def __init__(self, state: AllocatorState) -> None:
+    def __init__(self, state: AllocatorState, external: ExternalRegistry) -> None:
         self.state = state
+        self.external = external
 
     def lookup(self, tenant: str, token_ids=None, block_hashes: Sequence[bytes] | None = None, num_tokens: int = 0,
                cache_salt: str | None = None, lora_name: str | None = None,
@@ -29,9 +31,16 @@ class Placement:
             num_tokens = num_tokens or len(raw) * settings.hash_block_size
         hashes = [h + ns for h in raw] if ns else raw
         state = self.state
-        pools = [state.pool(p, tenant, admin) for p in pool_ids] if pool_ids else state.visible_pools(tenant, admin)
+        external = self.external
+        if pool_ids:
+            pools = [state.pool(p, tenant, admin) for p in pool_ids if p not in state.external]
+            externals = [external.pool(p, tenant, admin) for p in pool_ids if p in state.external]
+        else:
+            pools, externals = state.visible_pools(tenant, admin), external.visible(tenant, admin)
         hits = [PoolHit(p.pool_id, p.cached_prefix_tokens(hashes, num_tokens),
                         p.manager.block_pool.get_num_free_blocks(),
                         len(p.manager.block_pool.cached_block_hash_to_block))
                 for p in pools]
+        if externals:  # ranked with the others (best_pool: no free blocks published, so 0 empty ones)
+            hits += external.hits(externals, raw, num_tokens, token_ids, cache_salt, lora_name)
         return LookupResult(hits, best_pool(hits, raw[0] if raw else None))

@@ -32,6 +32,9 @@ class PoolRegistry:
             raise InvalidArgument("config.num_blocks", spec.config.num_blocks,
                                   f"exceeds this allocator's limit of {limit} blocks per pool "
                                   f"(kvservice serve --max-pool-blocks)")
+        if spec.pool_id in state.external:
+            raise FailedPrecondition(f"pool {spec.pool_id!r} is an external pool (RegisterExternalPool); pick "
+                                     f"another id or remove it first")
         current = state.pools.get(spec.pool_id)
         if current is not None and current.moving_to:
             state.mutable_pool(spec.pool_id)  # raises: it is moving

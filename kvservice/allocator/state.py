@@ -7,6 +7,7 @@ from kvservice.allocator.pools import Pool, TenantUsage
 from kvservice.allocator.sessions import SessionTable
 from kvservice.allocator.transfers import TransferBook
 from kvservice.errors import NotFound, Unavailable
+from kvservice.external.registry import ExternalPools
 from kvservice.hashing import spec_fingerprint
 from kvservice.settings import AllocatorSettings
 
@@ -21,6 +22,7 @@ class AllocatorState:
         self.usage = TenantUsage(dict(settings.quotas))
         self.transfers = TransferBook(settings.min_transfer_tokens)
         self.lease_expiries = 0
+        self.external = ExternalPools()  # stock vLLM engines indexed from their KV events
 
     def replace(self, other: AllocatorState) -> None:
         """Takes `other`'s contents (a fully decoded snapshot) in place; the event log's listeners stay."""
@@ -30,6 +32,7 @@ class AllocatorState:
         self.usage = other.usage
         self.transfers = other.transfers
         self.lease_expiries = other.lease_expiries
+        self.external = other.external
 
     def pool(self, pool_id: str, tenant: str | None = None, admin: bool = True) -> Pool:
         """The pool, if the caller may see it: its own tenant's or, for an admin, any (`tenant` None: any).

@@ -269,6 +269,21 @@ class ClientBase:
         """The shard map (unsharded: one unnamed shard), from the first shard (or, failing it, another)."""
         return self._run(Call("GetShardMap", pb.GetShardMapRequest(), lambda r: r))
 
+    # ---- external pools: stock vLLM engines indexed from their KV events (idempotent: no session) ----
+    def register_external_pool(self, pool_id: str, endpoint: str, replay_endpoint: str = "", block_size: int = 16,
+                               hash_algo: str = "sha256", hash_seed: str | None = None, bind: bool = False,
+                               topic: str = "", max_blocks: int = 0):
+        """Subscribes the allocator to a vLLM engine's KV events (its --kv-events-config `endpoint` and
+        `replay_endpoint`); its blocks then answer Lookup as pool `pool_id`. Returns (registration, new)."""
+        spec = pb.ExternalPoolSpec(pool_id=pool_id, endpoint=endpoint, replay_endpoint=replay_endpoint,
+                                   block_size=block_size, hash_algo=hash_algo, hash_seed=hash_seed or "",
+                                   has_hash_seed=hash_seed is not None, bind=bind, topic=topic, max_blocks=max_blocks)
+        return self._run(Call("RegisterExternalPool", pb.RegisterExternalPoolRequest(spec=spec),
+                              lambda r: (r.registration, r.new_registration)))
+
+    def remove_external_pool(self, pool_id: str):
+        return self._run(Call("RemoveExternalPool", pb.RemoveExternalPoolRequest(pool_id=pool_id), lambda r: None))
+
     def hash_prompt(self, token_ids: Sequence[int], cache_salt: str | None = None,
                     lora_name: str | None = None) -> list[bytes]:
         """Block hashes exactly as the server computes them (to add requests by hashes)."""

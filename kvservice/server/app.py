@@ -15,6 +15,10 @@ from grpc_reflection.v1alpha import reflection
 
 from kvservice._proto import allocator_pb2 as pb
 from kvservice.allocator import Allocator
+from kvservice.commands import RegisterExternalPool
+from kvservice.external.metrics import ExternalCollector
+from kvservice.external.spec import SpecError, parse_flag
+from kvservice.external.subscriber import Feeds
 from kvservice.launch import READY_PREFIX
 from kvservice.server.auth import Authenticator, AuthInterceptor, load_token_file
 from kvservice.server.metrics import Metrics
@@ -40,6 +44,7 @@ class AllocatorServer:
         self.journal = journal or Journal()
         self.metrics = Metrics(self.allocator, lambda: self.journal, lambda: self.servicer.num_watchers)
         self.servicer = AllocatorServicer(self.allocator, self.auth, self.metrics, self.journal)
+        self.metrics.registry.register(ExternalCollector(self.allocator, lambda: self.servicer.feeds))
         self.journal.write_observer = self.metrics.redis_write.observe
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
@@ -48,6 +53,7 @@ class AllocatorServer:
         self.embedded = None  # EmbeddedRedis, when this server started its own
         self.stopped = asyncio.Event()
         self.exit_code = 0
+        self.feeds: Feeds | None = None  # external pools' subscriptions (start_external)
         self._persistence_health: PersistenceState | None = None
 
     async def start(self) -> int:
@@ -137,7 +143,19 @@ class AllocatorServer:
         await self.health.set("", status)
         await self.health.set(SERVICE_NAME, status)
 
+    async def start_external(self) -> None:
+        """Registers the --vllm-events pools (through the journal, as any mutation; one recovered with the
+        same spec is left as it is) and starts a subscription per external pool. After the journal started."""
+        for text in self.config.vllm_events or []:
+            spec, tenant = parse_flag(text)
+            await self.servicer._apply(RegisterExternalPool(tenant, spec, admin=True))
+        self.feeds = Feeds(lambda: self.allocator.state.external.pools, self.servicer._apply)
+        self.servicer.feeds = self.feeds
+        self.feeds.sync()
+
     async def stop(self, grace: float = 1.0) -> None:
+        if self.feeds is not None:
+            await self.feeds.stop()
         if self._lease_task is not None:
             self._lease_task.cancel()
         if self.server is not None:
@@ -255,6 +273,7 @@ async def _serve_standby(config: ServerSettings, ready_line: bool) -> int:
         server.servicer.standby = ""
         server.journal.start()
         await server.set_serving(True)
+        await server.start_external()  # the old leader's external pools (and --vllm-events): subscribe now
         if server.servicer.sharding is not None:
             await server.servicer.sharding.announce(config.advertise or f"{advertised_host(config.host)}:{port}",
                                                     epoch)
@@ -286,6 +305,11 @@ GC_THRESHOLDS = (10_000, 10, 10)
 def preflight(config: ServerSettings) -> DataDirLock | None:
     """What `serve` checks before starting anything (kvservice.server.startup); raises StartupError. Returns
     the data dir's lock when this allocator uses the directory (its embedded Redis, a generated token)."""
+    for text in config.vllm_events or []:
+        try:
+            parse_flag(text)
+        except SpecError as exc:
+            raise ValueError(f"--vllm-events: {exc}") from None
     generates_token = not config.token_file and not is_loopback(config.host) and not config.insecure
     if config.shard_id and not (config.persistence and config.redis_url):
         raise StartupError(f"--shard {config.shard_id} needs --redis-url: every shard reads the shard map and writes "
@@ -326,6 +350,7 @@ async def _serve(config: ServerSettings, ready_line: bool) -> int:
         if server.servicer.sharding is not None:
             await server.servicer.sharding.announce(config.advertise or f"{advertised_host(config.host)}:{port}",
                                                     server.journal.leader_epoch)
+        await server.start_external()
         if ready_line:
             print(f"{READY_PREFIX}{config.host}:{port}", flush=True)
         loop = asyncio.get_running_loop()

@@ -20,8 +20,9 @@ import grpc
 
 from kvservice._proto import allocator_pb2 as pb
 from kvservice.allocator import Allocator
-from kvservice.commands import ExpireSessions, ResetPrefixCache, StepRpc
+from kvservice.commands import ExpireSessions, RegisterExternalPool, RemoveExternalPool, ResetPrefixCache, StepRpc
 from kvservice.errors import FailedPrecondition, InvalidArgument, KVServiceError, Unavailable
+from kvservice.external import wire as external_wire
 from kvservice.server.auth import Authenticator
 from kvservice.server.metrics import Metrics
 from kvservice.store.base import Journal, NullJournal
@@ -99,6 +100,7 @@ class AllocatorServicer:
         self._event_signal = asyncio.Event()
         allocator.state.events.listeners.append(self._event_signal.set)
         self.num_watchers = 0
+        self.feeds = None  # kvservice.external.subscriber.Feeds, once the server runs them
         self.sharding = None  # a ShardRouter when this allocator is one shard of several
         self.standby = ""  # a hot standby's refusal message (it serves nothing until it takes over)
 
@@ -235,6 +237,37 @@ class AllocatorServicer:
         out.leader_epoch = self.journal.leader_epoch
         for stats in a.pool_stats(principal.tenant, principal.admin, request.check_invariants):
             replies.encode_pool_stats(stats, out.pools.add())
+        for stats in self.external_stats(principal.tenant, principal.admin):
+            external_wire.encode_stats(stats, out.external_pools.add())
+        return out
+
+    # ---- external pools (kvservice.external) ---------------------------------------------------
+    @rpc
+    async def RegisterExternalPool(self, request: pb.RegisterExternalPoolRequest, context) \
+            -> pb.RegisterExternalPoolResponse:
+        principal = self.auth.of(context)
+        command = RegisterExternalPool(principal.tenant, external_wire.spec_from_proto(request.spec), principal.admin)
+        reply = await self._apply(command)
+        if self.feeds is not None:
+            self.feeds.sync()
+        return pb.RegisterExternalPoolResponse(pool_id=reply.pool_id, registration=reply.registration,
+                                               new_registration=reply.new_registration)
+
+    @rpc
+    async def RemoveExternalPool(self, request: pb.RemoveExternalPoolRequest, context) \
+            -> pb.RemoveExternalPoolResponse:
+        principal = self.auth.of(context)
+        await self._apply(RemoveExternalPool(principal.tenant, check_id("pool_id", request.pool_id), principal.admin))
+        if self.feeds is not None:
+            self.feeds.sync()
+        return pb.RemoveExternalPoolResponse()
+
+    def external_stats(self, tenant: str, admin: bool) -> list:
+        out = []
+        for pool in self.allocator.external.visible(tenant, admin):
+            feed = self.feeds.feed(pool.pool_id) if self.feeds is not None else None
+            out.append(external_wire.pool_stats(pool, feed.connected, feed.gaps, feed.replays) if feed is not None
+                       else external_wire.pool_stats(pool))
         return out
 
     @rpc

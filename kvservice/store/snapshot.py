@@ -20,6 +20,8 @@ from kvservice.allocator.transfers import Transfer
 from kvservice.core import Request
 from kvservice.core.block_pool import gc_paused
 from kvservice.core.state import GroupTables, ManagerState, export_manager_state, import_manager_state
+from kvservice.external.snapshot import decode_from as decode_external
+from kvservice.external.snapshot import encode_into as encode_external
 from kvservice.hashing import HASH_BYTES, MultiModalItem
 from kvservice.ops import StepResult
 from kvservice.results import RegisterResult
@@ -65,6 +67,7 @@ def encode_state(allocator: Allocator) -> st.Snapshot:
         snap.transfers.add(transfer_id=t.transfer_id, session_id=t.session_id, src_pool=t.src_pool, holder=t.holder,
                            dst_pool=t.dst_pool, dst_key=t.dst_key, src_block_ids=_u32(t.src_block_ids),
                            dst_block_ids=_u32(t.dst_block_ids), num_tokens=t.num_tokens)
+    encode_external(state.external, snap)
     return snap
 
 
@@ -192,6 +195,7 @@ def _decode_into(snap: st.Snapshot, state: AllocatorState, now: float) -> None:
                      list(_from_u32(ts.dst_block_ids, "dst_block_ids")), ts.num_tokens)
         book.transfers[t.transfer_id] = t
         book.by_dst[(t.dst_pool, t.dst_key)] = t.transfer_id
+    decode_external(snap, state.external, settings.hash_block_size, settings.hash_seed)
 
 
 def _decode_pool(ps: st.PoolState, state: AllocatorState) -> Pool:

@@ -14,13 +14,17 @@ from kvservice.commands import (
     ExpireSessions,
     FreezePool,
     ImportPool,
+    IngestEvents,
     OpenSession,
+    RegisterExternalPool,
     RegisterPool,
+    RemoveExternalPool,
     ResetPrefixCache,
     RetirePools,
     StepRpc,
     ThawPool,
 )
+from kvservice.external.wire import spec_from_proto, spec_to_proto
 from kvservice.wire.decode import STEP_REQUESTS, commit_transfer_command, decode_pool_spec, step_command
 
 _LEGACY_STEPS = {"step": StepRpc.STEP, "allocate": StepRpc.ALLOCATE, "free": StepRpc.FREE, "fork": StepRpc.FORK}
@@ -51,6 +55,17 @@ def encode(command: Command) -> bytes:
             entry.shard_id = command.to_shard
         elif kind is CommandKind.IMPORT_POOL:
             entry.pool_export = command.export
+    elif kind is CommandKind.INGEST_EVENTS:
+        ingest = entry.ingest
+        ingest.pool_id, ingest.registration, ingest.reset = command.pool_id, command.registration, command.reset
+        ingest.sequences.extend(s for s, _ in command.frames)
+        ingest.payloads.extend(p for _, p in command.frames)
+    elif kind is CommandKind.REGISTER_EXTERNAL_POOL:
+        entry.tenant, entry.admin = command.tenant, command.admin
+        entry.request = spec_to_proto(command.spec).SerializeToString(deterministic=True)
+    elif kind is CommandKind.REMOVE_EXTERNAL_POOL:
+        entry.tenant, entry.admin = command.tenant, command.admin
+        entry.pool_ids.append(command.pool_id)
     return entry.SerializeToString()
 
 
@@ -86,6 +101,15 @@ def decode(raw: bytes, hash_block_size: int) -> Command:
     if kind is CommandKind.IMPORT_POOL:
         from kvservice.store.snapshot import import_pool
         return ImportPool(entry.pool_ids[0], entry.pool_export, import_pool)
+    if kind is CommandKind.INGEST_EVENTS:
+        ingest = entry.ingest
+        return IngestEvents(ingest.pool_id, ingest.registration, list(zip(ingest.sequences, ingest.payloads)),
+                            ingest.reset)
+    if kind is CommandKind.REGISTER_EXTERNAL_POOL:
+        return RegisterExternalPool(entry.tenant, spec_from_proto(pb.ExternalPoolSpec.FromString(entry.request)),
+                                    entry.admin)
+    if kind is CommandKind.REMOVE_EXTERNAL_POOL:
+        return RemoveExternalPool(entry.tenant, entry.pool_ids[0], entry.admin)
     return Barrier(entry.resync)
 
 

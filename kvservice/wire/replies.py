@@ -7,6 +7,7 @@ from kvservice._proto import allocator_pb2 as pb
 from kvservice.allocator.events import LoggedEvent
 from kvservice.allocator.keys import raw_hash
 from kvservice.core import AllBlocksCleared, BlockRemoved, BlockStored
+from kvservice.external.wire import decode_stats as decode_external_stats
 from kvservice.ops import OpResult, OpStatus, PackedResult, StepResult, TransferOrder
 from kvservice.results import (
     Event,
@@ -136,14 +137,20 @@ def decode_request_info(r: pb.RequestInfo) -> RequestInfo:
 
 
 def encode_lookup(r: LookupResult) -> pb.LookupResponse:
-    return pb.LookupResponse(hits=[pb.PoolHit(pool_id=h.pool_id, num_cached_tokens=h.num_cached_tokens,
-                                              num_free_blocks=h.num_free_blocks, num_cached_blocks=h.num_cached_blocks)
-                                   for h in r.hits], best_pool_id=r.best_pool_id)
+    out = pb.LookupResponse(best_pool_id=r.best_pool_id)
+    for h in r.hits:
+        hit = out.hits.add(pool_id=h.pool_id, num_cached_tokens=h.num_cached_tokens, num_free_blocks=h.num_free_blocks,
+                           num_cached_blocks=h.num_cached_blocks)
+        if h.external:
+            hit.external = True
+            for medium, n in h.tiers.items():
+                hit.tiers.add(medium=medium, num_cached_tokens=n)
+    return out
 
 
 def decode_lookup(r: pb.LookupResponse) -> LookupResult:
-    return LookupResult([PoolHit(h.pool_id, h.num_cached_tokens, h.num_free_blocks, h.num_cached_blocks)
-                         for h in r.hits], r.best_pool_id)
+    return LookupResult([PoolHit(h.pool_id, h.num_cached_tokens, h.num_free_blocks, h.num_cached_blocks, h.external,
+                                 {t.medium: t.num_cached_tokens for t in h.tiers}) for h in r.hits], r.best_pool_id)
 
 
 def encode_pool_stats(p: PoolStats, out: pb.PoolStats) -> None:
@@ -159,8 +166,9 @@ def decode_stats(r: pb.GetStatsResponse) -> Stats:
                                   p.prefix_hit_rate, p.prefix_queries, p.prefix_hits, p.evictions,
                                   p.num_cached_blocks, p.invariant_violation, p.num_pending_transfers)
              for p in r.pools}
+    external = {p.pool_id: decode_external_stats(p) for p in r.external_pools}
     return Stats(pools, r.num_sessions, r.persistence, r.event_sequence, r.lease_expiries, r.hash_fingerprint,
-                 r.hash_block_size, r.state_digest, r.leader_epoch)
+                 r.hash_block_size, r.state_digest, r.leader_epoch, external)
 
 
 # ---- events --------------------------------------------------------------------------------------

@@ -1,0 +1,316 @@
+"""The subscriptions: per external pool, a ZMQ SUB socket on the engine's PUB socket (and a DEALER on its
+replay ROUTER), turning what arrives into IngestEvents commands, in sequence order. The only part of
+kvservice.external with sockets and clocks; every decision it takes is a command, so replay repeats it.
+
+    frame seq == last + 1           -> applied
+    frame seq >  last + 1 (a gap)   -> replay from `last`; the batch `last` must come back with the digest
+                                       applied, else the publisher restarted (below); a buffer that starts
+                                       past `last + 1` cannot fill it: a resync (the index is dropped)
+    frame seq <= last               -> the publisher restarted (vLLM counts from 0 again): a new epoch,
+                                       then a replay from 0 brings its batches
+    (re)connected, or idle a while  -> the same replay check, so what was published meanwhile arrives
+Without a replay endpoint a gap resyncs and a restart starts a new epoch from the frame at hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from kvservice.commands import IngestEvents
+from kvservice.errors import KVServiceError
+from kvservice.external.frames import FrameError, decode_pub_frame, decode_replay_frame
+from kvservice.external.pool import ExternalPool, ResetKind, payload_digest
+from kvservice.external.spec import ExternalSpec
+
+logger = logging.getLogger(__name__)
+MAX_FRAMES_PER_COMMAND = 256
+_CONNECT_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED
+_MONITORED = _CONNECT_EVENTS | zmq.EVENT_DISCONNECTED
+
+
+class Feed:
+    """One external pool's subscription. `view()` is the pool as the allocator holds it now (None: gone);
+    `submit` applies and journals a command (the servicer's one mutation path)."""
+
+    def __init__(self, spec: ExternalSpec, registration: int, view: Callable[[], ExternalPool | None],
+                 submit: Callable[[IngestEvents], Awaitable], context: zmq.asyncio.Context,
+                 replay_timeout_s: float = 3.0, idle_sync_s: float = 1.0) -> None:
+        self.spec = spec
+        self.registration = registration
+        self.view = view
+        self.submit = submit
+        self.context = context
+        self.replay_timeout_s = replay_timeout_s
+        self.idle_sync_s = idle_sync_s
+        self.connected = False
+        self.gaps = 0
+        self.replays = 0
+        self.replay_failures = 0
+        self._pending: list[tuple[int, bytes]] = []
+        self._pending_reset = ResetKind.NONE
+        self._counting_gap = False
+        self._live_last: int | None = None  # the last sequence of the current connection's live stream
+        self._last_activity = time.monotonic()
+
+    # ---- the loop --------------------------------------------------------------------------------
+    async def run(self) -> None:
+        sub = self.context.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 1_000_000)
+        sub.setsockopt(zmq.SUBSCRIBE, self.spec.topic.encode())
+        monitor = sub.get_monitor_socket(_MONITORED)
+        try:
+            if self.spec.bind:
+                sub.bind(self.spec.endpoint)
+            else:
+                sub.connect(self.spec.endpoint)
+            poller = zmq.asyncio.Poller()
+            poller.register(sub, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
+            need_sync = True
+            while True:
+                try:
+                    if need_sync:
+                        need_sync = False
+                        await self._flush()
+                        await self._sync()
+                    ready = dict(await poller.poll(timeout=int(self.idle_sync_s * 1000)))
+                    if monitor in ready and await self._monitor(monitor):
+                        await self._flush()
+                        await self._sync()  # before this connection's frames: a restart shows here first
+                    frames = await self._drain(sub) if sub in ready else []
+                    if frames:
+                        self._last_activity = time.monotonic()
+                        for seq, payload in frames:
+                            await self._one(seq, payload)
+                        await self._flush()
+                    elif time.monotonic() - self._last_activity >= self.idle_sync_s:
+                        self._last_activity = time.monotonic()
+                        need_sync = bool(self.spec.replay_endpoint)
+                except KVServiceError as exc:  # e.g. persistence down under --require-persistence
+                    logger.warning("external pool %s: ingest refused (%s); catching up by replay later",
+                                   self.spec.pool_id, exc)
+                    self._pending, self._pending_reset = [], ResetKind.NONE
+                    await asyncio.sleep(1.0)
+                    need_sync = True
+        finally:
+            sub.disable_monitor()
+            monitor.close(0)
+            sub.close(0)
+
+    async def _monitor(self, monitor) -> bool:
+        """Reads connection events; True when a (re)connection asks for a catch-up."""
+        reconnected = False
+        while await monitor.poll(0):
+            event = parse_monitor_message(await monitor.recv_multipart())["event"]
+            if event & _CONNECT_EVENTS:
+                self.connected = reconnected = True
+                self._live_last = None  # a new connection: its stream starts wherever the publisher is
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.connected = False
+        return reconnected
+
+    @staticmethod
+    async def _drain(sub) -> list[tuple[int, bytes]]:
+        out = []
+        while len(out) < 4 * MAX_FRAMES_PER_COMMAND:
+            try:
+                parts = await sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                _, seq, payload = decode_pub_frame(parts)
+            except FrameError as exc:
+                logger.error("dropped a frame that is not a vLLM KV-event frame: %s", exc)
+                continue
+            out.append((seq, payload))
+        return out
+
+    # ---- ordering --------------------------------------------------------------------------------
+    def _position(self) -> int:
+        """The last sequence, counting what is pending (-1: none, or a reset is pending)."""
+        if self._pending:
+            return self._pending[-1][0]
+        if self._pending_reset is not ResetKind.NONE:
+            return -1
+        pool = self.view()
+        return pool.last_sequence if pool is not None else -1
+
+    async def _one(self, seq: int, payload: bytes) -> None:
+        # The live stream of one connection is in order: it going back means a restarted publisher. A live
+        # batch at or before the applied position otherwise is a late copy of one a replay brought.
+        went_back = self._live_last is not None and seq <= self._live_last
+        self._live_last = seq
+        last = self._position()
+        if last < 0 or seq == last + 1:
+            self._accept(seq, payload)
+            if len(self._pending) >= MAX_FRAMES_PER_COMMAND:
+                await self._flush()
+            return
+        if seq <= last and not went_back:
+            return
+        restarted = seq <= last
+        if not restarted:
+            self.gaps += 1
+        await self._flush()
+        self._counting_gap = True
+        try:
+            synced = bool(self.spec.replay_endpoint) and await self._sync()
+        finally:
+            self._counting_gap = False
+        if synced:
+            last = self._position()
+            if seq <= last:
+                return  # the replay brought it
+            if seq == last + 1:
+                self._accept(seq, payload)
+                return
+        logger.warning("external pool %s: %s at batch %d (last applied %d) and no replay settled it", self.spec.pool_id,
+                       "the publisher restarted" if restarted else "a sequence gap", seq, last)
+        self._pending_reset = ResetKind.RESTART if restarted else ResetKind.RESYNC
+        self._accept(seq, payload)
+
+    def _accept(self, seq: int, payload: bytes) -> None:
+        self._pending.append((seq, payload))
+
+    async def _flush(self) -> None:
+        if not self._pending and self._pending_reset is ResetKind.NONE:
+            return
+        frames, reset = self._pending, self._pending_reset
+        self._pending, self._pending_reset = [], ResetKind.NONE
+        await self._submit(frames, reset)
+
+    async def _submit(self, frames: list[tuple[int, bytes]], reset: ResetKind = ResetKind.NONE) -> None:
+        if not frames and reset is ResetKind.NONE:
+            return
+        for i in range(0, max(len(frames), 1), MAX_FRAMES_PER_COMMAND):
+            await self.submit(IngestEvents(self.spec.pool_id, self.registration,
+                                           frames[i:i + MAX_FRAMES_PER_COMMAND], reset if i == 0 else 0))
+
+    # ---- replay ----------------------------------------------------------------------------------
+    async def _sync(self) -> bool:
+        """Catches up through the replay socket (nothing pending); True when it settled the position."""
+        pool = self.view()
+        if not self.spec.replay_endpoint or pool is None:
+            return False
+        last, digest = pool.last_sequence, pool.last_digest
+        replayed = await self._replay(max(last, 0))
+        if replayed is None:
+            return False
+        if last < 0:
+            await self._submit(replayed)
+            return True
+        first = replayed[0][0] if replayed else None
+        if first == last and payload_digest(replayed[0][1]) == digest:
+            self._count_missed(len(replayed) - 1)
+            await self._submit(replayed[1:])  # the same publisher: what came after us
+        elif first == last + 1:
+            self._count_missed(len(replayed))
+            await self._submit(replayed)  # our last batch left its buffer, but nothing is missing
+        elif first is None or first == last:
+            # Nothing at or after our position, or another batch under our last number: it restarted.
+            logger.warning("external pool %s: the publisher restarted (its replay disagrees with batch %d)",
+                           self.spec.pool_id, last)
+            again = await self._replay(0)
+            await self._submit(again or [], ResetKind.RESTART)
+        else:
+            logger.warning("external pool %s: batches %d..%d are gone from the publisher's replay buffer: "
+                           "resyncing from what it still holds", self.spec.pool_id, last + 1, first - 1)
+            await self._submit(replayed, ResetKind.RESYNC)
+        return True
+
+    def _count_missed(self, num_frames: int) -> None:
+        """A catch-up that found batches the live stream had not delivered: a gap (unless `_one` counted it)."""
+        if num_frames and not self._counting_gap:
+            self.gaps += 1
+
+    async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
+        """The publisher's buffered batches from `start` on; None when it did not answer in time."""
+        dealer = self.context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVHWM, 0)
+        out: list[tuple[int, bytes]] = []
+        try:
+            dealer.connect(self.spec.replay_endpoint)
+            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            while True:
+                if not await dealer.poll(int(self.replay_timeout_s * 1000)):
+                    self.replay_failures += 1
+                    logger.warning("external pool %s: no replay from %s within %.1f s", self.spec.pool_id,
+                                   self.spec.replay_endpoint, self.replay_timeout_s)
+                    return None
+                frame = decode_replay_frame(await dealer.recv_multipart())
+                if frame is None:
+                    self.replays += 1
+                    return out
+                out.append(frame)
+        except FrameError as exc:
+            self.replay_failures += 1
+            logger.error("external pool %s: bad replay frame: %s", self.spec.pool_id, exc)
+            return None
+        finally:
+            dealer.close(0)
+
+
+class Feeds:
+    """Keeps one running Feed per external pool registration in the allocator's state."""
+
+    def __init__(self, pools: Callable[[], dict[str, ExternalPool]], submit: Callable[[IngestEvents], Awaitable],
+                 **feed_options) -> None:
+        self.pools = pools  # the allocator's external pools now (a recovery replaces the dict)
+        self.submit = submit
+        self.feed_options = feed_options
+        self.context = zmq.asyncio.Context()
+        self.feeds: dict[str, tuple[Feed, asyncio.Task]] = {}
+
+    def sync(self) -> None:
+        """Starts a subscription for each new registration, stops those of removed or replaced pools."""
+        pools = self.pools()
+        for pool_id, (feed, task) in list(self.feeds.items()):
+            pool = pools.get(pool_id)
+            if pool is None or pool.registration != feed.registration:
+                task.cancel()
+                del self.feeds[pool_id]
+        for pool_id, pool in pools.items():
+            if pool_id not in self.feeds:
+                feed = Feed(pool.spec, pool.registration, self._viewer(pool_id, pool.registration),
+                            self.submit, self.context, **self.feed_options)
+                self.feeds[pool_id] = (feed, asyncio.get_running_loop().create_task(self._run(feed)))
+
+    def _viewer(self, pool_id: str, registration: int):
+        def view() -> ExternalPool | None:
+            pool = self.pools().get(pool_id)
+            return pool if pool is not None and pool.registration == registration else None
+        return view
+
+    @staticmethod
+    async def _run(feed: Feed) -> None:
+        while True:
+            try:
+                await feed.run()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("external pool %s: subscription failed; restarting it", feed.spec.pool_id)
+                await asyncio.sleep(1.0)
+
+    def feed(self, pool_id: str) -> Feed | None:
+        entry = self.feeds.get(pool_id)
+        return entry[0] if entry is not None else None
+
+    async def stop(self) -> None:
+        for _, task in self.feeds.values():
+            task.cancel()
+        for _, task in self.feeds.values():
+            with contextlib.suppress(BaseException):
+                await task
+        self.feeds.clear()
+        self.context.term()
