@@ -95,6 +95,8 @@ vllm-env:
 # vLLM passes (tests/vllm/exclusions.txt aside).
 test-vllm: vllm-env
 	$(PY) tests/vllm/run.py --env $(VLLM_ENV)
+	VLLM_TARGET_DEVICE=cpu PYTHONPATH=.:$(VLLM_ENV)/src $(VLLM_ENV)/venv/bin/python -m pytest -q -p no:cacheprovider \
+	  tests/vllm/test_external_vllm.py tests/vllm/test_external_hashes.py
 
 clean:
 	rm -rf .pytest_cache build *.egg-info
