@@ -191,38 +191,48 @@ def throughput(redis: RedisServer, shards: int, engines: int, batch: int, second
 
 # ---- 2. failover ------------------------------------------------------------------------------------
 class Stepper(threading.Thread):
-    """An engine stepping one pool in a loop; records when each Step's reply came back."""
+    """An engine stepping `batch` requests of one pool in a loop (new requests when they near
+    max_model_len); records when each Step's reply came back. A lost or refused Step is an error."""
 
-    def __init__(self, seeds: str, pool_id: str, batch: int) -> None:
+    def __init__(self, client: KVServiceClient, pool_id: str, batch: int, rng: random.Random) -> None:
         super().__init__(daemon=True)
-        self.client = KVServiceClient(seeds, retries=3, timeout_s=30, failover_timeout_s=60)
-        self.pool_id, self.batch = pool_id, batch
+        self.client, self.pool_id, self.batch, self.rng = client, pool_id, batch, rng
         self.replies: list[float] = []
         self.errors: list[str] = []
         self.stopping = threading.Event()
-        rng = random.Random(7)
-        self.ids = [f"f{i}" for i in range(batch)]
-        prompts = prompts_for(rng, batch)
-        self.client.open_session()
-        r = self.client.step(pool_id, [AdmitBatchOp(self.ids, prompts)])
-        assert r.results[0].batch.statuses == bytes(batch)
+        self.round, self.ids, self.computed = 0, [], array("I")
+
+    def continue_from(self, old: Stepper) -> Stepper:
+        """This stepper takes over `old`'s session (stopped) and requests."""
+        self.client.continue_session(old.client.session_id, old.client.next_sequence)
+        self.round, self.ids, self.computed, self.errors = old.round, old.ids, old.computed, old.errors
+        return self
+
+    def admit(self) -> None:
+        if self.ids:
+            freed = self.client.step(self.pool_id, [FreeOp(r) for r in self.ids])
+            assert all(r.status == OpStatus.OK for r in freed.results), freed
+        self.round += 1
+        self.ids = [f"f{self.round}-{i}" for i in range(self.batch)]
+        prompts = prompts_for(self.rng, self.batch)
+        r = self.client.step(self.pool_id, [AdmitBatchOp(self.ids, prompts)])
+        assert r.results[0].batch.statuses == bytes(self.batch), r
         self.computed = array("I", (len(p) for p in prompts))
-        self.rng = rng
 
     def run(self) -> None:
-        while not self.stopping.is_set():
-            tokens = array("I", (self.rng.randrange(32000) for _ in range(self.batch)))
-            try:
+        try:
+            while not self.stopping.is_set():
+                if not self.ids or max(self.computed) >= MAX_LEN - 1:
+                    self.admit()
+                tokens = array("I", (self.rng.randrange(32000) for _ in range(self.batch)))
                 reply = self.client.step(self.pool_id, [DecodeBatchOp(self.ids, self.computed, tokens)])
-            except Exception as exc:  # recorded: a lost Step fails the benchmark
-                self.errors.append(repr(exc))
-                return
-            if reply.results[0].batch.statuses != bytes(self.batch):
-                self.errors.append(f"decode refused after failover: {reply.results[0]}")
-                return
-            self.replies.append(time.monotonic())
-            self.computed = array("I", (c + 1 for c in self.computed))
-            time.sleep(0.005)  # ~ an engine's step cadence; keeps the timeline fine-grained
+                if reply.results[0].batch.statuses != bytes(self.batch):
+                    raise RuntimeError(f"decode refused: {reply.results[0].batch.failures[:1]}")
+                self.replies.append(time.monotonic())
+                self.computed = array("I", (c + 1 for c in self.computed))
+                time.sleep(0.005)  # ~ an engine's step cadence; keeps the timeline fine-grained
+        except Exception as exc:  # recorded: a lost Step fails the benchmark
+            self.errors.append(repr(exc))
 
     def first_reply_after(self, t: float, timeout_s: float) -> float | None:
         deadline = time.monotonic() + timeout_s
@@ -239,11 +249,17 @@ class Stepper(threading.Thread):
 def failover(redis: RedisServer, kills: int, lease_s: float, log_dir: Path) -> dict:
     fleet = Fleet(redis.url, 1, log_dir, namespace=f"fo{lease_s}", standbys=True,
                   extra=("--leader-lease", str(lease_s)))
+    rng = random.Random(7)
+
+    def engine_client() -> KVServiceClient:  # told the leader and its standby, as a deployment would
+        return KVServiceClient(f"{fleet.leaders['s0'].target},{fleet.standbys['s0'].target}", retries=3,
+                               timeout_s=30, failover_timeout_s=60)
     try:
+        batch = 32
         with KVServiceClient(fleet.seeds) as admin:
-            admin.register_pool("fo", pool_config(32), MAX_LEN)
-        seeds = f"{fleet.leaders['s0'].target},{fleet.standbys['s0'].target}"
-        stepper = Stepper(seeds, "fo", 32)
+            admin.register_pool("fo", KVCacheConfig(batch * MAX_LEN // BS + 64, [FullAttentionSpec(BS)]), MAX_LEN)
+        stepper = Stepper(engine_client(), "fo", batch, rng)
+        stepper.client.open_session()
         stepper.start()
         times = []
         for k in range(kills):
@@ -257,31 +273,22 @@ def failover(redis: RedisServer, kills: int, lease_s: float, log_dir: Path) -> d
             times.append(served - killed_at)
             leader.proc.wait(10)
             print(f"  failover {k + 1}/{kills}: {times[-1]:.3f} s (lease {lease_s} s)", flush=True)
-            # The standby leads now; a new standby for it, and the engine told both addresses.
+            # The standby leads now; it gets a new standby, and the engine a client that knows both.
             fleet.leaders["s0"], fleet.standbys["s0"] = fleet.standbys["s0"], fleet.start("s0", "--standby")
             stepper.stopping.set()
             stepper.join(30)
             stepper.client.close()
-            stepper = restart_stepper(stepper, fleet)
+            stepper = Stepper(engine_client(), "fo", batch, rng).continue_from(stepper)
+            stepper.start()
         stepper.stopping.set()
         stepper.join(30)
+        stepper.client.close()
+        if stepper.errors:
+            raise RuntimeError(f"an engine's Step failed: {stepper.errors[0]}")
         return {"lease_s": lease_s, "kills": kills, "times_s": times, "p50_s": median(times),
                 "max_s": max(times), "min_s": min(times), "lost_steps": len(stepper.errors)}
     finally:
         fleet.stop()
-
-
-def restart_stepper(old: Stepper, fleet: Fleet) -> Stepper:
-    """The same engine (requests and counts) with a client that knows the new leader and its new standby."""
-    new = Stepper.__new__(Stepper)
-    threading.Thread.__init__(new, daemon=True)
-    new.client = KVServiceClient(f"{fleet.leaders['s0'].target},{fleet.standbys['s0'].target}", retries=3,
-                                 timeout_s=30, failover_timeout_s=60)
-    new.client.continue_session(old.client.session_id, old.client.next_sequence)
-    new.pool_id, new.batch, new.ids, new.computed, new.rng = old.pool_id, old.batch, old.ids, old.computed, old.rng
-    new.replies, new.errors, new.stopping = [], old.errors, threading.Event()
-    new.start()
-    return new
 
 
 # ---- 3. Lookup: fan-out vs a replicated index -------------------------------------------------------

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 
 from kvservice._proto import allocator_pb2 as pb
-from kvservice.client.base import MAX_HOPS, RETRYABLE, Call, ClientBase
+from kvservice.client.base import FAILOVER_POLL_S, FAILOVER_RETRY_S, MAX_HOPS, RETRYABLE, Call, ClientBase
 from kvservice.client.routing import Conn
 from kvservice.errors import Moved, NotFound, Unavailable
 from kvservice.results import Event
@@ -42,14 +42,16 @@ class AsyncKVServiceClient(ClientBase):
             await channel.close()
 
     # ---- calls ---------------------------------------------------------------------------------
-    async def _call(self, conn: Conn, method: str, request, timeout_s: float | None = None):
+    async def _call(self, conn: Conn, method: str, request, timeout_s: float | None = None,
+                    retries: int | None = None):
         rpc = getattr(conn.stub, method)
         delay = 0.05
-        for attempt in range(self.retries + 1):
+        retries = self.retries if retries is None else retries
+        for attempt in range(retries + 1):
             try:
                 return await rpc(request, timeout=timeout_s or self.timeout_s, metadata=self.metadata)
             except grpc.RpcError as err:
-                if err.code() not in RETRYABLE or attempt == self.retries:
+                if err.code() not in RETRYABLE or attempt == retries:
                     raise
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
@@ -104,9 +106,10 @@ class AsyncKVServiceClient(ClientBase):
                 if not self._may_fail_over(exc) or not await self._failed_over(conn, deadline):
                     raise
 
-    async def _refresh_map(self, conn: Conn) -> bool:
+    async def _refresh_map(self, conn: Conn, retries: int | None = None) -> bool:
         try:
-            reply = await self._call(conn, "GetShardMap", pb.GetShardMapRequest(), timeout_s=min(self.timeout_s, 5))
+            reply = await self._call(conn, "GetShardMap", pb.GetShardMapRequest(), timeout_s=min(self.timeout_s, 5),
+                                     retries=retries)
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.UNIMPLEMENTED:
                 self.shards.known = True
@@ -116,7 +119,7 @@ class AsyncKVServiceClient(ClientBase):
 
     async def _failed_over(self, dead: Conn, deadline: float) -> bool:
         """Whether the call may be retried after UNAVAILABLE: a standby (the next address) or another shard's
-        map names a new leader for `dead`'s shard, before `deadline`."""
+        map names a new leader for `dead`'s shard, before `deadline` (as the blocking client's)."""
         shards = self.shards
         if not shards.sharded:
             if not shards.alternates or time.monotonic() > deadline:
@@ -124,21 +127,19 @@ class AsyncKVServiceClient(ClientBase):
             await self._close([shards.rotate(dead)])
             await asyncio.sleep(0.1)
             return True
-        # Sharded: a failed leader's standby (a new address in the map), or a pool being moved (a new shard
-        # for it, or frozen for a moment): ask the shards, then retry the call, until the deadline.
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.2)
-        for conn in [c for c in shards.all() if c is not dead] + [dead]:
-            if await self._refresh_map(conn):
-                return True
-        for conn in shards.spare_seeds():  # no shard answers: the target's other addresses (standbys)
+        seen, retry_at = (shards.version, dead.address), time.monotonic() + FAILOVER_RETRY_S
+        while time.monotonic() < min(deadline, retry_at):
+            await asyncio.sleep(FAILOVER_POLL_S)
+            spares = shards.spare_seeds()
             try:
-                if await self._refresh_map(conn):
-                    return True
+                for conn in [c for c in shards.all() if c is not dead] + spares + [dead]:
+                    if await self._refresh_map(conn, retries=0):
+                        break
             finally:
-                await conn.channel.close()
-        return True
+                await self._close([c.channel for c in spares])
+            if (shards.version, dead.address) != seen:
+                return True
+        return time.monotonic() < deadline
 
     @staticmethod
     async def _close(channels) -> None:

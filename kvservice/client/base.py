@@ -27,6 +27,8 @@ from kvservice.wire import encode, replies
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 MAX_HOPS = 4  # redirects (and failovers) one call follows
+FAILOVER_POLL_S = 0.1  # a call that found its shard down asks for the map this often, until it changes
+FAILOVER_RETRY_S = 1.0  # ... and is retried after this long even if it did not (a move called off)
 __all__ = ["RETRYABLE", "SERVICE_NAME", "Call", "ClientBase"]
 
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 import grpc
 
 from kvservice._proto import allocator_pb2 as pb
-from kvservice.client.base import MAX_HOPS, RETRYABLE, Call, ClientBase
+from kvservice.client.base import FAILOVER_POLL_S, FAILOVER_RETRY_S, MAX_HOPS, RETRYABLE, Call, ClientBase
 from kvservice.client.routing import Conn
 from kvservice.errors import Moved, NotFound, Unavailable
 from kvservice.results import Event
@@ -38,14 +38,15 @@ class KVServiceClient(ClientBase):
             channel.close()
 
     # ---- calls ---------------------------------------------------------------------------------
-    def _call(self, conn: Conn, method: str, request, timeout_s: float | None = None):
+    def _call(self, conn: Conn, method: str, request, timeout_s: float | None = None, retries: int | None = None):
         rpc = getattr(conn.stub, method)
         delay = 0.05
-        for attempt in range(self.retries + 1):
+        retries = self.retries if retries is None else retries
+        for attempt in range(retries + 1):
             try:
                 return rpc(request, timeout=timeout_s or self.timeout_s, metadata=self.metadata)
             except grpc.RpcError as err:
-                if err.code() not in RETRYABLE or attempt == self.retries:
+                if err.code() not in RETRYABLE or attempt == retries:
                     raise
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
@@ -112,9 +113,10 @@ class KVServiceClient(ClientBase):
                 out.append(self._run(Call(call.method, request, call.decode, conn=conn)))
         return out
 
-    def _refresh_map(self, conn: Conn) -> bool:
+    def _refresh_map(self, conn: Conn, retries: int | None = None) -> bool:
         try:
-            reply = self._call(conn, "GetShardMap", pb.GetShardMapRequest(), timeout_s=min(self.timeout_s, 5))
+            reply = self._call(conn, "GetShardMap", pb.GetShardMapRequest(), timeout_s=min(self.timeout_s, 5),
+                               retries=retries)
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.UNIMPLEMENTED:  # an allocator older than sharding
                 self.shards.known = True
@@ -133,20 +135,22 @@ class KVServiceClient(ClientBase):
             time.sleep(0.1)
             return True
         # Sharded: a failed leader's standby (a new address in the map), or a pool being moved (a new shard
-        # for it, or frozen for a moment): ask the shards, then retry the call, until the deadline.
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-        for conn in [c for c in shards.all() if c is not dead] + [dead]:
-            if self._refresh_map(conn):
-                return True
-        for conn in shards.spare_seeds():  # no shard answers: the target's other addresses (standbys)
+        # for it, or frozen for a moment). Ask for the map every FAILOVER_POLL_S until it changes, then
+        # retry the call; retry anyway after FAILOVER_RETRY_S (a move that was called off changes nothing).
+        seen, retry_at = (shards.version, dead.address), time.monotonic() + FAILOVER_RETRY_S
+        while time.monotonic() < min(deadline, retry_at):
+            time.sleep(FAILOVER_POLL_S)
+            # The other shards, then the target's spare addresses (e.g. a single shard's standby), then dead.
+            spares = shards.spare_seeds()
             try:
-                if self._refresh_map(conn):
-                    return True
+                for conn in [c for c in shards.all() if c is not dead] + spares + [dead]:
+                    if self._refresh_map(conn, retries=0):
+                        break
             finally:
-                conn.channel.close()
-        return True
+                self._close(c.channel for c in spares)
+            if (shards.version, dead.address) != seen:
+                return True
+        return time.monotonic() < deadline
 
     @staticmethod
     def _close(channels) -> None:
