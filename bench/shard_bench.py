@@ -24,6 +24,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")  # we spawn processes aft
 
 import argparse
 import asyncio
+import json
 import multiprocessing as mp
 import random
 import signal
@@ -38,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import psutil  # noqa: E402
 
-from bench.common import bar_plot, median, percentile, table, write_json  # noqa: E402
+from bench.common import RESULTS, bar_plot, median, percentile, table, write_json  # noqa: E402
 from kvservice.client import AsyncKVServiceClient, KVServiceClient  # noqa: E402
 from kvservice.core import FullAttentionSpec, KVCacheConfig  # noqa: E402
 from kvservice.ops import AdmitBatchOp, DecodeBatchOp, FreeOp, OpStatus  # noqa: E402
@@ -83,18 +84,32 @@ class Fleet:
                 p.proc.kill()
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU seconds of these processes and their children."""
+def cpu_seconds(pids: list[int], children: bool = True) -> float:
+    """User + system CPU seconds of these processes (and their children)."""
     total = 0.0
     for pid in pids:
         try:
             root = psutil.Process(pid)
-            for p in [root, *root.children(recursive=True)]:
+            for p in [root, *(root.children(recursive=True) if children else [])]:
                 t = p.cpu_times()
                 total += t.user + t.system
         except psutil.NoSuchProcess:
             pass
     return total
+
+
+class CpuMeter:
+    """CPU seconds of named process sets between `start` and `stop`."""
+
+    def __init__(self, **sets: tuple[list[int], bool]) -> None:
+        self.sets, self.begin, self.used = sets, {}, {}
+
+    def start(self) -> None:
+        self.begin = {k: cpu_seconds(p, c) for k, (p, c) in self.sets.items()}
+
+    def stop(self) -> dict[str, float]:
+        self.used = {k: cpu_seconds(p, c) - self.begin[k] for k, (p, c) in self.sets.items()}
+        return self.used
 
 
 # ---- 1. throughput ----------------------------------------------------------------------------------
@@ -166,12 +181,13 @@ def throughput(redis: RedisServer, shards: int, engines: int, batch: int, second
                                                             window[1] + 0.5, out)) for k in range(procs)]
         for w in workers:
             w.start()
-        server_pids = [p.proc.pid for p in fleet.leaders.values()]
+        leaders = [p.proc.pid for p in fleet.leaders.values()]
+        meter = CpuMeter(shards=(leaders, False), with_snapshotters=(leaders, True), redis=([redis.pid], False),
+                         clients=([w.pid for w in workers], True))
         time.sleep(max(0.0, window[0] - time.time()))
-        client_pids = [w.pid for w in workers]
-        cpu0, redis0, client0 = cpu_seconds(server_pids), cpu_seconds([redis.pid]), cpu_seconds(client_pids)
+        meter.start()
         time.sleep(max(0.0, window[1] - time.time()))
-        cpu1, redis1, client1 = cpu_seconds(server_pids), cpu_seconds([redis.pid]), cpu_seconds(client_pids)
+        used = meter.stop()
         results = [out.get(timeout=600) for _ in workers]
         for w in workers:
             w.join(60)
@@ -181,10 +197,11 @@ def throughput(redis: RedisServer, shards: int, engines: int, batch: int, second
         return {"shards": shards, "engines": engines, "batch": batch, "pools_per_shard": per_shard,
                 "steps": steps, "steps_per_s": steps / seconds, "failed_steps": failed,
                 "p50_ms": median(lat) * 1e3, "p99_ms": percentile(lat, 99) * 1e3,
-                "server_cpu_ms_per_step": (cpu1 - cpu0) / max(steps, 1) * 1e3,
-                "redis_cpu_ms_per_step": (redis1 - redis0) / max(steps, 1) * 1e3,
-                "client_cpu_ms_per_step": (client1 - client0) / max(steps, 1) * 1e3,
-                "server_cpu_util": (cpu1 - cpu0) / seconds, "redis_cpu_util": (redis1 - redis0) / seconds}
+                "shard_cpu_ms_per_step": used["shards"] / max(steps, 1) * 1e3,
+                "snapshotter_cpu_ms_per_step": (used["with_snapshotters"] - used["shards"]) / max(steps, 1) * 1e3,
+                "redis_cpu_ms_per_step": used["redis"] / max(steps, 1) * 1e3,
+                "client_cpu_ms_per_step": used["clients"] / max(steps, 1) * 1e3,
+                "cpu_util": {k: v / seconds for k, v in used.items()}}
     finally:
         fleet.stop()
 
@@ -197,7 +214,7 @@ class Stepper(threading.Thread):
     def __init__(self, client: KVServiceClient, pool_id: str, batch: int, rng: random.Random) -> None:
         super().__init__(daemon=True)
         self.client, self.pool_id, self.batch, self.rng = client, pool_id, batch, rng
-        self.replies: list[float] = []
+        self.replies: list[tuple[float, str]] = []  # (when, the address that answered)
         self.errors: list[str] = []
         self.stopping = threading.Event()
         self.round, self.ids, self.computed = 0, [], array("I")
@@ -228,16 +245,17 @@ class Stepper(threading.Thread):
                 reply = self.client.step(self.pool_id, [DecodeBatchOp(self.ids, self.computed, tokens)])
                 if reply.results[0].batch.statuses != bytes(self.batch):
                     raise RuntimeError(f"decode refused: {reply.results[0].batch.failures[:1]}")
-                self.replies.append(time.monotonic())
+                self.replies.append((time.monotonic(), self.client.shards.conn_for(self.pool_id).address))
                 self.computed = array("I", (c + 1 for c in self.computed))
                 time.sleep(0.005)  # ~ an engine's step cadence; keeps the timeline fine-grained
         except Exception as exc:  # recorded: a lost Step fails the benchmark
             self.errors.append(repr(exc))
 
-    def first_reply_after(self, t: float, timeout_s: float) -> float | None:
+    def first_reply_after(self, t: float, timeout_s: float, not_from: str) -> float | None:
+        """When the first Step after `t` answered by another server than `not_from` came back."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            after = [x for x in self.replies[-50:] if x > t]
+            after = [x for x, address in self.replies[-50:] if x > t and address != not_from]
             if after:
                 return after[0]
             if self.errors:
@@ -267,7 +285,7 @@ def failover(redis: RedisServer, kills: int, lease_s: float, log_dir: Path) -> d
             leader = fleet.leaders["s0"]
             killed_at = time.monotonic()
             leader.proc.send_signal(signal.SIGKILL)
-            served = stepper.first_reply_after(killed_at, 60)
+            served = stepper.first_reply_after(killed_at, 60, not_from=leader.target)
             if served is None:
                 raise RuntimeError(f"kill {k}: no Step served within 60 s")
             times.append(served - killed_at)
@@ -373,6 +391,8 @@ def lookup_bench(redis: RedisServer, shards: int, pools: int, queries: int, log_
             ingest_cpu = time.process_time() - cpu0
             staleness = [max(0.0, index.seen_at[h] - t) for h, t in acked.items() if h in index.seen_at]
             fan, local, mismatches = [], [], 0
+            meter = CpuMeter(shards=([p.proc.pid for p in fleet.leaders.values()], False))
+            meter.start()
             for _ in range(queries):
                 prompt = families[rng.randrange(16)] + [rng.randrange(32000) for _ in range(rng.choice([0, 256]))]
                 t0 = time.perf_counter()
@@ -386,6 +406,7 @@ def lookup_bench(redis: RedisServer, shards: int, pools: int, queries: int, log_
                 if wrong and os.environ.get("SHARD_BENCH_DEBUG"):
                     print(len(prompt), wrong)
                 mismatches += bool(wrong)
+            shard_cpu = meter.stop()["shards"]  # (the replica's lookups cost the shards nothing)
             blocks = sum(len(s) for s in index.pools.values())
             held_bytes = sum(sys.getsizeof(s) + sum(sys.getsizeof(h) for h in s) for s in index.pools.values())
             return {"shards": shards, "pools": pools, "queries": queries, "events": index.events,
@@ -394,6 +415,7 @@ def lookup_bench(redis: RedisServer, shards: int, pools: int, queries: int, log_
                     "fanout_p50_ms": median(fan) * 1e3, "fanout_p99_ms": percentile(fan, 99) * 1e3,
                     "replica_p50_ms": median(local) * 1e3, "replica_p99_ms": percentile(local, 99) * 1e3,
                     "mismatching_queries": mismatches,
+                    "fanout_shard_cpu_ms_per_lookup": shard_cpu / queries * 1e3,
                     "staleness_p50_ms": median(staleness) * 1e3 if staleness else float("nan"),
                     "staleness_p99_ms": percentile(staleness, 99) * 1e3 if staleness else float("nan"),
                     "fill_and_catch_up_s": caught_up, "client_cpu_s_fill": ingest_cpu}
@@ -403,7 +425,7 @@ def lookup_bench(redis: RedisServer, shards: int, pools: int, queries: int, log_
 
 def plot(tp: list[dict]) -> None:
     labels = [f"{r['shards']} shard{'s' if r['shards'] > 1 else ''}" for r in tp]
-    bar_plot("shard_throughput", "Aggregate decode Steps/s (256 requests each) by shard count",
+    bar_plot("shard_throughput", f"Aggregate decode Steps/s ({tp[0]['batch']} requests each) by shard count",
              labels, {"Steps/s": [r["steps_per_s"] for r in tp]}, "Steps/s")
     bar_plot("shard_latency", "Step latency by shard count", labels,
              {"p50 ms": [r["p50_ms"] for r in tp], "p99 ms": [r["p99_ms"] for r in tp]}, "ms")
@@ -433,15 +455,16 @@ def main() -> int:
                 rows.append(throughput(redis, n, args.engines, args.batch, args.seconds, args.client_procs, tmp))
                 r = rows[-1]
                 print(f"  {r['steps_per_s']:.0f} Steps/s, p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms, "
-                      f"server {r['server_cpu_ms_per_step']:.2f} ms CPU/Step", flush=True)
+                      f"shard {r['shard_cpu_ms_per_step']:.2f} ms CPU/Step", flush=True)
             base = rows[0]["steps_per_s"]
             for r in rows:
                 r["speedup_vs_first"] = r["steps_per_s"] / base
-            print(table(["shards", "Steps/s", "x", "p50 ms", "p99 ms", "server ms CPU/Step", "Redis ms CPU/Step",
-                         "clients ms CPU/Step", "failed"],
+            print("CPU per Step (ms): the shard's own process, its WAL-replaying snapshotter, Redis, the clients")
+            print(table(["shards", "Steps/s", "x", "p50 ms", "p99 ms", "shard", "snapshotter", "Redis", "clients",
+                         "failed"],
                         [[r["shards"], r["steps_per_s"], r["speedup_vs_first"], r["p50_ms"], r["p99_ms"],
-                          r["server_cpu_ms_per_step"], r["redis_cpu_ms_per_step"], r["client_cpu_ms_per_step"],
-                          r["failed_steps"]] for r in rows]))
+                          r["shard_cpu_ms_per_step"], r["snapshotter_cpu_ms_per_step"], r["redis_cpu_ms_per_step"],
+                          r["client_cpu_ms_per_step"], r["failed_steps"]] for r in rows]))
             data["throughput"] = rows
             plot(rows)
         if args.only in (None, "failover"):
@@ -460,12 +483,23 @@ def main() -> int:
                         [["fan-out to 4 shards", lk["fanout_p50_ms"], lk["fanout_p99_ms"]],
                          ["replica (WatchEvents)", lk["replica_p50_ms"], lk["replica_p99_ms"]],
                          ["replica staleness", lk["staleness_p50_ms"], lk["staleness_p99_ms"]]]))
+            print(f"  fan-out: {lk['fanout_shard_cpu_ms_per_lookup']:.3f} ms of shard CPU per Lookup (all shards)")
             print(f"  {lk['mismatching_queries']}/{lk['queries']} queries where the replica disagreed; "
                   f"{lk['events']} events, {lk['cached_blocks']} blocks held, "
                   f"{lk['replica_bytes_per_block']:.0f} bytes/block, "
                   f"{lk['replica_ingest_blocks_per_cpu_s']:,.0f} blocks/s of one core to ingest")
     finally:
         redis.stop()
+    if args.only:  # one part: keep the others' last results
+        previous = RESULTS / "shard.json"
+        if previous.exists():
+            data = {**{k: v for k, v in json.loads(previous.read_text()).items() if k not in ("machine", "when")},
+                    **data}
+    if data.get("failover"):
+        bar_plot("shard_failover", "Leader SIGKILL -> first Step served by its standby",
+                 [f"--leader-lease {f['lease_s']:g}" for f in data["failover"]],
+                 {"p50 s": [f["p50_s"] for f in data["failover"]], "max s": [f["max_s"] for f in data["failover"]]},
+                 "seconds")
     path = write_json("shard", data)
     print(f"wrote {path}")
     return 0
