@@ -7,8 +7,8 @@ one real Redis, in one run:
    per-Step cost the README's capacity model projects from;
 2. failover: a shard leader SIGKILLed while an engine steps; time from the kill to the first Step its hot
    standby served (p50 over K kills; a new standby started after each);
-3. Lookup: the sharded client's fan-out (every shard at once) against a client-side replica of the index
-   fed by each shard's WatchEvents stream: latency, agreement, staleness, ingest rate.
+3. Lookup: the sharded client's fan-out (every shard at once) against PrefixIndex, a client-side replica of
+   the index fed by each shard's WatchEvents stream: latency, agreement, staleness, memory, sync cost.
 
     python bench/shard_bench.py [--shards 1,2,4] [--engines 16] [--batch 256] [--seconds 10] [--kills 10]
 
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import psutil  # noqa: E402
 
 from bench.common import RESULTS, bar_plot, median, percentile, table, write_json  # noqa: E402
-from kvservice.client import AsyncKVServiceClient, KVServiceClient  # noqa: E402
+from kvservice.client import AsyncKVServiceClient, KVServiceClient, PrefixIndex  # noqa: E402
 from kvservice.core import FullAttentionSpec, KVCacheConfig  # noqa: E402
 from kvservice.ops import AdmitBatchOp, DecodeBatchOp, FreeOp, OpStatus  # noqa: E402
 from tests.cluster_helpers import start_shard  # noqa: E402
@@ -310,55 +310,9 @@ def failover(redis: RedisServer, kills: int, lease_s: float, log_dir: Path) -> d
 
 
 # ---- 3. Lookup: fan-out vs a replicated index -------------------------------------------------------
-class ReplicatedIndex:
-    """Which block hashes each pool holds, kept by one WatchEvents stream per shard (what a router would
-    run instead of asking the shards). `lookup` answers as Lookup does, from memory."""
-
-    def __init__(self, client: KVServiceClient, pools_by_shard: dict[str, list[str]]) -> None:
-        self.client = client
-        self.pools: dict[str, set[bytes]] = {p: set() for ps in pools_by_shard.values() for p in ps}
-        self.seen_at: dict[bytes, float] = {}
-        self.events = 0
-        self.thread_cpu: dict[int, float] = {}  # per stream: its thread's CPU receiving, decoding, applying
-        self.threads = [threading.Thread(target=self._follow, args=(ps,), daemon=True)
-                        for ps in pools_by_shard.values() if ps]
-        for t in self.threads:
-            t.start()
-
-    def _follow(self, pool_ids: list[str]) -> None:
-        start, me = time.thread_time(), threading.get_ident()
-        try:
-            for e in self.client.watch_events(pool_ids):
-                held = self.pools[e.pool_id]
-                if e.kind == "stored":
-                    held.update(e.block_hashes)
-                    now = time.monotonic()
-                    for h in e.block_hashes:
-                        self.seen_at.setdefault(h, now)
-                elif e.kind == "removed":
-                    held.difference_update(e.block_hashes)
-                else:
-                    held.clear()
-                self.events += 1
-                self.thread_cpu[me] = time.thread_time() - start
-        except Exception:  # the stream ends when the client closes
-            return
-
-    def lookup(self, token_ids) -> dict[str, int]:
-        # As Lookup (and vLLM): the prompt's last token is always computed, so a hit stops a block short.
-        hashes = self.client.hash_prompt(token_ids)[:(len(token_ids) - 1) // BS]
-        out = {}
-        for pool_id, held in self.pools.items():
-            n = 0
-            for h in hashes:
-                if h not in held:
-                    break
-                n += 1
-            out[pool_id] = n * BS
-        return out
-
-
 def lookup_bench(redis: RedisServer, shards: int, pools: int, queries: int, log_dir: Path) -> dict:
+    """The client's Lookup (fanned out to every shard) against PrefixIndex (kvservice.client.index: a
+    replica of the index from each shard's WatchEvents), on the same prompts, answers compared."""
     fleet = Fleet(redis.url, shards, log_dir, namespace="lk")
     rng = random.Random(3)
     try:
@@ -366,30 +320,30 @@ def lookup_bench(redis: RedisServer, shards: int, pools: int, queries: int, log_
             ids = [f"lk{i}" for i in range(pools)]
             for p in ids:
                 client.register_pool(p, KVCacheConfig(4096, [FullAttentionSpec(BS)]), MAX_LEN)
-            placed = client.shard_map().pools
-            by_shard = {s: [p for p in ids if placed[p] == s] for s in fleet.ids}
-            index = ReplicatedIndex(client, by_shard)
-            time.sleep(1.0)  # the streams are open
             families = [[rng.randrange(32000) for _ in range(512)] for _ in range(16)]
-            acked: dict[bytes, float] = {}
-            t_fill = time.monotonic()
-            cpu0 = time.process_time()
             for p in ids:  # each pool caches a few families' prompts
                 prompts = [families[rng.randrange(16)] + [rng.randrange(32000) for _ in range(512)]
                            for _ in range(24)]
                 rids = [f"{p}-{i}" for i in range(len(prompts))]
                 client.step(p, [AdmitBatchOp(rids, prompts)])
-                now = time.monotonic()
-                for prompt in prompts:
-                    acked.setdefault(client.hash_prompt(prompt)[-1], now)
                 client.step(p, [FreeOp(r) for r in rids])
-            expected = set(acked)
-            deadline = time.monotonic() + 60
-            while not expected <= index.seen_at.keys() and time.monotonic() < deadline:
-                time.sleep(0.01)
-            caught_up = time.monotonic() - t_fill
-            ingest_cpu = time.process_time() - cpu0
-            staleness = [max(0.0, index.seen_at[h] - t) for h, t in acked.items() if h in index.seen_at]
+            # Starting the replica: each shard's dump of its pools, then live events.
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            index = PrefixIndex(client, refresh_s=1.0)
+            assert index.wait_synced(60)
+            sync_s, sync_cpu = time.perf_counter() - t0, time.process_time() - cpu0
+            blocks = index.num_blocks()
+            # Staleness: a new prompt's blocks acknowledged -> visible in the replica.
+            staleness = []
+            for i in range(50):
+                pool = ids[i % len(ids)]
+                prompt = [rng.randrange(32000) for _ in range(256)]
+                client.step(pool, [AdmitBatchOp([f"st{i}"], [prompt])])
+                acked = time.perf_counter()
+                while index.lookup(prompt + [1], pool_ids=[pool]).tokens(pool) < 256:
+                    time.sleep(0.0002)
+                staleness.append(time.perf_counter() - acked)
+                client.step(pool, [FreeOp(f"st{i}")])
             fan, local, mismatches = [], [], 0
             meter = CpuMeter(shards=([p.proc.pid for p in fleet.leaders.values()], False))
             meter.start()
@@ -402,23 +356,18 @@ def lookup_bench(redis: RedisServer, shards: int, pools: int, queries: int, log_
                 mine = index.lookup(prompt)
                 local.append(time.perf_counter() - t0)
                 theirs = {h.pool_id: h.num_cached_tokens for h in res.hits}
-                wrong = {p: (theirs.get(p, 0), mine[p]) for p in ids if theirs.get(p, 0) != mine[p]}
-                if wrong and os.environ.get("SHARD_BENCH_DEBUG"):
-                    print(len(prompt), wrong)
-                mismatches += bool(wrong)
+                mismatches += theirs != {h.pool_id: h.num_cached_tokens for h in mine.hits}
             shard_cpu = meter.stop()["shards"]  # (the replica's lookups cost the shards nothing)
-            blocks = sum(len(s) for s in index.pools.values())
-            held_bytes = sum(sys.getsizeof(s) + sum(sys.getsizeof(h) for h in s) for s in index.pools.values())
-            return {"shards": shards, "pools": pools, "queries": queries, "events": index.events,
-                    "cached_blocks": blocks, "replica_bytes_per_block": held_bytes / max(blocks, 1),
-                    "replica_ingest_blocks_per_cpu_s": blocks / max(sum(index.thread_cpu.values()), 1e-9),
+            held = index.approx_bytes()
+            index.close()
+            return {"shards": shards, "pools": pools, "queries": queries, "cached_blocks": blocks,
                     "fanout_p50_ms": median(fan) * 1e3, "fanout_p99_ms": percentile(fan, 99) * 1e3,
                     "replica_p50_ms": median(local) * 1e3, "replica_p99_ms": percentile(local, 99) * 1e3,
-                    "mismatching_queries": mismatches,
+                    "mismatching_queries": mismatches, "remote_lookups": index.remote_lookups,
                     "fanout_shard_cpu_ms_per_lookup": shard_cpu / queries * 1e3,
-                    "staleness_p50_ms": median(staleness) * 1e3 if staleness else float("nan"),
-                    "staleness_p99_ms": percentile(staleness, 99) * 1e3 if staleness else float("nan"),
-                    "fill_and_catch_up_s": caught_up, "client_cpu_s_fill": ingest_cpu}
+                    "staleness_p50_ms": median(staleness) * 1e3, "staleness_p99_ms": percentile(staleness, 99) * 1e3,
+                    "replica_sync_s": sync_s, "replica_bytes_per_block": held / max(blocks, 1),
+                    "replica_ingest_blocks_per_cpu_s": blocks / max(sync_cpu, 1e-9)}
     finally:
         fleet.stop()
 
@@ -476,7 +425,7 @@ def main() -> int:
                         [[f["lease_s"], f["kills"], f["p50_s"], f["min_s"], f["max_s"], f["lost_steps"]]
                          for f in data["failover"]]))
         if args.only in (None, "lookup"):
-            print("lookup: fan-out vs replicated index ...", flush=True)
+            print("lookup: fan-out vs PrefixIndex (replica from WatchEvents) ...", flush=True)
             lk = lookup_bench(redis, 4, 16, args.lookup_queries, tmp)
             data["lookup"] = lk
             print(table(["", "p50 ms", "p99 ms"],
@@ -484,10 +433,10 @@ def main() -> int:
                          ["replica (WatchEvents)", lk["replica_p50_ms"], lk["replica_p99_ms"]],
                          ["replica staleness", lk["staleness_p50_ms"], lk["staleness_p99_ms"]]]))
             print(f"  fan-out: {lk['fanout_shard_cpu_ms_per_lookup']:.3f} ms of shard CPU per Lookup (all shards)")
-            print(f"  {lk['mismatching_queries']}/{lk['queries']} queries where the replica disagreed; "
-                  f"{lk['events']} events, {lk['cached_blocks']} blocks held, "
-                  f"{lk['replica_bytes_per_block']:.0f} bytes/block, "
-                  f"{lk['replica_ingest_blocks_per_cpu_s']:,.0f} blocks/s of one core to ingest")
+            print(f"  {lk['mismatching_queries']}/{lk['queries']} queries where the replica disagreed "
+                  f"({lk['remote_lookups']} needed an RPC); {lk['cached_blocks']} blocks held, "
+                  f"{lk['replica_bytes_per_block']:.0f} bytes/block; synced in {lk['replica_sync_s']:.2f} s, "
+                  f"{lk['replica_ingest_blocks_per_cpu_s']:,.0f} blocks per CPU second")
     finally:
         redis.stop()
     if args.only:  # one part: keep the others' last results

@@ -10,7 +10,16 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 
 from kvservice._proto import allocator_pb2 as pb
-from kvservice.client.base import FAILOVER_POLL_S, FAILOVER_RETRY_S, MAX_HOPS, RETRYABLE, Call, ClientBase
+from kvservice.client.base import (
+    FAILOVER_POLL_S,
+    FAILOVER_RETRY_S,
+    MAX_HOPS,
+    RETRYABLE,
+    Call,
+    ClientBase,
+    ConnectionReplaced,
+    replaced_under,
+)
 from kvservice.client.routing import Conn
 from kvservice.errors import Moved, NotFound, Unavailable
 from kvservice.results import Event
@@ -44,18 +53,24 @@ class AsyncKVServiceClient(ClientBase):
     # ---- calls ---------------------------------------------------------------------------------
     async def _call(self, conn: Conn, method: str, request, timeout_s: float | None = None,
                     retries: int | None = None):
-        rpc = getattr(conn.stub, method)
         delay = 0.05
         retries = self.retries if retries is None else retries
-        for attempt in range(retries + 1):
+        attempt = 0
+        while True:
+            stub = conn.stub
             try:
-                return await rpc(request, timeout=timeout_s or self.timeout_s, metadata=self.metadata)
-            except grpc.RpcError as err:
-                if err.code() not in RETRYABLE or attempt == retries:
+                return await getattr(stub, method)(request, timeout=timeout_s or self.timeout_s,
+                                                   metadata=self.metadata)
+            except (grpc.RpcError, ValueError, grpc.aio.UsageError) as err:
+                if replaced_under(conn, stub, err):
+                    if conn.stale:  # a new leader: the session is resumed there before anything is sent
+                        raise ConnectionReplaced() from None
+                    continue
+                if not isinstance(err, grpc.RpcError) or err.code() not in RETRYABLE or attempt == retries:
                     raise
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
-        raise AssertionError("unreachable")
+            attempt += 1
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
     async def _run_on(self, conn: Conn, call: Call):
         try:
@@ -81,7 +96,7 @@ class AsyncKVServiceClient(ClientBase):
         shards = self.shards
         if not shards.known and call.method != "GetShardMap":
             await self._refresh_map(shards.seed)
-        if call.merge is not None and shards.sharded and call.conn is None:
+        if call.merge is not None and (shards.sharded or call.always_merge) and call.conn is None:
             calls = []
             for conn in shards.all():
                 request = call.per_shard(conn) if call.per_shard is not None else call.request
@@ -91,6 +106,7 @@ class AsyncKVServiceClient(ClientBase):
         hops, deadline = 0, None
         while True:
             conn = call.conn or shards.conn_for(call.pool_id)
+            stub = conn.stub
             try:
                 if not call.mutating:
                     return await self._run_on(conn, call)
@@ -102,6 +118,8 @@ class AsyncKVServiceClient(ClientBase):
                     raise
                 await self._close(shards.moved(exc.pool_id, exc.shard_id, exc.address))
             except Unavailable as exc:
+                if conn.stub is not stub:
+                    continue  # the map named the shard's new leader meanwhile: go there now
                 deadline = deadline or time.monotonic() + self.failover_timeout_s
                 if not self._may_fail_over(exc) or not await self._failed_over(conn, deadline):
                     raise
@@ -165,13 +183,14 @@ class AsyncKVServiceClient(ClientBase):
                     if isinstance(from_rpc_error(err), NotFound):
                         lapsed.add((conn.shard_id, self.session_id))
 
-    async def watch_events(self, pool_ids: Sequence[str] = (),
-                           start_sequence: int | None = None) -> AsyncIterator[Event]:
+    async def watch_events(self, pool_ids: Sequence[str] = (), start_sequence: int | None = None, *,
+                           shard_id: str | None = None, include_state: bool = False) -> AsyncIterator[Event]:
+        """As the blocking client's."""
         if not self.shards.known:
             await self._refresh_map(self.shards.seed)
-        msg = self._watch_request(pool_ids, start_sequence)
+        msg = self._watch_request(pool_ids, start_sequence, include_state)
         try:
-            async for e in self._watch_target(pool_ids).stub.WatchEvents(msg, metadata=self.metadata):
+            async for e in self._watch_target(pool_ids, shard_id).stub.WatchEvents(msg, metadata=self.metadata):
                 yield replies.decode_event(e)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
