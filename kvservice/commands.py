@@ -19,6 +19,7 @@ import xxhash
 
 from kvservice.core import KVCacheConfig
 from kvservice.external.spec import ExternalSpec
+from kvservice.hashing import HASH_BYTES, HashSpec
 from kvservice.ops import Op
 
 
@@ -64,6 +65,12 @@ class PoolSpec:
     vocab_size: int = 0
     kv_layout: str = ""
     epoch: int = 0
+    hash_spec: HashSpec | None = None  # None: kvservice's own with the allocator's seed
+
+    @property
+    def hash_bytes(self) -> int:
+        """The length of this pool's block hashes on the wire."""
+        return HASH_BYTES if self.hash_spec is None else self.hash_spec.hash_bytes
 
     def same_shape(self, other: PoolSpec) -> bool:
         return (self.config == other.config and self.max_model_len == other.max_model_len
@@ -72,7 +79,7 @@ class PoolSpec:
 
     def with_epoch(self, epoch: int) -> PoolSpec:
         return PoolSpec(self.pool_id, self.config, self.max_model_len, self.dcp_world_size, self.enable_caching,
-                        self.vocab_size, self.kv_layout, epoch)
+                        self.vocab_size, self.kv_layout, epoch, self.hash_spec)
 
 
 # Decodes a Step's ops once its pool is known (its limits validate them): (pool spec, hash block size) -> ops.

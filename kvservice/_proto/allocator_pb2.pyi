@@ -122,24 +122,36 @@ class KVCacheConfig(_message.Message):
     kv_layout: str
     def __init__(self, num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., max_model_len: _Optional[int] = ..., dcp_world_size: _Optional[int] = ..., disable_prefix_caching: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., kv_layout: _Optional[str] = ...) -> None: ...
 
+class HashSpec(_message.Message):
+    __slots__ = ("algorithm", "seed", "has_seed")
+    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    HAS_SEED_FIELD_NUMBER: _ClassVar[int]
+    algorithm: str
+    seed: str
+    has_seed: bool
+    def __init__(self, algorithm: _Optional[str] = ..., seed: _Optional[str] = ..., has_seed: _Optional[bool] = ...) -> None: ...
+
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("session_id", "sequence", "pool_id", "config", "hash_fingerprint", "epoch")
+    __slots__ = ("session_id", "sequence", "pool_id", "config", "hash_fingerprint", "epoch", "hash_spec")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     HASH_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    HASH_SPEC_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     sequence: int
     pool_id: str
     config: KVCacheConfig
     hash_fingerprint: str
     epoch: int
-    def __init__(self, session_id: _Optional[str] = ..., sequence: _Optional[int] = ..., pool_id: _Optional[str] = ..., config: _Optional[_Union[KVCacheConfig, _Mapping]] = ..., hash_fingerprint: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    hash_spec: HashSpec
+    def __init__(self, session_id: _Optional[str] = ..., sequence: _Optional[int] = ..., pool_id: _Optional[str] = ..., config: _Optional[_Union[KVCacheConfig, _Mapping]] = ..., hash_fingerprint: _Optional[str] = ..., epoch: _Optional[int] = ..., hash_spec: _Optional[_Union[HashSpec, _Mapping]] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
-    __slots__ = ("pool_id", "epoch", "new_epoch", "hash_block_size", "hash_seed", "num_requests_failed", "scheduler_block_size")
+    __slots__ = ("pool_id", "epoch", "new_epoch", "hash_block_size", "hash_seed", "num_requests_failed", "scheduler_block_size", "hash_algorithm", "hash_fingerprint")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NEW_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +159,8 @@ class RegisterPoolResponse(_message.Message):
     HASH_SEED_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FAILED_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HASH_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    HASH_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     epoch: int
     new_epoch: bool
@@ -154,7 +168,9 @@ class RegisterPoolResponse(_message.Message):
     hash_seed: str
     num_requests_failed: int
     scheduler_block_size: int
-    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., new_epoch: _Optional[bool] = ..., hash_block_size: _Optional[int] = ..., hash_seed: _Optional[str] = ..., num_requests_failed: _Optional[int] = ..., scheduler_block_size: _Optional[int] = ...) -> None: ...
+    hash_algorithm: str
+    hash_fingerprint: str
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., new_epoch: _Optional[bool] = ..., hash_block_size: _Optional[int] = ..., hash_seed: _Optional[str] = ..., num_requests_failed: _Optional[int] = ..., scheduler_block_size: _Optional[int] = ..., hash_algorithm: _Optional[str] = ..., hash_fingerprint: _Optional[str] = ...) -> None: ...
 
 class MultiModalItem(_message.Message):
     __slots__ = ("identifier", "offset", "length")
@@ -495,20 +511,22 @@ class RequestInfo(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., pool_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[GroupBlocks, _Mapping]]] = ..., num_block_hashes: _Optional[int] = ..., running: _Optional[bool] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("token_ids", "block_hashes", "cache_salt", "lora_name", "pool_ids", "num_tokens")
+    __slots__ = ("token_ids", "block_hashes", "cache_salt", "lora_name", "pool_ids", "num_tokens", "hash_bytes")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     POOL_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HASH_BYTES_FIELD_NUMBER: _ClassVar[int]
     token_ids: bytes
     block_hashes: bytes
     cache_salt: str
     lora_name: str
     pool_ids: _containers.RepeatedScalarFieldContainer[str]
     num_tokens: int
-    def __init__(self, token_ids: _Optional[bytes] = ..., block_hashes: _Optional[bytes] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., pool_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    hash_bytes: int
+    def __init__(self, token_ids: _Optional[bytes] = ..., block_hashes: _Optional[bytes] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., pool_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[int] = ..., hash_bytes: _Optional[int] = ...) -> None: ...
 
 class PoolHit(_message.Message):
     __slots__ = ("pool_id", "num_cached_tokens", "num_free_blocks", "num_cached_blocks", "external", "tiers")

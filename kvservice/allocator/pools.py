@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from kvservice.commands import PoolSpec
 from kvservice.core import KVCacheManager, Request
 from kvservice.core.specs import effective_block_size
-from kvservice.hashing import BlockHash
+from kvservice.hashing import BlockHash, HashSpec, MultiModalItem
+from kvservice.hashing.spec import KVSERVICE
 
 MAX_TOMBSTONES = 10_000
 
@@ -21,7 +22,10 @@ class Pool:
         self.spec = spec
         self.pool_id = spec.pool_id
         self.epoch = spec.epoch
-        self.hash_seed = hash_seed
+        # The spec its clients hash with: declared, or kvservice's own with the allocator's seed.
+        self.hash_spec = spec.hash_spec or HashSpec(KVSERVICE, hash_seed, hash_block_size)
+        self.hash_seed = self.hash_spec.effective_seed
+        self.hash_bytes = self.hash_spec.hash_bytes
         self.manager = KVCacheManager(spec.config, spec.max_model_len, spec.enable_caching, enable_events=True,
                                       dcp_world_size=spec.dcp_world_size, hash_block_size=hash_block_size,
                                       enable_fast_path=fast_path)
@@ -36,6 +40,18 @@ class Pool:
     @property
     def hash_block_size(self) -> int:
         return self.manager.hash_block_size
+
+    def request_from_tokens(self, key: str, token_ids, cache_salt: str | None = None, lora_name: str | None = None,
+                            mm_items: tuple[MultiModalItem, ...] = (), namespace: bytes = b"") -> Request:
+        """A request of this pool, hashed by the server in the pool's hash spec."""
+        return Request(key, token_ids, self.hash_block_size, cache_salt, lora_name, self.hash_seed, mm_items=mm_items,
+                       namespace=namespace, hash_spec=self.hash_spec)
+
+    def request_from_hashes(self, key: str, block_hashes, num_tokens: int, lora_name: str | None = None,
+                            namespace: bytes = b"") -> Request:
+        """A request of this pool whose client hashed it (in the pool's hash spec)."""
+        return Request.from_block_hashes(key, block_hashes, num_tokens, self.hash_block_size, lora_name=lora_name,
+                                         namespace=namespace, hash_spec=self.hash_spec)
 
     def block_sizes(self) -> list[int]:
         return [effective_block_size(s, self.spec.dcp_world_size) for s in self.spec.config.groups]

@@ -17,7 +17,8 @@ from kvservice.core import (
     SlidingWindowSpec,
 )
 from kvservice.errors import InvalidArgument
-from kvservice.hashing import MultiModalItem
+from kvservice.hashing import HASH_BYTES, HashSpec, MultiModalItem, vllm_spec
+from kvservice.hashing.spec import KVSERVICE
 from kvservice.ops import (
     AddRequestOp,
     AdmitBatchOp,
@@ -110,8 +111,23 @@ def decode_pool_spec(msg: pb.RegisterPoolRequest, hash_block_size: int) -> PoolS
             raise InvalidArgument(f"config.groups[{i}].block_size", spec.block_size,
                                   f"the block ({size} tokens) must be a multiple of the service's hash block "
                                   f"size {hash_block_size}")
+    hash_spec = decode_hash_spec(msg.hash_spec, hash_block_size) if msg.HasField("hash_spec") else None
     return PoolSpec(pool_id, config, max_model_len, dcp, not msg.config.disable_prefix_caching,
-                    msg.config.vocab_size, check_name("config.kv_layout", msg.config.kv_layout) or "", msg.epoch)
+                    msg.config.vocab_size, check_name("config.kv_layout", msg.config.kv_layout) or "", msg.epoch,
+                    hash_spec)
+
+
+def decode_hash_spec(msg: pb.HashSpec, hash_block_size: int, field: str = "hash_spec") -> HashSpec:
+    """A declared hash spec, at the allocator's hash block size."""
+    algorithm = msg.algorithm or KVSERVICE
+    if algorithm != KVSERVICE and algorithm not in vllm_spec.ALGORITHMS:
+        raise InvalidArgument(f"{field}.algorithm", msg.algorithm,
+                              f"must be {KVSERVICE!r} or one of vLLM's {', '.join(vllm_spec.ALGORITHMS)}")
+    if msg.has_seed:
+        check_name(f"{field}.seed", msg.seed)
+    elif msg.seed:
+        raise InvalidArgument(f"{field}.seed", msg.seed, "set has_seed with a seed (unset: the algorithm's default)")
+    return HashSpec(algorithm, msg.seed if msg.has_seed else None, hash_block_size)
 
 
 # ---- ops -----------------------------------------------------------------------------------------
@@ -121,12 +137,13 @@ def decode_ops(ops: Sequence[pb.Op], spec: PoolSpec, hash_block_size: int, field
     append = out.append
     max_len = spec.max_model_len
     vocab = spec.vocab_size
+    hash_bytes = spec.hash_bytes
     for i, op in enumerate(ops):
         kind = op.WhichOneof("op")
         if kind == "allocate":
-            append(decode_allocate(op.allocate, max_len, vocab, field, i))
+            append(decode_allocate(op.allocate, max_len, vocab, field, i, hash_bytes))
         elif kind == "add":
-            append(decode_add(op.add, max_len, vocab, hash_block_size, field, i))
+            append(decode_add(op.add, max_len, vocab, hash_block_size, field, i, hash_bytes))
         elif kind == "decode":
             append(decode_batch(op.decode, max_len, vocab, f"{field}[{i}].decode"))
         elif kind == "admit":
@@ -138,7 +155,7 @@ def decode_ops(ops: Sequence[pb.Op], spec: PoolSpec, hash_block_size: int, field
             append(ForkOp(check_id((field, i, "fork", "parent_request_id"), f.parent_request_id),
                           check_id((field, i, "fork", "child_request_id"), f.child_request_id)))
         elif kind == "pin":
-            append(decode_pin(op.pin, max_len, vocab, hash_block_size, f"{field}[{i}].pin"))
+            append(decode_pin(op.pin, max_len, vocab, hash_block_size, f"{field}[{i}].pin", hash_bytes))
         elif kind == "unpin":
             append(UnpinOp(check_id((field, i, "unpin", "pin_id"), op.unpin.pin_id)))
         else:
@@ -154,10 +171,12 @@ def ops_from_request(rpc: StepRpc, request, spec: PoolSpec, hash_block_size: int
     if rpc is StepRpc.ALLOCATE:
         ops: list[Op] = []
         if request.HasField("add"):
-            ops.append(decode_add(request.add, spec.max_model_len, spec.vocab_size, hash_block_size, "add", None))
+            ops.append(decode_add(request.add, spec.max_model_len, spec.vocab_size, hash_block_size, "add", None,
+                                  spec.hash_bytes))
         if not request.HasField("allocate"):
             raise InvalidArgument("allocate", None, "required")
-        ops.append(decode_allocate(request.allocate, spec.max_model_len, spec.vocab_size, "allocate"))
+        ops.append(decode_allocate(request.allocate, spec.max_model_len, spec.vocab_size, "allocate", None,
+                                   spec.hash_bytes))
         return ops
     if rpc is StepRpc.FREE:
         if not request.request_ids:
@@ -170,7 +189,7 @@ def ops_from_request(rpc: StepRpc, request, spec: PoolSpec, hash_block_size: int
 
 
 def decode_add(a: pb.AddRequestOp, max_len: int, vocab: int, hash_block_size: int, field: str,
-               index: int | None = None) -> AddRequestOp:
+               index: int | None = None, hash_bytes: int = HASH_BYTES) -> AddRequestOp:
     """One add op; (`field`, `index`) names it in errors (`field[index].add`, or `field` alone)."""
     request_id = a.request_id
     why = id_problem(request_id)
@@ -180,7 +199,7 @@ def decode_add(a: pb.AddRequestOp, max_len: int, vocab: int, hash_block_size: in
                               m.length) for j, m in enumerate(a.mm_items)) if a.mm_items else ()
     salt, lora = a.cache_salt, a.lora_name
     if a.block_hashes:
-        return _decode_add_by_hashes(a, request_id, mm, max_len, hash_block_size, field, index)
+        return _decode_add_by_hashes(a, request_id, mm, max_len, hash_block_size, field, index, hash_bytes)
     tokens = decode_u32((field, index, "add", "token_ids"), a.token_ids, vocab)
     num_tokens = len(tokens)
     if not num_tokens:
@@ -202,14 +221,14 @@ def decode_add(a: pb.AddRequestOp, max_len: int, vocab: int, hash_block_size: in
 
 
 def _decode_add_by_hashes(a: pb.AddRequestOp, request_id: str, mm: tuple, max_len: int, hash_block_size: int,
-                          field: str, index: int | None) -> AddRequestOp:
+                          field: str, index: int | None, hash_bytes: int) -> AddRequestOp:
     if a.token_ids:
         raise invalid((field, index, "add", "token_ids"), f"<{len(a.token_ids)} bytes>",
                       "send token_ids or block_hashes, not both")
     if a.cache_salt or mm:
         raise invalid((field, index, "add", "cache_salt" if a.cache_salt else "mm_items"), "...",
                       "with block_hashes the client hashes salt and multimodal items itself")
-    hashes = decode_hashes((field, index, "add", "block_hashes"), a.block_hashes)
+    hashes = decode_hashes((field, index, "add", "block_hashes"), a.block_hashes, hash_bytes)
     if a.num_tokens == 0 or a.num_tokens > max_len:
         raise invalid((field, index, "add", "num_tokens"), a.num_tokens, f"must be in [1, max_model_len {max_len}]")
     if len(hashes) != a.num_tokens // hash_block_size:
@@ -220,7 +239,8 @@ def _decode_add_by_hashes(a: pb.AddRequestOp, request_id: str, mm: tuple, max_le
                         check_name((field, index, "add", "lora_name"), a.lora_name))
 
 
-def decode_allocate(a: pb.AllocateOp, max_len: int, vocab: int, field: str, index: int | None = None) -> AllocateOp:
+def decode_allocate(a: pb.AllocateOp, max_len: int, vocab: int, field: str, index: int | None = None,
+                    hash_bytes: int = HASH_BYTES) -> AllocateOp:
     """One allocate op; (`field`, `index`) names it in errors, formatted only then."""
     request_id = a.request_id
     why = id_problem(request_id)
@@ -243,7 +263,7 @@ def decode_allocate(a: pb.AllocateOp, max_len: int, vocab: int, field: str, inde
             raise invalid((field, index, "allocate", "num_append_tokens"), num_append,
                           "append token ids or hashes (with num_append_tokens), not both")
     elif a.append_block_hashes or num_append:
-        hashes = decode_hashes((field, index, "allocate", "append_block_hashes"), a.append_block_hashes)
+        hashes = decode_hashes((field, index, "allocate", "append_block_hashes"), a.append_block_hashes, hash_bytes)
         if num_append == 0 or num_append > max_len:
             raise invalid((field, index, "allocate", "num_append_tokens"), num_append,
                           f"must be in [1, {what}] when appending hashes")
@@ -269,12 +289,13 @@ def decode_external(e: pb.ExternalSource, max_len: int, field: Field) -> Externa
     return ExternalSource(pin_id, src_pool, list(e.src_block_ids), e.num_tokens)
 
 
-def decode_pin(p: pb.PinOp, max_len: int, vocab: int, hash_block_size: int, field: str) -> PinOp:
+def decode_pin(p: pb.PinOp, max_len: int, vocab: int, hash_block_size: int, field: str,
+               hash_bytes: int = HASH_BYTES) -> PinOp:
     """A pin op's prompt is checked by the add op's rules (the fields have the same names, but the id)."""
     check_id(f"{field}.pin_id", p.pin_id)
     as_add = pb.AddRequestOp(request_id=p.pin_id, token_ids=p.token_ids, block_hashes=p.block_hashes,
                              num_tokens=p.num_tokens, cache_salt=p.cache_salt, lora_name=p.lora_name)
-    add = decode_add(as_add, max_len, vocab, hash_block_size, field)
+    add = decode_add(as_add, max_len, vocab, hash_block_size, field, None, hash_bytes)
     return PinOp(add.request_id, add.token_ids, add.block_hashes, add.num_tokens, add.cache_salt, add.lora_name)
 
 

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from kvservice._proto import allocator_pb2 as pb
 from kvservice.core import ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
+from kvservice.hashing import HashSpec
 from kvservice.ops import AddRequestOp, AdmitBatchOp, AllocateOp, DecodeBatchOp, ForkOp, FreeOp, Op, PinOp, UnpinOp
 from kvservice.wire.fields import encode_u32
 
@@ -106,11 +107,19 @@ def encode_add(op: AddRequestOp, a: pb.AddRequestOp) -> None:
 
 
 # ---- requests ------------------------------------------------------------------------------------
+def encode_hash_spec(spec: HashSpec) -> pb.HashSpec:
+    return pb.HashSpec(algorithm=spec.algorithm, seed=spec.seed or "", has_seed=spec.seed is not None)
+
+
 def register_request(pool_id: str, config: KVCacheConfig, max_model_len: int, epoch: int, dcp_world_size: int,
-                     enable_caching: bool, vocab_size: int, kv_layout: str, fingerprint: str) -> pb.RegisterPoolRequest:
-    return pb.RegisterPoolRequest(pool_id=pool_id, epoch=epoch, hash_fingerprint=fingerprint,
-                                  config=encode_config(config, max_model_len, dcp_world_size, enable_caching,
-                                                       vocab_size, kv_layout))
+                     enable_caching: bool, vocab_size: int, kv_layout: str, fingerprint: str,
+                     hash_spec: HashSpec | None = None) -> pb.RegisterPoolRequest:
+    msg = pb.RegisterPoolRequest(pool_id=pool_id, epoch=epoch, hash_fingerprint=fingerprint,
+                                 config=encode_config(config, max_model_len, dcp_world_size, enable_caching,
+                                                      vocab_size, kv_layout))
+    if hash_spec is not None:
+        msg.hash_spec.CopyFrom(encode_hash_spec(hash_spec))
+    return msg
 
 
 def step_request(pool_id: str, ops: Sequence[Op]) -> pb.StepRequest:
@@ -135,6 +144,7 @@ def lookup_request(token_ids, block_hashes, num_tokens: int, cache_salt: str | N
                            num_tokens=num_tokens)
     if block_hashes is not None:
         msg.block_hashes = b"".join(block_hashes)
+        msg.hash_bytes = len(block_hashes[0]) if block_hashes else 0
     else:
         msg.token_ids = encode_u32(token_ids)
     return msg
