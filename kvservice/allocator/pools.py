@@ -15,6 +15,17 @@ from kvservice.hashing.spec import KVSERVICE
 MAX_TOMBSTONES = 10_000
 
 
+class VllmKVCacheManager(KVCacheManager):
+    """vLLM 0.33.0's KVCacheManager, as the vLLM drop-in runs the core: a request counts as running only from
+    its first hit or cached block, and the watermark applies to the requests the scheduler calls waiting
+    (`waiting`, set by each AllocateOp)."""
+
+    track_running = False
+
+    def _is_waiting(self, request) -> bool:
+        return getattr(request, "waiting", False)
+
+
 class Pool:
     """One KV memory space: its manager, its live requests and who owns them."""
 
@@ -26,9 +37,17 @@ class Pool:
         self.hash_spec = spec.hash_spec or HashSpec(KVSERVICE, hash_seed, hash_block_size)
         self.hash_seed = self.hash_spec.effective_seed
         self.hash_bytes = self.hash_spec.hash_bytes
-        self.manager = KVCacheManager(spec.config, spec.max_model_len, spec.enable_caching, enable_events=True,
-                                      dcp_world_size=spec.dcp_world_size, hash_block_size=hash_block_size,
-                                      enable_fast_path=fast_path)
+        if spec.vllm is None:
+            self.manager = KVCacheManager(spec.config, spec.max_model_len, spec.enable_caching, enable_events=True,
+                                          dcp_world_size=spec.dcp_world_size, hash_block_size=hash_block_size,
+                                          enable_fast_path=fast_path)
+        else:
+            v = spec.vllm
+            self.manager = VllmKVCacheManager(
+                spec.config, spec.max_model_len, spec.enable_caching, enable_events=True,
+                dcp_world_size=spec.dcp_world_size, hash_block_size=hash_block_size, enable_fast_path=False,
+                scheduler_block_size=v.scheduler_block_size or None,
+                max_in_flight_tokens=v.max_in_flight_tokens or None, watermark=v.watermark)
         self.requests: dict[str, Request] = {}
         self.owner: dict[str, str] = {}  # request key -> session id
         self.owner_tenant = ""  # the tenant that registered the pool
@@ -48,10 +67,14 @@ class Pool:
                        namespace=namespace, hash_spec=self.hash_spec)
 
     def request_from_hashes(self, key: str, block_hashes, num_tokens: int, lora_name: str | None = None,
-                            namespace: bytes = b"") -> Request:
-        """A request of this pool whose client hashed it (in the pool's hash spec)."""
-        return Request.from_block_hashes(key, block_hashes, num_tokens, self.hash_block_size, lora_name=lora_name,
-                                         namespace=namespace, hash_spec=self.hash_spec)
+                            namespace: bytes = b"", num_prompt_tokens: int = 0) -> Request:
+        """A request of this pool whose client hashed it (in the pool's hash spec); `num_prompt_tokens` when
+        `num_tokens` counts output tokens too (0: num_tokens)."""
+        req = Request.from_block_hashes(key, block_hashes, num_tokens, self.hash_block_size, lora_name=lora_name,
+                                        namespace=namespace, hash_spec=self.hash_spec)
+        if num_prompt_tokens:
+            req.num_prompt_tokens = num_prompt_tokens
+        return req
 
     def block_sizes(self) -> list[int]:
         return [effective_block_size(s, self.spec.dcp_world_size) for s in self.spec.config.groups]

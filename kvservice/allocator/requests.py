@@ -63,7 +63,7 @@ class RequestBook:
             return refused
         ns = namespace(tenant)
         if op.block_hashes is not None:
-            req = pool.request_from_hashes(key, op.block_hashes, op.num_tokens, op.lora_name, ns)
+            req = pool.request_from_hashes(key, op.block_hashes, op.num_tokens, op.lora_name, ns, op.num_prompt_tokens)
         else:
             req = pool.request_from_tokens(key, op.token_ids, op.cache_salt, op.lora_name, op.mm_items, ns)
         self.track(pool, session, key, req)

@@ -25,9 +25,9 @@ from kvservice.external.snapshot import encode_into as encode_external
 from kvservice.hashing import HashSpec, MultiModalItem
 from kvservice.ops import StepResult
 from kvservice.results import RegisterResult
-from kvservice.wire.decode import decode_pool_spec
-from kvservice.wire.encode import encode_config, encode_hash_spec
+from kvservice.wire.encode import encode_config, encode_hash_spec, encode_vllm_options
 from kvservice.wire.fields import decode_u32
+from kvservice.wire.pool_spec import decode_pool_spec
 from kvservice.wire.replies import (
     decode_register_result,
     decode_step_result,
@@ -88,6 +88,8 @@ def _encode_pool(pool: Pool) -> st.PoolState:
                                                       spec.enable_caching, spec.vocab_size, spec.kv_layout))
     if spec.hash_spec is not None:
         reg.hash_spec.CopyFrom(encode_hash_spec(spec.hash_spec))
+    if spec.vllm is not None:
+        reg.vllm.CopyFrom(encode_vllm_options(spec.vllm))
     ms = export_manager_state(pool.manager)
     m = st.ManagerState(ref_cnts=ms.ref_cnts.tobytes(), free_order=ms.free_order.tobytes(),
                         index_keys=b"".join(ms.index_keys), index_key_lengths=_u32(len(k) for k in ms.index_keys),

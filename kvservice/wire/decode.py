@@ -9,16 +9,8 @@ from collections.abc import Sequence
 
 from kvservice._proto import allocator_pb2 as pb
 from kvservice.commands import CommitTransfer, OpenSession, PoolSpec, RegisterPool, Step, StepRpc
-from kvservice.core import (
-    ChunkedLocalAttentionSpec,
-    FullAttentionSpec,
-    KVCacheConfig,
-    MambaSpec,
-    SlidingWindowSpec,
-)
 from kvservice.errors import InvalidArgument
-from kvservice.hashing import HASH_BYTES, HashSpec, MultiModalItem, vllm_spec
-from kvservice.hashing.spec import KVSERVICE
+from kvservice.hashing import HASH_BYTES, MultiModalItem
 from kvservice.ops import (
     AddRequestOp,
     AdmitBatchOp,
@@ -29,6 +21,7 @@ from kvservice.ops import (
     FreeOp,
     Op,
     PinOp,
+    ResetPrefixCacheOp,
     UnpinOp,
 )
 from kvservice.wire.fields import (
@@ -47,87 +40,15 @@ from kvservice.wire.fields import (
     invalid,
     name_problem,
 )
-from kvservice.wire.limits import (
-    MAX_BLOCK_SIZE,
-    MAX_BLOCKS,
-    MAX_DCP_WORLD_SIZE,
-    MAX_EPOCH,
-    MAX_MODEL_LEN,
-    MAX_OPS_PER_STEP,
-)
+from kvservice.wire.limits import MAX_MODEL_LEN, MAX_OPS_PER_STEP
+from kvservice.wire.pool_spec import decode_pool_spec
 
 STEP_REQUESTS = {StepRpc.STEP: pb.StepRequest, StepRpc.ALLOCATE: pb.AllocateRequest, StepRpc.FREE: pb.FreeRequest,
                  StepRpc.FORK: pb.ForkRequest}
-
-
-# ---- pools ---------------------------------------------------------------------------------------
-def decode_config(msg: pb.KVCacheConfig, field: str = "config") -> tuple[KVCacheConfig, int, int]:
-    """Returns (KVCacheConfig, max_model_len, dcp_world_size)."""
-    if msg.num_blocks < 2:
-        raise InvalidArgument(f"{field}.num_blocks", msg.num_blocks, "must be >= 2 (the null block + 1)")
-    check_count(f"{field}.num_blocks", msg.num_blocks, MAX_BLOCKS)
-    if not msg.groups:
-        raise InvalidArgument(f"{field}.groups", [], "needs at least one KV-cache group")
-    if msg.max_model_len == 0:
-        raise InvalidArgument(f"{field}.max_model_len", 0, "must be positive")
-    check_count(f"{field}.max_model_len", msg.max_model_len, MAX_MODEL_LEN)
-    dcp = msg.dcp_world_size or 1
-    check_count(f"{field}.dcp_world_size", dcp, MAX_DCP_WORLD_SIZE)
-    specs = []
-    for i, group in enumerate(msg.groups):
-        kind = group.WhichOneof("kind")
-        g = f"{field}.groups[{i}]"
-        if kind is None:
-            raise InvalidArgument(g, "{}", "set one of full_attention, sliding_window, chunked_local, mamba")
-        sub = getattr(group, kind)
-        if sub.block_size == 0 or sub.block_size > MAX_BLOCK_SIZE:
-            raise InvalidArgument(f"{g}.{kind}.block_size", sub.block_size, f"must be in [1, {MAX_BLOCK_SIZE}]")
-        if kind == "full_attention":
-            specs.append(FullAttentionSpec(sub.block_size))
-        elif kind == "sliding_window":
-            if sub.sliding_window == 0:
-                raise InvalidArgument(f"{g}.sliding_window.sliding_window", 0, "must be positive")
-            specs.append(SlidingWindowSpec(sub.block_size, sub.sliding_window))
-        elif kind == "chunked_local":
-            if sub.attention_chunk_size == 0:
-                raise InvalidArgument(f"{g}.chunked_local.attention_chunk_size", 0, "must be positive")
-            specs.append(ChunkedLocalAttentionSpec(sub.block_size, sub.attention_chunk_size))
-        else:
-            specs.append(MambaSpec(sub.block_size))
-        if dcp > 1 and kind != "full_attention":
-            raise InvalidArgument(f"{field}.dcp_world_size", dcp, f"decode context parallelism needs full attention "
-                                                                  f"only; groups[{i}] is {kind}")
-    return KVCacheConfig(int(msg.num_blocks), specs), msg.max_model_len, dcp
-
-
-def decode_pool_spec(msg: pb.RegisterPoolRequest, hash_block_size: int) -> PoolSpec:
-    pool_id = check_id("pool_id", msg.pool_id)
-    if msg.epoch > MAX_EPOCH:
-        raise InvalidArgument("epoch", msg.epoch, f"exceeds the limit {MAX_EPOCH}; count engine restarts from 0")
-    config, max_model_len, dcp = decode_config(msg.config)
-    for i, spec in enumerate(config.groups):
-        size = spec.block_size * (dcp if isinstance(spec, FullAttentionSpec) else 1)
-        if size % hash_block_size:
-            raise InvalidArgument(f"config.groups[{i}].block_size", spec.block_size,
-                                  f"the block ({size} tokens) must be a multiple of the service's hash block "
-                                  f"size {hash_block_size}")
-    hash_spec = decode_hash_spec(msg.hash_spec, hash_block_size) if msg.HasField("hash_spec") else None
-    return PoolSpec(pool_id, config, max_model_len, dcp, not msg.config.disable_prefix_caching,
-                    msg.config.vocab_size, check_name("config.kv_layout", msg.config.kv_layout) or "", msg.epoch,
-                    hash_spec)
-
-
-def decode_hash_spec(msg: pb.HashSpec, hash_block_size: int, field: str = "hash_spec") -> HashSpec:
-    """A declared hash spec, at the allocator's hash block size."""
-    algorithm = msg.algorithm or KVSERVICE
-    if algorithm != KVSERVICE and algorithm not in vllm_spec.ALGORITHMS:
-        raise InvalidArgument(f"{field}.algorithm", msg.algorithm,
-                              f"must be {KVSERVICE!r} or one of vLLM's {', '.join(vllm_spec.ALGORITHMS)}")
-    if msg.has_seed:
-        check_name(f"{field}.seed", msg.seed)
-    elif msg.seed:
-        raise InvalidArgument(f"{field}.seed", msg.seed, "set has_seed with a seed (unset: the algorithm's default)")
-    return HashSpec(algorithm, msg.seed if msg.has_seed else None, hash_block_size)
+# AllocateOp fields only a pool with vLLM's semantics takes, and the ops such a pool refuses (vLLM has none).
+VLLM_FIELDS = ("num_output_placeholders", "num_in_flight_tokens", "waiting", "lookup", "num_new_computed_tokens",
+               "full_sequence_must_fit", "reserved_blocks", "has_scheduled_reqs", "cache_tokens")
+VLLM_REFUSED = frozenset({"decode", "admit", "fork", "pin"})
 
 
 # ---- ops -----------------------------------------------------------------------------------------
@@ -138,10 +59,14 @@ def decode_ops(ops: Sequence[pb.Op], spec: PoolSpec, hash_block_size: int, field
     max_len = spec.max_model_len
     vocab = spec.vocab_size
     hash_bytes = spec.hash_bytes
+    vllm = spec.vllm is not None
     for i, op in enumerate(ops):
         kind = op.WhichOneof("op")
+        if vllm and kind in VLLM_REFUSED:
+            raise InvalidArgument(f"{field}[{i}].{kind}", "...", f"pool {spec.pool_id!r} follows vLLM's semantics: "
+                                                                 f"send its allocations as AllocateOp")
         if kind == "allocate":
-            append(decode_allocate(op.allocate, max_len, vocab, field, i, hash_bytes))
+            append(decode_allocate(op.allocate, max_len, vocab, field, i, hash_bytes, vllm))
         elif kind == "add":
             append(decode_add(op.add, max_len, vocab, hash_block_size, field, i, hash_bytes))
         elif kind == "decode":
@@ -158,9 +83,11 @@ def decode_ops(ops: Sequence[pb.Op], spec: PoolSpec, hash_block_size: int, field
             append(decode_pin(op.pin, max_len, vocab, hash_block_size, f"{field}[{i}].pin", hash_bytes))
         elif kind == "unpin":
             append(UnpinOp(check_id((field, i, "unpin", "pin_id"), op.unpin.pin_id)))
+        elif kind == "reset_prefix_cache":
+            append(ResetPrefixCacheOp())
         else:
             raise InvalidArgument(f"{field}[{i}]", "{}", "set one of add, allocate, decode, admit, fork, free, pin, "
-                                                         "unpin")
+                                                         "unpin, reset_prefix_cache")
     return out
 
 
@@ -176,8 +103,11 @@ def ops_from_request(rpc: StepRpc, request, spec: PoolSpec, hash_block_size: int
         if not request.HasField("allocate"):
             raise InvalidArgument("allocate", None, "required")
         ops.append(decode_allocate(request.allocate, spec.max_model_len, spec.vocab_size, "allocate", None,
-                                   spec.hash_bytes))
+                                   spec.hash_bytes, spec.vllm is not None))
         return ops
+    if spec.vllm is not None and rpc is StepRpc.FORK:
+        raise InvalidArgument("parent_request_id", request.parent_request_id,
+                              f"pool {spec.pool_id!r} follows vLLM's semantics, which has no forks")
     if rpc is StepRpc.FREE:
         if not request.request_ids:
             raise InvalidArgument("request_ids", [], "name at least one request")
@@ -200,6 +130,9 @@ def decode_add(a: pb.AddRequestOp, max_len: int, vocab: int, hash_block_size: in
     salt, lora = a.cache_salt, a.lora_name
     if a.block_hashes:
         return _decode_add_by_hashes(a, request_id, mm, max_len, hash_block_size, field, index, hash_bytes)
+    if a.num_prompt_tokens:
+        raise invalid((field, index, "add", "num_prompt_tokens"), a.num_prompt_tokens,
+                      "only with block_hashes (token ids say their prompt themselves)")
     tokens = decode_u32((field, index, "add", "token_ids"), a.token_ids, vocab)
     num_tokens = len(tokens)
     if not num_tokens:
@@ -235,12 +168,16 @@ def _decode_add_by_hashes(a: pb.AddRequestOp, request_id: str, mm: tuple, max_le
         raise invalid((field, index, "add", "block_hashes"), f"<{len(hashes)} hashes>",
                       f"{a.num_tokens} tokens need {a.num_tokens // hash_block_size} hashes at hash block size "
                       f"{hash_block_size}")
+    if a.num_prompt_tokens > a.num_tokens:
+        raise invalid((field, index, "add", "num_prompt_tokens"), a.num_prompt_tokens,
+                      f"exceeds num_tokens {a.num_tokens}")
     return AddRequestOp(request_id, None, hashes, a.num_tokens, None,
-                        check_name((field, index, "add", "lora_name"), a.lora_name))
+                        check_name((field, index, "add", "lora_name"), a.lora_name),
+                        num_prompt_tokens=a.num_prompt_tokens)
 
 
 def decode_allocate(a: pb.AllocateOp, max_len: int, vocab: int, field: str, index: int | None = None,
-                    hash_bytes: int = HASH_BYTES) -> AllocateOp:
+                    hash_bytes: int = HASH_BYTES, vllm: bool = False) -> AllocateOp:
     """One allocate op; (`field`, `index`) names it in errors, formatted only then."""
     request_id = a.request_id
     why = id_problem(request_id)
@@ -273,8 +210,44 @@ def decode_allocate(a: pb.AllocateOp, max_len: int, vocab: int, field: str, inde
         if not a.allow_transfer:
             raise invalid((field, index, "allocate", "allow_transfer"), False,
                           "an external_source needs allow_transfer")
-    return AllocateOp(request_id, computed, budget, tokens, hashes, num_append, lookahead, a.delay_cache_blocks,
-                      a.allow_transfer, external)
+    op = AllocateOp(request_id, computed, budget, tokens, hashes, num_append, lookahead, a.delay_cache_blocks,
+                    a.allow_transfer, external)
+    if vllm or a.num_output_placeholders or a.num_in_flight_tokens or a.waiting or a.lookup \
+            or a.num_new_computed_tokens or a.full_sequence_must_fit or a.reserved_blocks or a.has_scheduled_reqs \
+            or a.cache_tokens:
+        _decode_vllm_fields(a, op, max_len, vllm, field, index)
+    return op
+
+
+def _decode_vllm_fields(a: pb.AllocateOp, op: AllocateOp, max_len: int, vllm: bool, field: str,
+                        index: int | None) -> None:
+    """The fields of vLLM's allocate_slots: only on a pool with vLLM's semantics, each within max_model_len."""
+    def name(f: str) -> Field:
+        return (field, index, "allocate", f)
+
+    if not vllm:
+        first = next(f for f in VLLM_FIELDS if getattr(a, f))
+        raise invalid(name(first), getattr(a, first), "only a pool registered with vllm options takes it")
+    what = f"max_model_len {max_len}"
+    for f in ("num_output_placeholders", "num_in_flight_tokens", "num_new_computed_tokens", "cache_tokens"):
+        at_most(name(f), getattr(a, f), max_len, what)
+    if a.allow_transfer:
+        raise invalid(name("allow_transfer"), True, "vLLM's semantics have no cross-pool transfers")
+    if a.append_token_ids:
+        raise invalid(name("append_token_ids"), "...", "vLLM's scheduler appends block hashes (its own)")
+    if a.lookup and (a.num_append_tokens or a.num_computed_tokens):
+        raise invalid(name("num_append_tokens" if a.num_append_tokens else "num_computed_tokens"),
+                      a.num_append_tokens or a.num_computed_tokens,
+                      "an admission (lookup) starts from the tokens AddRequestOp gave, with none computed")
+    if a.num_new_computed_tokens and not a.lookup:
+        raise invalid(name("num_new_computed_tokens"), a.num_new_computed_tokens, "is the hit of an admission (lookup)")
+    if a.cache_tokens and (a.num_new_tokens or a.lookup):
+        raise invalid(name("cache_tokens"), a.cache_tokens, "caches without allocating: with num_new_tokens 0")
+    op.num_output_placeholders, op.num_in_flight_tokens, op.waiting = (a.num_output_placeholders,
+                                                                       a.num_in_flight_tokens, a.waiting)
+    op.lookup, op.num_new_computed_tokens = a.lookup, a.num_new_computed_tokens
+    op.full_sequence_must_fit, op.reserved_blocks = a.full_sequence_must_fit, a.reserved_blocks
+    op.has_scheduled_reqs, op.cache_tokens = a.has_scheduled_reqs, a.cache_tokens
 
 
 def decode_external(e: pb.ExternalSource, max_len: int, field: Field) -> ExternalSource:

@@ -57,6 +57,8 @@ def encode_step_result(result: StepResult, msg: pb.StepResponse) -> pb.StepRespo
             _encode_packed(r.batch, m.batch)
     for src, dst in result.copies:
         msg.copies.add(src=src, dst=dst)
+    if result.num_free_blocks:
+        msg.num_free_blocks = result.num_free_blocks
     return msg
 
 
@@ -86,7 +88,7 @@ def decode_step_result(msg: pb.StepResponse) -> StepResult:
                                 tuple(list(g.block_ids) for g in m.new_blocks), m.num_computed_tokens,
                                 m.num_scheduled_tokens, m.num_tokens, transfer, batch,
                                 [(x.group, x.index, x.block_id) for x in m.replaced]))
-    return StepResult(msg.sequence, results, [(c.src, c.dst) for c in msg.copies])
+    return StepResult(msg.sequence, results, [(c.src, c.dst) for c in msg.copies], msg.num_free_blocks)
 
 
 def _decode_packed(b: pb.DecodeBatchResult) -> PackedResult:
