@@ -9,7 +9,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = ["core_bench.py", "rpc_bench.py", "persist_bench.py", "engine_bench.py", "transfer_bench.py",
-              "events_bench.py"]
+              "events_bench.py", "shard_bench.py"]
 
 
 def main() -> int:

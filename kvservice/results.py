@@ -99,6 +99,7 @@ class PoolStats:
     num_cached_blocks: int
     invariant_violation: str
     num_pending_transfers: int = 0
+    plain_prefix: bool = False  # a replica of the index answers its Lookup exactly (kvservice.client.index)
 
 
 @dataclass(slots=True)
@@ -119,7 +120,7 @@ class Stats:
 class Event:
     sequence: int
     pool_id: str
-    kind: str  # "stored" | "removed" | "cleared"
+    kind: str  # "stored" | "removed" | "cleared" | "synced" (the end of an include_state dump)
     block_hashes: list[bytes]
     parent_block_hash: bytes | None = None
     token_ids: list[int] | None = None

@@ -94,3 +94,33 @@ def test_the_lease_is_what_open_session_says(server):
     reply = c.stub.Heartbeat(pb.HeartbeatRequest(session_id=c.session_id), timeout=5)
     assert reply.ttl_ms == 1000
     c.close()
+
+
+def test_calls_survive_their_connection_being_replaced_under_them(server):
+    """A map refresh on another thread (a PrefixIndex's, a heartbeat's) may swap a shard's channel for its
+    new leader's and close the old one while calls are in flight on it: reads are sent again on the new
+    channel, mutations resume the session there first and apply exactly once."""
+    import threading
+    c = KVServiceClient(f"{server.target},{server.target}", retries=0, timeout_s=5)  # "a leader and its standby"
+    c.register_pool("swapped", small_config(64, 16), max_model_len=512)
+    c.step("swapped", [AddRequestOp("r", token_ids=list(range(4))), AllocateOp("r", num_new_tokens=4)])
+    stop, swaps = threading.Event(), [0]
+
+    def swap():
+        while not stop.is_set():
+            c._close([c.shards.rotate(c.shards.seed)])  # what a failover does to the connection
+            swaps[0] += 1
+            time.sleep(0.002)
+
+    swapper = threading.Thread(target=swap)
+    swapper.start()
+    try:
+        for i in range(150):
+            assert c.get_request("swapped", "r").num_tokens == 4 + i
+            c.step("swapped", [AllocateOp("r", num_computed_tokens=4 + i, num_new_tokens=1, append_token_ids=[i])])
+    finally:
+        stop.set()
+        swapper.join()
+    assert swaps[0] > 20
+    assert server.client().get_request("swapped", "r").num_tokens == 4 + 150  # every decode step once
+    c.close()

@@ -17,7 +17,7 @@ from worker.sampling import SamplingParams
 from worker.verify import verify
 
 ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
+from worker.ray_local import connect, local_cluster  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = ModelConfig()
@@ -25,11 +25,9 @@ MODEL = ModelConfig()
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"head_node": 1},
-                                                       "include_dashboard": False})
-    c.add_node(num_cpus=1, resources={"second_node": 1})
+    c = local_cluster({"num_cpus": 1, "resources": {"head_node": 1}}, {"num_cpus": 1, "resources": {"second_node": 1}})
     try:
-        ray.init(address=c.address, namespace=deploy.NAMESPACE, log_to_driver=False, configure_logging=False)
+        connect(c.address, namespace=deploy.NAMESPACE)
         c.wait_for_nodes()
         yield c
     finally:

@@ -13,15 +13,14 @@ from tests.test_deploy import MODEL, assert_dense
 from worker import deploy
 
 ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
+from worker.ray_local import connect, local_cluster  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    c.add_node(num_cpus=1)
+    c = local_cluster({"num_cpus": 1}, {"num_cpus": 1})
     try:
-        ray.init(address=c.address, namespace=deploy.NAMESPACE, log_to_driver=False, configure_logging=False)
+        connect(c.address, namespace=deploy.NAMESPACE)
         c.wait_for_nodes()
         yield c
     finally:
@@ -62,14 +61,21 @@ def test_shards_spread_over_nodes_and_pools_over_shards(up):
 def test_router_and_engines_follow_the_map_and_a_dead_shard_fails_over(up):
     rng = random.Random(3)
     prompts = [[rng.randrange(MODEL.vocab_size) for _ in range(40)] for _ in range(4)]
-    router = up.router()
+    router = up.router(replica=True)  # routes from a replica of the index (PrefixIndex)
+    assert router.index.wait_synced()
     outputs = router.generate(prompts, max_tokens=4)
     assert_dense(prompts, outputs, 4)
+    deadline = time.monotonic() + 10
+    while router.route(prompts[0]).cached_tokens == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the engines' cached blocks reach the replica as events
+    asked = router.index.remote_lookups
+    assert router.route(prompts[0]).cached_tokens == 32 and router.index.remote_lookups == asked
     victim = ray.get_actor(deploy.shard_actor_name("s0"), namespace=deploy.NAMESPACE)
     ray.kill(victim, no_restart=False)  # its server dies with it; Ray restarts the actor
     time.sleep(1)
     again = router.generate(prompts[:2], max_tokens=4)  # the standby of s0 serves its pools now
     assert again == outputs[:2]
+    assert sum(router.routed_by_prefix.values()) >= 2  # the repeated prompts went where they were cached
     from kvservice.client import KVServiceClient
     with KVServiceClient(up.target) as c:
         s0 = next(s for s in c.shard_map().shards if s.shard_id == "s0")

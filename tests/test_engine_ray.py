@@ -6,6 +6,7 @@ from tests.test_engine import MODEL, check, prompts
 from worker.actor import PoolLayout, RayWorkers
 from worker.engine import Engine, EngineConfig
 from worker.model import TinyTransformer
+from worker.ray_local import init_local
 from worker.sampling import SamplingParams
 
 ray = pytest.importorskip("ray")
@@ -13,7 +14,7 @@ ray = pytest.importorskip("ray")
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    init_local(num_cpus=2)
     yield
     ray.shutdown()
 

@@ -11,16 +11,15 @@ from worker.model import TinyTransformer
 from worker.sampling import SamplingParams
 
 ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
+from worker.ray_local import connect, local_cluster  # noqa: E402
 
 LAYOUT = "multinode-test"
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_a": 1}})
-    c.add_node(num_cpus=1, resources={"node_b": 1})
-    ray.init(address=c.address, log_to_driver=False, configure_logging=False)
+    c = local_cluster({"num_cpus": 1, "resources": {"node_a": 1}}, {"num_cpus": 1, "resources": {"node_b": 1}})
+    connect(c.address)
     yield c
     ray.shutdown()
     c.shutdown()

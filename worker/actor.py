@@ -147,6 +147,7 @@ class RankWorker:
         if layout.dcp_world_size > 1:
             import torch.distributed as dist
             backend = "nccl" if torch.cuda.is_available() else "gloo"
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks share a node; stay off routable NICs
             self.group = dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{master_port}",
                                                  world_size=layout.dcp_world_size, rank=rank)
 

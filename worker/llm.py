@@ -23,6 +23,7 @@ from kvservice.launch import ServeProcess, start_serve
 from worker.actor import LocalWorkers, PoolLayout, RayWorkers, default_backend
 from worker.engine import Engine, EngineConfig
 from worker.hf.arch import load_model_spec
+from worker.ray_local import init_local
 from worker.request import EngineRequest
 from worker.sampling import SamplingParams
 
@@ -134,7 +135,7 @@ class LLM:
             return LocalWorkers(layout)
         import ray
         if not ray.is_initialized():
-            ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+            init_local()
             self._started_ray = True
         return RayWorkers(layout, num_cpus=min(1.0, (os.cpu_count() or 1) / layout.dcp_world_size))
 

@@ -593,12 +593,14 @@ class LookupResponse(_message.Message):
     def __init__(self, hits: _Optional[_Iterable[_Union[PoolHit, _Mapping]]] = ..., best_pool_id: _Optional[str] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
-    __slots__ = ("pool_ids", "start_sequence")
+    __slots__ = ("pool_ids", "start_sequence", "include_state")
     POOL_IDS_FIELD_NUMBER: _ClassVar[int]
     START_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STATE_FIELD_NUMBER: _ClassVar[int]
     pool_ids: _containers.RepeatedScalarFieldContainer[str]
     start_sequence: int
-    def __init__(self, pool_ids: _Optional[_Iterable[str]] = ..., start_sequence: _Optional[int] = ...) -> None: ...
+    include_state: bool
+    def __init__(self, pool_ids: _Optional[_Iterable[str]] = ..., start_sequence: _Optional[int] = ..., include_state: _Optional[bool] = ...) -> None: ...
 
 class BlockStoredEvent(_message.Message):
     __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "group_idx", "lora_name", "block_ids")
@@ -630,19 +632,25 @@ class AllBlocksClearedEvent(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class StateSyncedEvent(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class KVEvent(_message.Message):
-    __slots__ = ("sequence", "pool_id", "stored", "removed", "cleared")
+    __slots__ = ("sequence", "pool_id", "stored", "removed", "cleared", "synced")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     CLEARED_FIELD_NUMBER: _ClassVar[int]
+    SYNCED_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     pool_id: str
     stored: BlockStoredEvent
     removed: BlockRemovedEvent
     cleared: AllBlocksClearedEvent
-    def __init__(self, sequence: _Optional[int] = ..., pool_id: _Optional[str] = ..., stored: _Optional[_Union[BlockStoredEvent, _Mapping]] = ..., removed: _Optional[_Union[BlockRemovedEvent, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksClearedEvent, _Mapping]] = ...) -> None: ...
+    synced: StateSyncedEvent
+    def __init__(self, sequence: _Optional[int] = ..., pool_id: _Optional[str] = ..., stored: _Optional[_Union[BlockStoredEvent, _Mapping]] = ..., removed: _Optional[_Union[BlockRemovedEvent, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksClearedEvent, _Mapping]] = ..., synced: _Optional[_Union[StateSyncedEvent, _Mapping]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ("check_invariants", "include_state_digest")
@@ -653,7 +661,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, check_invariants: _Optional[bool] = ..., include_state_digest: _Optional[bool] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("pool_id", "epoch", "num_blocks", "num_free_blocks", "usage", "num_requests", "prefix_hit_rate", "prefix_queries", "prefix_hits", "evictions", "num_cached_blocks", "invariant_violation", "num_pending_transfers")
+    __slots__ = ("pool_id", "epoch", "num_blocks", "num_free_blocks", "usage", "num_requests", "prefix_hit_rate", "prefix_queries", "prefix_hits", "evictions", "num_cached_blocks", "invariant_violation", "num_pending_transfers", "plain_prefix")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -667,6 +675,7 @@ class PoolStats(_message.Message):
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     INVARIANT_VIOLATION_FIELD_NUMBER: _ClassVar[int]
     NUM_PENDING_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_PREFIX_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     epoch: int
     num_blocks: int
@@ -680,7 +689,8 @@ class PoolStats(_message.Message):
     num_cached_blocks: int
     invariant_violation: str
     num_pending_transfers: int
-    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., evictions: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., invariant_violation: _Optional[str] = ..., num_pending_transfers: _Optional[int] = ...) -> None: ...
+    plain_prefix: bool
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., evictions: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., invariant_violation: _Optional[str] = ..., num_pending_transfers: _Optional[int] = ..., plain_prefix: _Optional[bool] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
     __slots__ = ("pools", "num_sessions", "persistence", "event_sequence", "lease_expiries", "hash_fingerprint", "hash_block_size", "state_digest", "wal_entries_written", "wal_bytes_written", "snapshots_written", "last_snapshot_bytes", "wal_lag", "leader_epoch", "external_pools")

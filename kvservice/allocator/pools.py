@@ -8,7 +8,8 @@ from collections.abc import Sequence
 
 from kvservice.commands import PoolSpec
 from kvservice.core import KVCacheManager, Request
-from kvservice.core.specs import effective_block_size
+from kvservice.core.block import get_block_hash, get_group_id
+from kvservice.core.specs import FullAttentionSpec, effective_block_size
 from kvservice.hashing import BlockHash, HashSpec, MultiModalItem
 from kvservice.hashing.spec import KVSERVICE
 
@@ -91,6 +92,21 @@ class Pool:
                 if not block.is_null:
                     ids.add(block.block_id)
         return ids
+
+    @property
+    def plain_prefix(self) -> bool:
+        """Whether a hit is the longest run of cached block hashes: one full-attention group whose blocks are
+        hash blocks (what a client-side replica of the index can answer exactly)."""
+        groups = self.spec.config.groups
+        return (len(groups) == 1 and type(groups[0]) is FullAttentionSpec
+                and self.block_sizes()[0] == self.hash_block_size)
+
+    def cached_hashes(self) -> dict[int, list[BlockHash]]:
+        """Per group, the (namespaced) hash of every cached block (a hash twice when two blocks carry it)."""
+        out: dict[int, list[BlockHash]] = {}
+        for key, _ in self.manager.block_pool.cached_block_hash_to_block.items():
+            out.setdefault(get_group_id(key), []).append(get_block_hash(key))
+        return out
 
     def cached_prefix_tokens(self, hashes: Sequence[BlockHash], num_tokens: int) -> int:
         """Read-only: how many prefix tokens admission would reuse (no touch, no stats)."""

@@ -12,13 +12,15 @@ session's lease in the background (every third of the server's `--session-ttl`).
 
     base      the API, written once (each method a `Call`); sessions, sequences, resume
     sync      KVServiceClient: runs a call to its result       aio   AsyncKVServiceClient: as a coroutine
+    index     PrefixIndex: a router's replica of the prefix index from the shards' events (Lookup from memory)
 """
 
 from kvservice.client.aio import AsyncKVServiceClient
+from kvservice.client.index import PrefixIndex
 from kvservice.client.sync import KVServiceClient
 from kvservice.errors import KVServiceError
 from kvservice.ops import AddRequestOp, AllocateOp, ForkOp, FreeOp
 from kvservice.results import Event, LookupResult, PoolStats, RequestInfo, Stats
 
 __all__ = ["AddRequestOp", "AllocateOp", "AsyncKVServiceClient", "Event", "ForkOp", "FreeOp", "KVServiceClient",
-           "KVServiceError", "LookupResult", "PoolStats", "RequestInfo", "Stats"]
+           "KVServiceError", "LookupResult", "PoolStats", "PrefixIndex", "RequestInfo", "Stats"]

@@ -10,7 +10,16 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 
 from kvservice._proto import allocator_pb2 as pb
-from kvservice.client.base import MAX_HOPS, RETRYABLE, Call, ClientBase
+from kvservice.client.base import (
+    FAILOVER_POLL_S,
+    FAILOVER_RETRY_S,
+    MAX_HOPS,
+    RETRYABLE,
+    Call,
+    ClientBase,
+    ConnectionReplaced,
+    replaced_under,
+)
 from kvservice.client.routing import Conn
 from kvservice.errors import Moved, NotFound, Unavailable
 from kvservice.results import Event
@@ -42,18 +51,26 @@ class AsyncKVServiceClient(ClientBase):
             await channel.close()
 
     # ---- calls ---------------------------------------------------------------------------------
-    async def _call(self, conn: Conn, method: str, request, timeout_s: float | None = None):
-        rpc = getattr(conn.stub, method)
+    async def _call(self, conn: Conn, method: str, request, timeout_s: float | None = None,
+                    retries: int | None = None):
         delay = 0.05
-        for attempt in range(self.retries + 1):
+        retries = self.retries if retries is None else retries
+        attempt = 0
+        while True:
+            stub = conn.stub
             try:
-                return await rpc(request, timeout=timeout_s or self.timeout_s, metadata=self.metadata)
-            except grpc.RpcError as err:
-                if err.code() not in RETRYABLE or attempt == self.retries:
+                return await getattr(stub, method)(request, timeout=timeout_s or self.timeout_s,
+                                                   metadata=self.metadata)
+            except (grpc.RpcError, ValueError, grpc.aio.UsageError) as err:
+                if replaced_under(conn, stub, err):
+                    if conn.stale:  # a new leader: the session is resumed there before anything is sent
+                        raise ConnectionReplaced() from None
+                    continue
+                if not isinstance(err, grpc.RpcError) or err.code() not in RETRYABLE or attempt == retries:
                     raise
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
-        raise AssertionError("unreachable")
+            attempt += 1
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
     async def _run_on(self, conn: Conn, call: Call):
         try:
@@ -79,7 +96,7 @@ class AsyncKVServiceClient(ClientBase):
         shards = self.shards
         if not shards.known and call.method != "GetShardMap":
             await self._refresh_map(shards.seed)
-        if call.merge is not None and shards.sharded and call.conn is None:
+        if call.merge is not None and (shards.sharded or call.always_merge) and call.conn is None:
             calls = []
             for conn in shards.all():
                 request = call.per_shard(conn) if call.per_shard is not None else call.request
@@ -89,6 +106,7 @@ class AsyncKVServiceClient(ClientBase):
         hops, deadline = 0, None
         while True:
             conn = call.conn or shards.conn_for(call.pool_id)
+            stub = conn.stub
             try:
                 if not call.mutating:
                     return await self._run_on(conn, call)
@@ -100,13 +118,16 @@ class AsyncKVServiceClient(ClientBase):
                     raise
                 await self._close(shards.moved(exc.pool_id, exc.shard_id, exc.address))
             except Unavailable as exc:
+                if conn.stub is not stub:
+                    continue  # the map named the shard's new leader meanwhile: go there now
                 deadline = deadline or time.monotonic() + self.failover_timeout_s
                 if not self._may_fail_over(exc) or not await self._failed_over(conn, deadline):
                     raise
 
-    async def _refresh_map(self, conn: Conn) -> bool:
+    async def _refresh_map(self, conn: Conn, retries: int | None = None) -> bool:
         try:
-            reply = await self._call(conn, "GetShardMap", pb.GetShardMapRequest(), timeout_s=min(self.timeout_s, 5))
+            reply = await self._call(conn, "GetShardMap", pb.GetShardMapRequest(), timeout_s=min(self.timeout_s, 5),
+                                     retries=retries)
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.UNIMPLEMENTED:
                 self.shards.known = True
@@ -116,7 +137,7 @@ class AsyncKVServiceClient(ClientBase):
 
     async def _failed_over(self, dead: Conn, deadline: float) -> bool:
         """Whether the call may be retried after UNAVAILABLE: a standby (the next address) or another shard's
-        map names a new leader for `dead`'s shard, before `deadline`."""
+        map names a new leader for `dead`'s shard, before `deadline` (as the blocking client's)."""
         shards = self.shards
         if not shards.sharded:
             if not shards.alternates or time.monotonic() > deadline:
@@ -124,21 +145,19 @@ class AsyncKVServiceClient(ClientBase):
             await self._close([shards.rotate(dead)])
             await asyncio.sleep(0.1)
             return True
-        # Sharded: a failed leader's standby (a new address in the map), or a pool being moved (a new shard
-        # for it, or frozen for a moment): ask the shards, then retry the call, until the deadline.
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.2)
-        for conn in [c for c in shards.all() if c is not dead] + [dead]:
-            if await self._refresh_map(conn):
-                return True
-        for conn in shards.spare_seeds():  # no shard answers: the target's other addresses (standbys)
+        seen, retry_at = (shards.version, dead.address), time.monotonic() + FAILOVER_RETRY_S
+        while time.monotonic() < min(deadline, retry_at):
+            await asyncio.sleep(FAILOVER_POLL_S)
+            spares = shards.spare_seeds()
             try:
-                if await self._refresh_map(conn):
-                    return True
+                for conn in [c for c in shards.all() if c is not dead] + spares + [dead]:
+                    if await self._refresh_map(conn, retries=0):
+                        break
             finally:
-                await conn.channel.close()
-        return True
+                await self._close([c.channel for c in spares])
+            if (shards.version, dead.address) != seen:
+                return True
+        return time.monotonic() < deadline
 
     @staticmethod
     async def _close(channels) -> None:
@@ -164,13 +183,14 @@ class AsyncKVServiceClient(ClientBase):
                     if isinstance(from_rpc_error(err), NotFound):
                         lapsed.add((conn.shard_id, self.session_id))
 
-    async def watch_events(self, pool_ids: Sequence[str] = (),
-                           start_sequence: int | None = None) -> AsyncIterator[Event]:
+    async def watch_events(self, pool_ids: Sequence[str] = (), start_sequence: int | None = None, *,
+                           shard_id: str | None = None, include_state: bool = False) -> AsyncIterator[Event]:
+        """As the blocking client's."""
         if not self.shards.known:
             await self._refresh_map(self.shards.seed)
-        msg = self._watch_request(pool_ids, start_sequence)
+        msg = self._watch_request(pool_ids, start_sequence, include_state)
         try:
-            async for e in self._watch_target(pool_ids).stub.WatchEvents(msg, metadata=self.metadata):
+            async for e in self._watch_target(pool_ids, shard_id).stub.WatchEvents(msg, metadata=self.metadata):
                 yield replies.decode_event(e)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None

@@ -21,6 +21,7 @@ from kvservice._proto import allocator_pb2 as pb
 from kvservice.client.routing import SERVICE_NAME, Conn, Shards
 from kvservice.commands import VllmOptions
 from kvservice.core import KVCacheConfig
+from kvservice.errors import InvalidArgument
 from kvservice.hashing import DEFAULT_HASH_BLOCK_SIZE, DEFAULT_HASH_SEED, HashSpec, hash_prompt, spec_fingerprint
 from kvservice.ops import AddRequestOp, AllocateOp, Op
 from kvservice.results import LookupResult, SessionOpened, Stats, best_pool
@@ -28,7 +29,29 @@ from kvservice.wire import encode, replies
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 MAX_HOPS = 4  # redirects (and failovers) one call follows
-__all__ = ["RETRYABLE", "SERVICE_NAME", "Call", "ClientBase"]
+FAILOVER_POLL_S = 0.1  # a call that found its shard down asks for the map this often, until it changes
+FAILOVER_RETRY_S = 1.0  # ... and is retried after this long even if it did not (a move called off)
+__all__ = ["RETRYABLE", "SERVICE_NAME", "Call", "ClientBase", "ConnectionReplaced"]
+
+
+class ConnectionReplaced(grpc.RpcError):
+    """A call's channel was closed under it: another thread (a map refresh) swapped in the shard's new
+    leader. A read is sent again on the new connection; a mutation goes back to `_run`, which resumes the
+    session there first."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "this shard's connection was replaced during the call (its leader changed); try again"
+
+
+def replaced_under(conn: Conn, stub, err: Exception) -> bool:
+    """Whether `err` (from a call made with `stub`) came from `conn` being given a new channel meanwhile: grpc
+    raises ValueError on a closed channel, and cancels calls in flight when it closes."""
+    if conn.stub is stub:
+        return False
+    return isinstance(err, ValueError) or (isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.CANCELLED)
 
 
 @dataclass(slots=True, frozen=True)
@@ -41,6 +64,7 @@ class Call:
     conn: Conn | None = None  # pins it to one connection
     merge: Callable[[list], Any] | None = None  # about no pool: run on every shard, merge the results
     per_shard: Callable[[Conn], Any] | None = None  # with merge: the request for one shard (None: skip it)
+    always_merge: bool = False  # merge an unsharded allocator's one result too
 
 
 def channel_credentials(tls_ca: str | None, tls_cert: str | None, tls_key: str | None):
@@ -260,6 +284,11 @@ class ClientBase:
         msg = pb.GetStatsRequest(check_invariants=check_invariants, include_state_digest=include_state_digest)
         return self._run(Call("GetStats", msg, replies.decode_stats, merge=merge_stats))
 
+    def shard_stats(self):
+        """GetStats of each shard on its own: shard id -> Stats ("" for an unsharded allocator)."""
+        return self._run(Call("GetStats", pb.GetStatsRequest(), replies.decode_stats, always_merge=True,
+                              merge=lambda parts: dict(zip((c.shard_id for c in self.shards.all()), parts))))
+
     def reset_prefix_cache(self, pool_ids: Sequence[str] = ()):
         msg = pb.ResetPrefixCacheRequest(pool_ids=list(pool_ids))
 
@@ -295,17 +324,25 @@ class ClientBase:
         """Block hashes exactly as the server computes them (to add requests by hashes)."""
         return hash_prompt(token_ids, self.hash_block_size, self.hash_seed, cache_salt, lora_name)
 
-    def _watch_target(self, pool_ids: Sequence[str]) -> Conn:
+    def _watch_target(self, pool_ids: Sequence[str], shard_id: str | None = None) -> Conn:
+        if shard_id is not None:
+            if not self.shards.sharded:
+                return self.shards.seed
+            conn = self.shards.conns.get(shard_id)
+            if conn is None:
+                raise InvalidArgument("shard_id", shard_id, f"not a shard of this allocator (shards: "
+                                      f"{', '.join(sorted(self.shards.conns)) or 'none'})")
+            return conn
         conns = {id(self.shards.conn_for(p)): self.shards.conn_for(p) for p in pool_ids}
         if len(conns) > 1:
-            from kvservice.errors import InvalidArgument
             raise InvalidArgument("pool_ids", list(pool_ids), "these pools are on different shards; event "
                                   "sequences are per shard: watch each shard's pools in a stream of its own")
         return next(iter(conns.values())) if conns else self.shards.seed
 
     @staticmethod
-    def _watch_request(pool_ids: Sequence[str], start_sequence: int | None) -> pb.WatchEventsRequest:
-        msg = pb.WatchEventsRequest(pool_ids=list(pool_ids))
+    def _watch_request(pool_ids: Sequence[str], start_sequence: int | None,
+                       include_state: bool = False) -> pb.WatchEventsRequest:
+        msg = pb.WatchEventsRequest(pool_ids=list(pool_ids), include_state=include_state)
         if start_sequence is not None:
             msg.start_sequence = start_sequence
         return msg

@@ -9,7 +9,16 @@ from collections.abc import Iterator, Sequence
 import grpc
 
 from kvservice._proto import allocator_pb2 as pb
-from kvservice.client.base import MAX_HOPS, RETRYABLE, Call, ClientBase
+from kvservice.client.base import (
+    FAILOVER_POLL_S,
+    FAILOVER_RETRY_S,
+    MAX_HOPS,
+    RETRYABLE,
+    Call,
+    ClientBase,
+    ConnectionReplaced,
+    replaced_under,
+)
 from kvservice.client.routing import Conn
 from kvservice.errors import Moved, NotFound, Unavailable
 from kvservice.results import Event
@@ -38,18 +47,24 @@ class KVServiceClient(ClientBase):
             channel.close()
 
     # ---- calls ---------------------------------------------------------------------------------
-    def _call(self, conn: Conn, method: str, request, timeout_s: float | None = None):
-        rpc = getattr(conn.stub, method)
+    def _call(self, conn: Conn, method: str, request, timeout_s: float | None = None, retries: int | None = None):
         delay = 0.05
-        for attempt in range(self.retries + 1):
+        retries = self.retries if retries is None else retries
+        attempt = 0
+        while True:
+            stub = conn.stub
             try:
-                return rpc(request, timeout=timeout_s or self.timeout_s, metadata=self.metadata)
-            except grpc.RpcError as err:
-                if err.code() not in RETRYABLE or attempt == self.retries:
+                return getattr(stub, method)(request, timeout=timeout_s or self.timeout_s, metadata=self.metadata)
+            except (grpc.RpcError, ValueError) as err:
+                if replaced_under(conn, stub, err):
+                    if conn.stale:  # a new leader: the session is resumed there before anything is sent
+                        raise ConnectionReplaced() from None
+                    continue
+                if not isinstance(err, grpc.RpcError) or err.code() not in RETRYABLE or attempt == retries:
                     raise
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
-        raise AssertionError("unreachable")
+            attempt += 1
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
     def _run_on(self, conn: Conn, call: Call):
         try:
@@ -75,11 +90,12 @@ class KVServiceClient(ClientBase):
         shards = self.shards
         if not shards.known and call.method != "GetShardMap":
             self._refresh_map(shards.seed)
-        if call.merge is not None and shards.sharded and call.conn is None:
+        if call.merge is not None and (shards.sharded or call.always_merge) and call.conn is None:
             return call.merge(self._fan_out(call))
         hops, deadline = 0, None
         while True:
             conn = call.conn or shards.conn_for(call.pool_id)
+            stub = conn.stub
             try:
                 return self._run_on(conn, call)
             except Moved as exc:
@@ -88,6 +104,8 @@ class KVServiceClient(ClientBase):
                     raise
                 self._close(shards.moved(exc.pool_id, exc.shard_id, exc.address))
             except Unavailable as exc:
+                if conn.stub is not stub:
+                    continue  # the map named the shard's new leader meanwhile: go there now
                 # A shard's leader may have failed over: ask the others (or the next address) where it is now.
                 deadline = deadline or time.monotonic() + self.failover_timeout_s
                 # (A pinned call may too: its connection is the shard's, whatever address the shard moves to.)
@@ -102,19 +120,27 @@ class KVServiceClient(ClientBase):
         parts = [(conn, request) for conn, request in parts if request is not None]
         if call.mutating:
             return [self._run(Call(call.method, request, call.decode, conn=conn)) for conn, request in parts]
-        futures = [getattr(conn.stub, call.method).future(request, timeout=self.timeout_s, metadata=self.metadata)
-                   for conn, request in parts]
+        futures = []
+        for conn, request in parts:
+            try:
+                futures.append(getattr(conn.stub, call.method).future(request, timeout=self.timeout_s,
+                                                                      metadata=self.metadata))
+            except ValueError:  # its channel was closed just now (a new leader): the retry below uses the new one
+                futures.append(None)
         out = []
         for (conn, request), future in zip(parts, futures):
             try:
+                if future is None:
+                    raise ConnectionReplaced()
                 out.append(call.decode(future.result()))
             except grpc.RpcError:
                 out.append(self._run(Call(call.method, request, call.decode, conn=conn)))
         return out
 
-    def _refresh_map(self, conn: Conn) -> bool:
+    def _refresh_map(self, conn: Conn, retries: int | None = None) -> bool:
         try:
-            reply = self._call(conn, "GetShardMap", pb.GetShardMapRequest(), timeout_s=min(self.timeout_s, 5))
+            reply = self._call(conn, "GetShardMap", pb.GetShardMapRequest(), timeout_s=min(self.timeout_s, 5),
+                               retries=retries)
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.UNIMPLEMENTED:  # an allocator older than sharding
                 self.shards.known = True
@@ -133,20 +159,22 @@ class KVServiceClient(ClientBase):
             time.sleep(0.1)
             return True
         # Sharded: a failed leader's standby (a new address in the map), or a pool being moved (a new shard
-        # for it, or frozen for a moment): ask the shards, then retry the call, until the deadline.
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-        for conn in [c for c in shards.all() if c is not dead] + [dead]:
-            if self._refresh_map(conn):
-                return True
-        for conn in shards.spare_seeds():  # no shard answers: the target's other addresses (standbys)
+        # for it, or frozen for a moment). Ask for the map every FAILOVER_POLL_S until it changes, then
+        # retry the call; retry anyway after FAILOVER_RETRY_S (a move that was called off changes nothing).
+        seen, retry_at = (shards.version, dead.address), time.monotonic() + FAILOVER_RETRY_S
+        while time.monotonic() < min(deadline, retry_at):
+            time.sleep(FAILOVER_POLL_S)
+            # The other shards, then the target's spare addresses (e.g. a single shard's standby), then dead.
+            spares = shards.spare_seeds()
             try:
-                if self._refresh_map(conn):
-                    return True
+                for conn in [c for c in shards.all() if c is not dead] + spares + [dead]:
+                    if self._refresh_map(conn, retries=0):
+                        break
             finally:
-                conn.channel.close()
-        return True
+                self._close(c.channel for c in spares)
+            if (shards.version, dead.address) != seen:
+                return True
+        return time.monotonic() < deadline
 
     @staticmethod
     def _close(channels) -> None:
@@ -179,13 +207,48 @@ class KVServiceClient(ClientBase):
                         return
 
     def watch_events(self, pool_ids: Sequence[str] = (), start_sequence: int | None = None,
-                     timeout_s: float | None = None) -> Iterator[Event]:
-        """Events of `pool_ids` (all of one shard, when sharded), from `start_sequence` on."""
+                     timeout_s: float | None = None, *, shard_id: str | None = None,
+                     include_state: bool = False) -> Iterator[Event]:
+        """Events of `pool_ids` (all of one shard, when sharded; `shard_id`: every pool of that shard), from
+        `start_sequence` on. `include_state`: first the pools' cached blocks as they are now (per pool a
+        "cleared" event, then "stored" ones), then one "synced" event, then new events."""
+        yield from self.open_events(pool_ids, start_sequence, timeout_s, shard_id=shard_id,
+                                    include_state=include_state)
+
+    def open_events(self, pool_ids: Sequence[str] = (), start_sequence: int | None = None,
+                    timeout_s: float | None = None, *, shard_id: str | None = None,
+                    include_state: bool = False) -> EventStream:
+        """`watch_events` as a stream another thread can `cancel()`."""
         if not self.shards.known:
             self._refresh_map(self.shards.seed)
-        msg = self._watch_request(pool_ids, start_sequence)
+        msg = self._watch_request(pool_ids, start_sequence, include_state)
+        conn = self._watch_target(pool_ids, shard_id)
+        return EventStream(conn.stub.WatchEvents(msg, metadata=self.metadata, timeout=timeout_s))
+
+    def refresh_shard_map(self) -> bool:
+        """Reads the shard map again (from any shard, or the target's other addresses); False if none answered."""
+        spares = self.shards.spare_seeds()
         try:
-            for e in self._watch_target(pool_ids).stub.WatchEvents(msg, metadata=self.metadata, timeout=timeout_s):
+            return any(self._refresh_map(conn, retries=0) for conn in [*self.shards.all(), *spares])
+        finally:
+            self._close(c.channel for c in spares)
+
+
+class EventStream:
+    """A WatchEvents stream: iterate it for events (kvservice.results.Event); `cancel()`, from any thread,
+    ends the iteration."""
+
+    def __init__(self, call) -> None:
+        self._call = call
+
+    def __iter__(self) -> Iterator[Event]:
+        try:
+            for e in self._call:
                 yield replies.decode_event(e)
         except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.CANCELLED and self._call.cancelled():
+                return
             raise from_rpc_error(err) from None
+
+    def cancel(self) -> None:
+        self._call.cancel()

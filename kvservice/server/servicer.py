@@ -309,8 +309,13 @@ class AllocatorServicer:
                 await self._here(pool_id)
                 state.pool(pool_id, principal.tenant, principal.admin)  # NOT_FOUND for another tenant's
             log = state.events
+            if request.include_state and request.HasField("start_sequence"):
+                raise InvalidArgument("start_sequence", request.start_sequence, "include_state starts from the state "
+                                      "as it is now: leave start_sequence unset")
             cursor = request.start_sequence if request.HasField("start_sequence") else log.next_sequence
             log.since(cursor)  # OUT_OF_RANGE now rather than after the first wait
+            # The dump and the cursor are taken with nothing in between: the stream misses no change.
+            dump = self._state_dump(state, pool_ids, principal, cursor - 1) if request.include_state else []
         except KVServiceError as exc:
             self.metrics.rejected.labels("WatchEvents", exc.code.name).inc()
             await abort(context, exc)
@@ -318,10 +323,21 @@ class AllocatorServicer:
         tenant, admin = principal.tenant, principal.admin
         self.num_watchers += 1
         try:
+            for message in dump:
+                yield message
             async for message in self._watch(state, log, cursor, pool_ids, tenant, admin, context):
                 yield message
         finally:
             self.num_watchers -= 1
+
+    @staticmethod
+    def _state_dump(state, pool_ids: set[str], principal, sequence: int) -> list:
+        """WatchEvents include_state: the watched pools' cached blocks as events, then `synced`."""
+        pools = [state.pools[p] for p in sorted(pool_ids) if p in state.pools] if pool_ids else \
+            state.visible_pools(principal.tenant, principal.admin)
+        out = [m for pool in pools for m in replies.encode_state(pool.pool_id, sequence, pool.cached_hashes())]
+        out.append(pb.KVEvent(sequence=sequence, synced=pb.StateSyncedEvent()))
+        return out
 
     async def _watch(self, state, log, cursor: int, pool_ids: set[str], tenant: str, admin: bool, context):
         while True:

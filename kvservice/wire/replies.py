@@ -161,13 +161,14 @@ def encode_pool_stats(p: PoolStats, out: pb.PoolStats) -> None:
     out.usage, out.num_requests, out.prefix_hit_rate = p.usage, p.num_requests, p.prefix_hit_rate
     out.prefix_queries, out.prefix_hits, out.evictions = p.prefix_queries, p.prefix_hits, p.evictions
     out.num_cached_blocks, out.num_pending_transfers = p.num_cached_blocks, p.num_pending_transfers
-    out.invariant_violation = p.invariant_violation
+    out.invariant_violation, out.plain_prefix = p.invariant_violation, p.plain_prefix
 
 
 def decode_stats(r: pb.GetStatsResponse) -> Stats:
     pools = {p.pool_id: PoolStats(p.pool_id, p.epoch, p.num_blocks, p.num_free_blocks, p.usage, p.num_requests,
                                   p.prefix_hit_rate, p.prefix_queries, p.prefix_hits, p.evictions,
-                                  p.num_cached_blocks, p.invariant_violation, p.num_pending_transfers)
+                                  p.num_cached_blocks, p.invariant_violation, p.num_pending_transfers,
+                                  p.plain_prefix)
              for p in r.pools}
     external = {p.pool_id: decode_external_stats(p) for p in r.external_pools}
     return Stats(pools, r.num_sessions, r.persistence, r.event_sequence, r.lease_expiries, r.hash_fingerprint,
@@ -206,4 +207,17 @@ def decode_event(e: pb.KVEvent) -> Event:
                      list(decode_u32("token_ids", s.token_ids)), list(s.block_ids), s.group_idx)
     if kind == "removed":
         return Event(e.sequence, e.pool_id, kind, list(e.removed.block_hashes), group_idx=e.removed.group_idx)
-    return Event(e.sequence, e.pool_id, "cleared", [])
+    return Event(e.sequence, e.pool_id, kind or "cleared", [])  # "cleared", or "synced" (an include_state dump's end)
+
+
+def encode_state(pool_id: str, sequence: int, cached: dict[int, list[bytes]], chunk: int = 4096) -> list[pb.KVEvent]:
+    """A pool's state as events (WatchEvents include_state): `cleared`, then its cached (tenant-free) hashes
+    as `stored` events of at most `chunk` each, per group."""
+    out = [pb.KVEvent(sequence=sequence, pool_id=pool_id, cleared=pb.AllBlocksClearedEvent())]
+    for group, hashes in sorted(cached.items()):
+        for i in range(0, len(hashes), chunk):
+            msg = pb.KVEvent(sequence=sequence, pool_id=pool_id)
+            msg.stored.block_hashes.extend(raw_hash(h) for h in hashes[i:i + chunk])
+            msg.stored.group_idx = group
+            out.append(msg)
+    return out

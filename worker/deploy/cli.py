@@ -21,6 +21,7 @@ from worker.deploy.names import NAMESPACE
 from worker.deploy.placement import deploy, teardown
 from worker.deploy.router import Router
 from worker.model import ModelConfig, TinyTransformer
+from worker.ray_local import init_local
 from worker.request import EngineRequest
 from worker.sampling import SamplingParams
 from worker.verify import Verification, verify
@@ -118,8 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     args, cfg = parse_args(argv)
     import ray
     if args.local:
-        ray.init(address="local", namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
-                 configure_logging=False, _node_ip_address="127.0.0.1")
+        init_local(namespace=NAMESPACE)
     else:
         try:
             ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False, configure_logging=False)

@@ -13,7 +13,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvservice.client import KVServiceClient
+from kvservice.client import KVServiceClient, PrefixIndex
 from kvservice.server.startup import is_loopback
 from worker.actor import PoolLayout
 from worker.deploy.actors import AllocatorActor, EngineActor
@@ -45,8 +45,11 @@ class Deployment:
     created: list[str] = field(default_factory=list)  # pools this call started
     token: str | None = None  # what clients of the allocator send
 
-    def router(self, token: str | None = None) -> Router:
-        return Router(KVServiceClient(self.target, token or self.token, client_name="router"), self.engines)
+    def router(self, token: str | None = None, replica: bool = False) -> Router:
+        """A KV-aware router over the engines; `replica`: it keeps a replica of the prefix index
+        (kvservice.client.PrefixIndex) and routes without a Lookup RPC per prompt."""
+        client = KVServiceClient(self.target, token or self.token, client_name="router")
+        return Router(client, self.engines, PrefixIndex(client) if replica else None)
 
 
 def deploy(cfg: DeployConfig) -> Deployment:

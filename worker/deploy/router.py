@@ -2,6 +2,7 @@
 longest cached prefix (the allocator's Lookup), and each pool's share runs as one batch on its engine.
 
     Router.generate -> KVServiceClient.lookup (per prompt) -> EngineActor.generate (per pool, in parallel)
+                       or PrefixIndex.lookup (a replica of the index in this process: no RPC per prompt)
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from kvservice.client import KVServiceClient
+from kvservice.client import KVServiceClient, PrefixIndex
 
 
 @dataclass(slots=True, frozen=True)
@@ -22,8 +23,9 @@ class Router:
     """KV-aware placement: a prompt goes to the pool with its longest cached prefix (ties: the most free
     blocks), which is the allocator's Lookup answer; round-robin while no pool has any of it cached."""
 
-    def __init__(self, client: KVServiceClient, engines: dict[str, object]) -> None:
+    def __init__(self, client: KVServiceClient, engines: dict[str, object], index: PrefixIndex | None = None) -> None:
         self.client = client
+        self.index = index  # answers Lookup from memory when given
         self.engines = engines
         self.pool_ids = list(engines)
         self.routed: Counter = Counter()
@@ -31,7 +33,7 @@ class Router:
         self._next = 0
 
     def route(self, prompt: list[int]) -> Route:
-        lookup = self.client.lookup(prompt, pool_ids=self.pool_ids)
+        lookup = (self.index or self.client).lookup(prompt, pool_ids=self.pool_ids)
         cached = lookup.tokens(lookup.best_pool_id) if lookup.best_pool_id else 0
         if cached > 0:
             return Route(lookup.best_pool_id, cached)
@@ -55,3 +57,8 @@ class Router:
             for i, out in zip(idx, ray.get(refs[pool_id])):
                 outputs[i] = out
         return outputs
+
+    def close(self) -> None:
+        if self.index is not None:
+            self.index.close()
+        self.client.close()

@@ -1,0 +1,49 @@
+"""Ray on one machine, bound to loopback.
+
+Ray gives its GCS, raylets and workers the machine's routable address, even when told `127.0.0.1` (it
+"resolves" loopback to that address on Linux); on hosts where the address is firewalled (CI sandboxes,
+laptops on VPNs) `ray.init` then hangs reaching its own GCS. Ray keeps to loopback only in its
+single-machine mode (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`, its default on macOS and Windows). Everything
+local that kvservice starts — `LLM`, `kvservice deploy --local`, the demo, the tests' clusters — goes
+through these helpers, which switch that mode on for this process and the Ray processes it starts.
+"""
+
+from __future__ import annotations
+
+import os
+
+LOOPBACK = "127.0.0.1"
+QUIET = {"log_to_driver": False, "configure_logging": False}
+
+
+def loopback_only() -> None:
+    """Make this process (and the Ray processes it starts from now on) give Ray nodes the address 127.0.0.1."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    from ray._private import ray_constants  # read when Ray picks a node's address, not only at import
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def init_local(**kwargs) -> None:
+    """Start a fresh single-node Ray instance in this process, on loopback."""
+    import ray
+    loopback_only()
+    ray.init(address="local", include_dashboard=False, _node_ip_address=LOOPBACK, **QUIET, **kwargs)
+
+
+def connect(address: str, **kwargs) -> None:
+    """Join a Ray cluster from this process; a local cluster's driver must also say it lives on loopback."""
+    import ray
+    loopback_only()
+    ray.init(address=address, _node_ip_address=LOOPBACK, **QUIET, **kwargs)
+
+
+def local_cluster(*nodes: dict):
+    """A `ray.cluster_utils.Cluster` with one node per dict of node args (the first is the head)."""
+    from ray.cluster_utils import Cluster
+    loopback_only()
+    head, *rest = nodes
+    cluster = Cluster(initialize_head=True, head_node_args={"include_dashboard": False, "node_ip_address": LOOPBACK,
+                                                            **head})
+    for node in rest:
+        cluster.add_node(node_ip_address=LOOPBACK, **node)
+    return cluster
