@@ -128,7 +128,7 @@ def decode_add(a: pb.AddRequestOp, max_len: int, vocab: int, hash_block_size: in
     mm = tuple(MultiModalItem(check_id((field, index, "add", f"mm_items[{j}].identifier"), m.identifier), m.offset,
                               m.length) for j, m in enumerate(a.mm_items)) if a.mm_items else ()
     salt, lora = a.cache_salt, a.lora_name
-    if a.block_hashes:
+    if a.block_hashes or (a.num_tokens and not a.token_ids):  # a prompt under one hash block has no hashes
         return _decode_add_by_hashes(a, request_id, mm, max_len, hash_block_size, field, index, hash_bytes)
     if a.num_prompt_tokens:
         raise invalid((field, index, "add", "num_prompt_tokens"), a.num_prompt_tokens,
