@@ -96,7 +96,7 @@ vllm-env:
 test-vllm: vllm-env
 	$(PY) tests/vllm/run.py --env $(VLLM_ENV)
 	VLLM_TARGET_DEVICE=cpu PYTHONPATH=.:$(VLLM_ENV)/src $(VLLM_ENV)/venv/bin/python -m pytest -q -p no:cacheprovider \
-	  tests/vllm/test_external_vllm.py tests/vllm/test_external_hashes.py
+	  tests/vllm/test_external_vllm.py tests/vllm/test_external_hashes.py tests/vllm/test_vllm_scheduler.py
 
 clean:
 	rm -rf .pytest_cache build *.egg-info

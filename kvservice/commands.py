@@ -19,6 +19,7 @@ import xxhash
 
 from kvservice.core import KVCacheConfig
 from kvservice.external.spec import ExternalSpec
+from kvservice.hashing import HASH_BYTES, HashSpec
 from kvservice.ops import Op
 
 
@@ -52,6 +53,16 @@ class StepRpc(IntEnum):
     FORK = 3
 
 
+@dataclass(slots=True, frozen=True)
+class VllmOptions:
+    """A pool with vLLM 0.33.0's KVCacheManager semantics (its AllocateOps are vLLM's allocate_slots calls),
+    with the settings of vLLM's that decide allocations."""
+
+    watermark: float = 0.0
+    scheduler_block_size: int = 0  # 0: the LCM of the groups' block sizes
+    max_in_flight_tokens: int = 0  # 0: max_model_len
+
+
 @dataclass(slots=True)
 class PoolSpec:
     """What RegisterPool declares about one KV memory space."""
@@ -64,15 +75,23 @@ class PoolSpec:
     vocab_size: int = 0
     kv_layout: str = ""
     epoch: int = 0
+    hash_spec: HashSpec | None = None  # None: kvservice's own with the allocator's seed
+    vllm: VllmOptions | None = None  # None: kvservice's semantics
+
+    @property
+    def hash_bytes(self) -> int:
+        """The length of this pool's block hashes on the wire."""
+        return HASH_BYTES if self.hash_spec is None else self.hash_spec.hash_bytes
 
     def same_shape(self, other: PoolSpec) -> bool:
         return (self.config == other.config and self.max_model_len == other.max_model_len
                 and self.dcp_world_size == other.dcp_world_size and self.enable_caching == other.enable_caching
-                and self.vocab_size == other.vocab_size and self.kv_layout == other.kv_layout)
+                and self.vocab_size == other.vocab_size and self.kv_layout == other.kv_layout
+                and self.vllm == other.vllm)
 
     def with_epoch(self, epoch: int) -> PoolSpec:
         return PoolSpec(self.pool_id, self.config, self.max_model_len, self.dcp_world_size, self.enable_caching,
-                        self.vocab_size, self.kv_layout, epoch)
+                        self.vocab_size, self.kv_layout, epoch, self.hash_spec, self.vllm)
 
 
 # Decodes a Step's ops once its pool is known (its limits validate them): (pool spec, hash block size) -> ops.

@@ -36,6 +36,7 @@ class AddRequestOp:
     cache_salt: str | None = None
     lora_name: str | None = None
     mm_items: tuple[MultiModalItem, ...] = ()
+    num_prompt_tokens: int = 0  # with block_hashes: when num_tokens counts outputs too (0: num_tokens)
 
 
 @dataclass(slots=True)
@@ -50,7 +51,10 @@ class ExternalSource:
 
 @dataclass(slots=True)
 class AllocateOp:
-    """Schedule up to `num_new_tokens` of a request after its `num_computed_tokens`."""
+    """Schedule up to `num_new_tokens` of a request after its `num_computed_tokens`.
+
+    On a pool with vLLM's semantics (PoolSpec.vllm) it is vLLM 0.33.0's `allocate_slots` (or, with
+    `cache_tokens`, its `cache_blocks`) with the fields after `external_source` (the proto says how)."""
 
     request_id: str
     num_computed_tokens: int = 0
@@ -62,6 +66,23 @@ class AllocateOp:
     delay_cache_blocks: bool = False
     allow_transfer: bool = False
     external_source: ExternalSource | None = None
+    # vLLM's semantics only:
+    num_output_placeholders: int = 0
+    num_in_flight_tokens: int = 0
+    waiting: bool = False
+    lookup: bool = False
+    num_new_computed_tokens: int = 0
+    full_sequence_must_fit: bool = False
+    reserved_blocks: int = 0
+    has_scheduled_reqs: bool = False
+    cache_tokens: int = 0
+
+    @property
+    def vllm_fields(self) -> bool:
+        """Whether any field only a vLLM-semantics pool takes is set."""
+        return bool(self.num_output_placeholders or self.num_in_flight_tokens or self.waiting or self.lookup
+                    or self.num_new_computed_tokens or self.full_sequence_must_fit or self.reserved_blocks
+                    or self.has_scheduled_reqs or self.cache_tokens)
 
 
 @dataclass(slots=True)
@@ -94,6 +115,11 @@ class FreeOp:
 
 
 @dataclass(slots=True)
+class ResetPrefixCacheOp:
+    """Drops the pool's cached prefixes (vLLM's reset_prefix_cache): FAILED_PRECONDITION while a block is in use."""
+
+
+@dataclass(slots=True)
 class DecodeBatchOp:
     """Running requests advancing together, packed: entry i is
     AllocateOp(request_ids[i], num_computed_tokens[i], num_new_tokens, [append_token_ids[i]], num_lookahead_tokens)."""
@@ -120,7 +146,7 @@ class AdmitBatchOp:
     lora_names: list[str | None] | None = None
 
 
-Op = AddRequestOp | AllocateOp | ForkOp | FreeOp | DecodeBatchOp | AdmitBatchOp | PinOp | UnpinOp
+Op = AddRequestOp | AllocateOp | ForkOp | FreeOp | DecodeBatchOp | AdmitBatchOp | PinOp | UnpinOp | ResetPrefixCacheOp
 
 
 @dataclass(slots=True)
@@ -198,6 +224,7 @@ class StepResult:
     sequence: int
     results: list[OpResult] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
+    num_free_blocks: int = 0  # the pool's, after the step
 
     def __getitem__(self, i: int) -> OpResult:
         return self.results[i]

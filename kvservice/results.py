@@ -15,6 +15,8 @@ class RegisterResult:
     hash_seed: str
     num_requests_failed: int
     scheduler_block_size: int
+    hash_algorithm: str = "kvservice"
+    hash_fingerprint: str = ""
 
 
 @dataclass(slots=True)

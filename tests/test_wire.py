@@ -67,7 +67,7 @@ def reference_add(a: pb.AddRequestOp, vocab: int, f: str = "ops[3].add") -> AddR
     request_id = check_id(f"{f}.request_id", a.request_id)
     mm = tuple(MultiModalItem(check_id(f"{f}.mm_items[{j}].identifier", m.identifier), m.offset, m.length)
                for j, m in enumerate(a.mm_items))
-    if a.block_hashes:
+    if a.block_hashes or (a.num_tokens and not a.token_ids):  # by hashes (none under one block)
         if a.token_ids:
             raise InvalidArgument(f"{f}.token_ids", f"<{len(a.token_ids)} bytes>", "send token_ids or block_hashes, "
                                                                                    "not both")

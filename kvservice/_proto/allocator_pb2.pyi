@@ -122,24 +122,48 @@ class KVCacheConfig(_message.Message):
     kv_layout: str
     def __init__(self, num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., max_model_len: _Optional[int] = ..., dcp_world_size: _Optional[int] = ..., disable_prefix_caching: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., kv_layout: _Optional[str] = ...) -> None: ...
 
+class HashSpec(_message.Message):
+    __slots__ = ("algorithm", "seed", "has_seed")
+    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    HAS_SEED_FIELD_NUMBER: _ClassVar[int]
+    algorithm: str
+    seed: str
+    has_seed: bool
+    def __init__(self, algorithm: _Optional[str] = ..., seed: _Optional[str] = ..., has_seed: _Optional[bool] = ...) -> None: ...
+
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("session_id", "sequence", "pool_id", "config", "hash_fingerprint", "epoch")
+    __slots__ = ("session_id", "sequence", "pool_id", "config", "hash_fingerprint", "epoch", "hash_spec", "vllm")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     HASH_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    HASH_SPEC_FIELD_NUMBER: _ClassVar[int]
+    VLLM_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     sequence: int
     pool_id: str
     config: KVCacheConfig
     hash_fingerprint: str
     epoch: int
-    def __init__(self, session_id: _Optional[str] = ..., sequence: _Optional[int] = ..., pool_id: _Optional[str] = ..., config: _Optional[_Union[KVCacheConfig, _Mapping]] = ..., hash_fingerprint: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    hash_spec: HashSpec
+    vllm: VllmManagerOptions
+    def __init__(self, session_id: _Optional[str] = ..., sequence: _Optional[int] = ..., pool_id: _Optional[str] = ..., config: _Optional[_Union[KVCacheConfig, _Mapping]] = ..., hash_fingerprint: _Optional[str] = ..., epoch: _Optional[int] = ..., hash_spec: _Optional[_Union[HashSpec, _Mapping]] = ..., vllm: _Optional[_Union[VllmManagerOptions, _Mapping]] = ...) -> None: ...
+
+class VllmManagerOptions(_message.Message):
+    __slots__ = ("watermark", "scheduler_block_size", "max_in_flight_tokens")
+    WATERMARK_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_IN_FLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    watermark: float
+    scheduler_block_size: int
+    max_in_flight_tokens: int
+    def __init__(self, watermark: _Optional[float] = ..., scheduler_block_size: _Optional[int] = ..., max_in_flight_tokens: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
-    __slots__ = ("pool_id", "epoch", "new_epoch", "hash_block_size", "hash_seed", "num_requests_failed", "scheduler_block_size")
+    __slots__ = ("pool_id", "epoch", "new_epoch", "hash_block_size", "hash_seed", "num_requests_failed", "scheduler_block_size", "hash_algorithm", "hash_fingerprint")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NEW_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +171,8 @@ class RegisterPoolResponse(_message.Message):
     HASH_SEED_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FAILED_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HASH_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    HASH_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     epoch: int
     new_epoch: bool
@@ -154,7 +180,9 @@ class RegisterPoolResponse(_message.Message):
     hash_seed: str
     num_requests_failed: int
     scheduler_block_size: int
-    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., new_epoch: _Optional[bool] = ..., hash_block_size: _Optional[int] = ..., hash_seed: _Optional[str] = ..., num_requests_failed: _Optional[int] = ..., scheduler_block_size: _Optional[int] = ...) -> None: ...
+    hash_algorithm: str
+    hash_fingerprint: str
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., new_epoch: _Optional[bool] = ..., hash_block_size: _Optional[int] = ..., hash_seed: _Optional[str] = ..., num_requests_failed: _Optional[int] = ..., scheduler_block_size: _Optional[int] = ..., hash_algorithm: _Optional[str] = ..., hash_fingerprint: _Optional[str] = ...) -> None: ...
 
 class MultiModalItem(_message.Message):
     __slots__ = ("identifier", "offset", "length")
@@ -167,7 +195,7 @@ class MultiModalItem(_message.Message):
     def __init__(self, identifier: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class AddRequestOp(_message.Message):
-    __slots__ = ("request_id", "token_ids", "block_hashes", "num_tokens", "cache_salt", "lora_name", "mm_items")
+    __slots__ = ("request_id", "token_ids", "block_hashes", "num_tokens", "cache_salt", "lora_name", "mm_items", "num_prompt_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +203,7 @@ class AddRequestOp(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     MM_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: bytes
     block_hashes: bytes
@@ -182,10 +211,11 @@ class AddRequestOp(_message.Message):
     cache_salt: str
     lora_name: str
     mm_items: _containers.RepeatedCompositeFieldContainer[MultiModalItem]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., block_hashes: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., mm_items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ...) -> None: ...
+    num_prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., block_hashes: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., mm_items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class AllocateOp(_message.Message):
-    __slots__ = ("request_id", "num_computed_tokens", "num_new_tokens", "append_token_ids", "append_block_hashes", "num_append_tokens", "num_lookahead_tokens", "delay_cache_blocks", "allow_transfer", "external_source")
+    __slots__ = ("request_id", "num_computed_tokens", "num_new_tokens", "append_token_ids", "append_block_hashes", "num_append_tokens", "num_lookahead_tokens", "delay_cache_blocks", "allow_transfer", "external_source", "num_output_placeholders", "num_in_flight_tokens", "waiting", "lookup", "num_new_computed_tokens", "full_sequence_must_fit", "reserved_blocks", "has_scheduled_reqs", "cache_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +226,15 @@ class AllocateOp(_message.Message):
     DELAY_CACHE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ALLOW_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     EXTERNAL_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTPUT_PLACEHOLDERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_IN_FLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FULL_SEQUENCE_MUST_FIT_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HAS_SCHEDULED_REQS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_computed_tokens: int
     num_new_tokens: int
@@ -206,7 +245,16 @@ class AllocateOp(_message.Message):
     delay_cache_blocks: bool
     allow_transfer: bool
     external_source: ExternalSource
-    def __init__(self, request_id: _Optional[str] = ..., num_computed_tokens: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., append_token_ids: _Optional[bytes] = ..., append_block_hashes: _Optional[bytes] = ..., num_append_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ..., delay_cache_blocks: _Optional[bool] = ..., allow_transfer: _Optional[bool] = ..., external_source: _Optional[_Union[ExternalSource, _Mapping]] = ...) -> None: ...
+    num_output_placeholders: int
+    num_in_flight_tokens: int
+    waiting: bool
+    lookup: bool
+    num_new_computed_tokens: int
+    full_sequence_must_fit: bool
+    reserved_blocks: int
+    has_scheduled_reqs: bool
+    cache_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., num_computed_tokens: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., append_token_ids: _Optional[bytes] = ..., append_block_hashes: _Optional[bytes] = ..., num_append_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ..., delay_cache_blocks: _Optional[bool] = ..., allow_transfer: _Optional[bool] = ..., external_source: _Optional[_Union[ExternalSource, _Mapping]] = ..., num_output_placeholders: _Optional[int] = ..., num_in_flight_tokens: _Optional[int] = ..., waiting: _Optional[bool] = ..., lookup: _Optional[bool] = ..., num_new_computed_tokens: _Optional[int] = ..., full_sequence_must_fit: _Optional[bool] = ..., reserved_blocks: _Optional[int] = ..., has_scheduled_reqs: _Optional[bool] = ..., cache_tokens: _Optional[int] = ...) -> None: ...
 
 class ExternalSource(_message.Message):
     __slots__ = ("pin_id", "src_pool_id", "src_block_ids", "num_tokens")
@@ -256,6 +304,10 @@ class FreeOp(_message.Message):
     request_id: str
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
+class ResetPrefixCacheOp(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class DecodeBatchOp(_message.Message):
     __slots__ = ("request_ids", "num_computed_tokens", "append_token_ids", "num_new_tokens", "num_lookahead_tokens")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -289,7 +341,7 @@ class AdmitBatchOp(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[bytes] = ..., num_prompt_tokens: _Optional[bytes] = ..., num_new_tokens: _Optional[bytes] = ..., num_lookahead_tokens: _Optional[int] = ..., cache_salts: _Optional[_Iterable[str]] = ..., lora_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Op(_message.Message):
-    __slots__ = ("add", "allocate", "fork", "free", "pin", "unpin", "decode", "admit")
+    __slots__ = ("add", "allocate", "fork", "free", "pin", "unpin", "decode", "admit", "reset_prefix_cache")
     ADD_FIELD_NUMBER: _ClassVar[int]
     ALLOCATE_FIELD_NUMBER: _ClassVar[int]
     FORK_FIELD_NUMBER: _ClassVar[int]
@@ -298,6 +350,7 @@ class Op(_message.Message):
     UNPIN_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     ADMIT_FIELD_NUMBER: _ClassVar[int]
+    RESET_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     add: AddRequestOp
     allocate: AllocateOp
     fork: ForkOp
@@ -306,7 +359,8 @@ class Op(_message.Message):
     unpin: UnpinOp
     decode: DecodeBatchOp
     admit: AdmitBatchOp
-    def __init__(self, add: _Optional[_Union[AddRequestOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., fork: _Optional[_Union[ForkOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., pin: _Optional[_Union[PinOp, _Mapping]] = ..., unpin: _Optional[_Union[UnpinOp, _Mapping]] = ..., decode: _Optional[_Union[DecodeBatchOp, _Mapping]] = ..., admit: _Optional[_Union[AdmitBatchOp, _Mapping]] = ...) -> None: ...
+    reset_prefix_cache: ResetPrefixCacheOp
+    def __init__(self, add: _Optional[_Union[AddRequestOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., fork: _Optional[_Union[ForkOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., pin: _Optional[_Union[PinOp, _Mapping]] = ..., unpin: _Optional[_Union[UnpinOp, _Mapping]] = ..., decode: _Optional[_Union[DecodeBatchOp, _Mapping]] = ..., admit: _Optional[_Union[AdmitBatchOp, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheOp, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("session_id", "sequence", "pool_id", "ops")
@@ -443,14 +497,16 @@ class OpResult(_message.Message):
     def __init__(self, status: _Optional[_Union[OpStatus, str]] = ..., message: _Optional[str] = ..., request_id: _Optional[str] = ..., new_blocks: _Optional[_Iterable[_Union[GroupBlocks, _Mapping]]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_tokens: _Optional[int] = ..., transfer: _Optional[_Union[TransferOrder, _Mapping]] = ..., batch: _Optional[_Union[DecodeBatchResult, _Mapping]] = ..., replaced: _Optional[_Iterable[_Union[ReplacedBlock, _Mapping]]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("sequence", "results", "copies")
+    __slots__ = ("sequence", "results", "copies", "num_free_blocks")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     results: _containers.RepeatedCompositeFieldContainer[OpResult]
     copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
-    def __init__(self, sequence: _Optional[int] = ..., results: _Optional[_Iterable[_Union[OpResult, _Mapping]]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+    num_free_blocks: int
+    def __init__(self, sequence: _Optional[int] = ..., results: _Optional[_Iterable[_Union[OpResult, _Mapping]]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., num_free_blocks: _Optional[int] = ...) -> None: ...
 
 class CommitTransferRequest(_message.Message):
     __slots__ = ("session_id", "sequence", "pool_id", "transfer_id", "abort")
@@ -495,20 +551,22 @@ class RequestInfo(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., pool_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[GroupBlocks, _Mapping]]] = ..., num_block_hashes: _Optional[int] = ..., running: _Optional[bool] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("token_ids", "block_hashes", "cache_salt", "lora_name", "pool_ids", "num_tokens")
+    __slots__ = ("token_ids", "block_hashes", "cache_salt", "lora_name", "pool_ids", "num_tokens", "hash_bytes")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     POOL_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HASH_BYTES_FIELD_NUMBER: _ClassVar[int]
     token_ids: bytes
     block_hashes: bytes
     cache_salt: str
     lora_name: str
     pool_ids: _containers.RepeatedScalarFieldContainer[str]
     num_tokens: int
-    def __init__(self, token_ids: _Optional[bytes] = ..., block_hashes: _Optional[bytes] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., pool_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    hash_bytes: int
+    def __init__(self, token_ids: _Optional[bytes] = ..., block_hashes: _Optional[bytes] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., pool_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[int] = ..., hash_bytes: _Optional[int] = ...) -> None: ...
 
 class PoolHit(_message.Message):
     __slots__ = ("pool_id", "num_cached_tokens", "num_free_blocks", "num_cached_blocks", "external", "tiers")

@@ -84,7 +84,6 @@ class Batches:
         AllocateOp(request_ids[i], num_new_tokens=...); each admitted request's whole table comes back."""
         tenant = session.tenant
         ns = namespace(tenant)
-        hash_seed = self.state.settings.hash_seed
         n = len(op.request_ids)
         statuses = bytearray(n)
         out = PackedRows()
@@ -98,8 +97,8 @@ class Batches:
             failure = self.book.refuse_add(pool, session, key, request_id)
             if failure is None:
                 prompt = op.prompts[i]
-                req = Request(key, prompt, pool.hash_block_size, salts[i] if salts else None,
-                              loras[i] if loras else None, hash_seed, namespace=ns)
+                req = pool.request_from_tokens(key, prompt, salts[i] if salts else None, loras[i] if loras else None,
+                                               namespace=ns)
                 self.book.track(pool, session, key, req)
                 a = Allocation(0, len(prompt) if budgets is None else budgets[i], None, None, 0, lookahead)
                 s = self.scheduler.schedule(pool, session, key, req, a)

@@ -22,13 +22,14 @@ class LoggedEvent:
     sequence: int
     pool_id: str
     event: KVCacheEvent
+    hash_bytes: int = HASH_BYTES  # the pool's hash length: the tenant follows it in every core hash
 
     @property
     def tenant(self) -> str | None:
         """The tenant whose hashes the event carries (None: every tenant, e.g. AllBlocksCleared)."""
         if isinstance(self.event, AllBlocksCleared) or not self.event.block_hashes:
             return None
-        return self.event.block_hashes[0][HASH_BYTES:].decode()
+        return self.event.block_hashes[0][self.hash_bytes:].decode()
 
 
 class EventLog:
@@ -36,15 +37,16 @@ class EventLog:
         if retained <= 0:
             raise ValueError(f"event retention must be positive, got {retained}")
         self.retained = retained
-        self._batches: deque[tuple[int, str, list[KVCacheEvent]]] = deque()  # (first sequence, pool, events)
+        # (first sequence, pool, events, the pool's hash length)
+        self._batches: deque[tuple[int, str, list[KVCacheEvent], int]] = deque()
         self._num_events = 0
         self.next_sequence = 1
         self.listeners: list[Callable[[], None]] = []
 
-    def extend(self, pool_id: str, events: list[KVCacheEvent]) -> None:
+    def extend(self, pool_id: str, events: list[KVCacheEvent], hash_bytes: int = HASH_BYTES) -> None:
         if not events:
             return
-        self._batches.append((self.next_sequence, pool_id, events))
+        self._batches.append((self.next_sequence, pool_id, events, hash_bytes))
         self.next_sequence += len(events)
         self._num_events += len(events)
         while self._num_events - len(self._batches[0][2]) >= self.retained:
@@ -75,6 +77,6 @@ class EventLog:
 
     @staticmethod
     def _iterate(batches, start: int) -> Iterator[LoggedEvent]:
-        for first_seq, pool_id, events in batches:
+        for first_seq, pool_id, events, hash_bytes in batches:
             for i in range(max(0, start - first_seq), len(events)):
-                yield LoggedEvent(first_seq + i, pool_id, events[i])
+                yield LoggedEvent(first_seq + i, pool_id, events[i], hash_bytes)

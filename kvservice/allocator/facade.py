@@ -20,6 +20,7 @@ from kvservice.allocator.requests import RequestBook
 from kvservice.allocator.schedule import Scheduler
 from kvservice.allocator.sessions import Reply, Session
 from kvservice.allocator.state import AllocatorState
+from kvservice.allocator.vllm_slots import VllmSlots
 from kvservice.commands import (
     Barrier,
     Command,
@@ -54,6 +55,7 @@ from kvservice.ops import (
     OpResult,
     OpStatus,
     PinOp,
+    ResetPrefixCacheOp,
     StepResult,
 )
 from kvservice.results import LookupResult, PoolStats, RequestInfo, ResetResult, SessionOpened
@@ -97,6 +99,7 @@ class Allocator:
         self.placement = Placement(self.state, self.external)
         self.moves = PoolMoves(self.state, self.book)
         self.pins = PinBook(self.state)
+        self.vllm_slots = VllmSlots(self.book)
 
     @property
     def settings(self) -> AllocatorSettings:
@@ -171,11 +174,12 @@ class Allocator:
         results = []
         append = results.append
         pool.manager.new_step_starts()  # a Step is one scheduler step (Mamba: states cached in it hit from the next)
+        allocate = self.scheduler.allocate_op if pool.spec.vllm is None else self._vllm_allocate
         for op in ops:
             kind = type(op)
             if kind is AllocateOp:
                 key = f"{tenant}{SEP}{op.request_id}" if tenant else op.request_id  # request_key, inline: per op
-                append(self.scheduler.allocate_op(pool, session, key, op))
+                append(allocate(pool, session, key, op))
             elif kind is AddRequestOp:
                 append(self.book.add(pool, session, op))
             elif kind is DecodeBatchOp:
@@ -188,11 +192,24 @@ class Allocator:
                 append(self.book.fork(pool, session, op))
             elif kind is PinOp:
                 append(self.pins.pin(pool, session, op))
+            elif kind is ResetPrefixCacheOp:
+                append(self._reset_op(pool))
             else:
                 append(self.pins.unpin(pool, session, op))
-        result = StepResult(sequence, results, pool.manager.take_block_copies())
+        manager = pool.manager
+        result = StepResult(sequence, results, manager.take_block_copies(), manager.block_pool.get_num_free_blocks())
         self.state.drain(pool)
         return result
+
+    def _vllm_allocate(self, pool: Pool, session: Session, key: str, op: AllocateOp) -> OpResult:
+        return self.vllm_slots.allocate_op(pool, key, op)
+
+    @staticmethod
+    def _reset_op(pool: Pool) -> OpResult:
+        if pool.manager.reset_prefix_cache():
+            return OpResult("")
+        return OpResult("", OpStatus.FAILED_PRECONDITION, f"pool {pool.pool_id!r} has blocks in use: its prefix "
+                                                          f"cache was not reset")
 
     def _register(self, session: Session, command: RegisterPool, guard: Guard):
         current = self.registry.check(session, command)

@@ -26,6 +26,7 @@ def namespace(tenant: str) -> bytes:
     return tenant.encode()
 
 
-def raw_hash(core_hash: bytes) -> bytes:
-    """The tenant-free hash a client computed, from the core's namespaced one."""
-    return core_hash[:HASH_BYTES]
+def raw_hash(core_hash: bytes, hash_bytes: int = HASH_BYTES) -> bytes:
+    """The tenant-free hash a client computed, from the core's namespaced one (`hash_bytes`: the length of
+    the pool's hash spec: with one length per pool, `hash || tenant` never collides across tenants)."""
+    return core_hash[:hash_bytes]

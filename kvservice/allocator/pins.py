@@ -13,7 +13,7 @@ from kvservice.allocator.pools import Pool
 from kvservice.allocator.sessions import Session
 from kvservice.allocator.state import AllocatorState
 from kvservice.allocator.transfers import transferable
-from kvservice.core import KVCacheBlocks, Request
+from kvservice.core import KVCacheBlocks
 from kvservice.ops import OpResult, OpStatus, PinOp, UnpinOp
 
 
@@ -45,11 +45,9 @@ class PinBook:
                             f"caching on and a kv_layout declared are needed)")
         ns = namespace(session.tenant)
         if op.block_hashes is not None:
-            req = Request.from_block_hashes(key, op.block_hashes, op.num_tokens, pool.hash_block_size,
-                                            lora_name=op.lora_name, namespace=ns)
+            req = pool.request_from_hashes(key, op.block_hashes, op.num_tokens, op.lora_name, ns)
         else:
-            req = Request(key, op.token_ids, pool.hash_block_size, op.cache_salt, op.lora_name,
-                          self.state.settings.hash_seed, namespace=ns)
+            req = pool.request_from_tokens(key, op.token_ids, op.cache_salt, op.lora_name, namespace=ns)
         found, hit = pool.manager.coordinator.find_longest_cache_hit(req.block_hashes, req.num_tokens - 1)
         if not hit:
             return OpResult(op.pin_id, num_computed_tokens=0)  # nothing cached: nothing to pin

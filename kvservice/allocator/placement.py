@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from kvservice.allocator.keys import namespace
 from kvservice.allocator.state import AllocatorState
 from kvservice.external.registry import ExternalRegistry
-from kvservice.hashing import hash_prompt
+from kvservice.hashing import HashSpec, hash_prompt
 from kvservice.results import LookupResult, PoolHit, best_pool
 
 
@@ -29,7 +29,6 @@ class Placement:
         else:
             raw = list(block_hashes)
             num_tokens = num_tokens or len(raw) * settings.hash_block_size
-        hashes = [h + ns for h in raw] if ns else raw
         state = self.state
         external = self.external
         if pool_ids:
@@ -37,10 +36,28 @@ class Placement:
             externals = [external.pool(p, tenant, admin) for p in pool_ids if p in state.external]
         else:
             pools, externals = state.visible_pools(tenant, admin), external.visible(tenant, admin)
-        hits = [PoolHit(p.pool_id, p.cached_prefix_tokens(hashes, num_tokens),
-                        p.manager.block_pool.get_num_free_blocks(),
-                        len(p.manager.block_pool.cached_block_hash_to_block))
-                for p in pools]
+        hits = []
+        by_spec: dict[HashSpec, list[bytes] | None] = {}  # each pool asked in its own hash spec
+        for p in pools:
+            spec = p.hash_spec
+            if spec not in by_spec:
+                by_spec[spec] = self._hashes(p, raw, token_ids, block_hashes is not None, cache_salt, lora_name, ns)
+            hashes = by_spec[spec]
+            hits.append(PoolHit(p.pool_id, p.cached_prefix_tokens(hashes, num_tokens) if hashes is not None else 0,
+                                p.manager.block_pool.get_num_free_blocks(),
+                                len(p.manager.block_pool.cached_block_hash_to_block)))
         if externals:  # ranked with the others (best_pool: no free blocks published, so 0 empty ones)
             hits += external.hits(externals, raw, num_tokens, token_ids, cache_salt, lora_name)
         return LookupResult(hits, best_pool(hits, raw[0] if raw else None))
+
+    def _hashes(self, pool, raw: list[bytes], token_ids, by_hashes: bool, cache_salt: str | None,
+                lora_name: str | None, ns: bytes) -> list[bytes] | None:
+        """The prompt's block hashes as `pool` keys them (namespaced), or None when a Lookup by hashes came in
+        another spec's length (it cannot hit)."""
+        spec = pool.hash_spec
+        if by_hashes:
+            if raw and len(raw[0]) != spec.hash_bytes:
+                return None
+        elif not (spec.is_kvservice and spec.effective_seed == self.state.settings.hash_seed):
+            raw = pool.request_from_tokens("lookup", token_ids, cache_salt, lora_name).block_hashes
+        return [h + ns for h in raw] if ns else raw

@@ -10,9 +10,21 @@ from kvservice.commands import PoolSpec
 from kvservice.core import KVCacheManager, Request
 from kvservice.core.block import get_block_hash, get_group_id
 from kvservice.core.specs import FullAttentionSpec, effective_block_size
-from kvservice.hashing import BlockHash
+from kvservice.hashing import BlockHash, HashSpec, MultiModalItem
+from kvservice.hashing.spec import KVSERVICE
 
 MAX_TOMBSTONES = 10_000
+
+
+class VllmKVCacheManager(KVCacheManager):
+    """vLLM 0.33.0's KVCacheManager, as the vLLM drop-in runs the core: a request counts as running only from
+    its first hit or cached block, and the watermark applies to the requests the scheduler calls waiting
+    (`waiting`, set by each AllocateOp)."""
+
+    track_running = False
+
+    def _is_waiting(self, request) -> bool:
+        return getattr(request, "waiting", False)
 
 
 class Pool:
@@ -22,10 +34,21 @@ class Pool:
         self.spec = spec
         self.pool_id = spec.pool_id
         self.epoch = spec.epoch
-        self.hash_seed = hash_seed
-        self.manager = KVCacheManager(spec.config, spec.max_model_len, spec.enable_caching, enable_events=True,
-                                      dcp_world_size=spec.dcp_world_size, hash_block_size=hash_block_size,
-                                      enable_fast_path=fast_path)
+        # The spec its clients hash with: declared, or kvservice's own with the allocator's seed.
+        self.hash_spec = spec.hash_spec or HashSpec(KVSERVICE, hash_seed, hash_block_size)
+        self.hash_seed = self.hash_spec.effective_seed
+        self.hash_bytes = self.hash_spec.hash_bytes
+        if spec.vllm is None:
+            self.manager = KVCacheManager(spec.config, spec.max_model_len, spec.enable_caching, enable_events=True,
+                                          dcp_world_size=spec.dcp_world_size, hash_block_size=hash_block_size,
+                                          enable_fast_path=fast_path)
+        else:
+            v = spec.vllm
+            self.manager = VllmKVCacheManager(
+                spec.config, spec.max_model_len, spec.enable_caching, enable_events=True,
+                dcp_world_size=spec.dcp_world_size, hash_block_size=hash_block_size, enable_fast_path=False,
+                scheduler_block_size=v.scheduler_block_size or None,
+                max_in_flight_tokens=v.max_in_flight_tokens or None, watermark=v.watermark)
         self.requests: dict[str, Request] = {}
         self.owner: dict[str, str] = {}  # request key -> session id
         self.owner_tenant = ""  # the tenant that registered the pool
@@ -37,6 +60,22 @@ class Pool:
     @property
     def hash_block_size(self) -> int:
         return self.manager.hash_block_size
+
+    def request_from_tokens(self, key: str, token_ids, cache_salt: str | None = None, lora_name: str | None = None,
+                            mm_items: tuple[MultiModalItem, ...] = (), namespace: bytes = b"") -> Request:
+        """A request of this pool, hashed by the server in the pool's hash spec."""
+        return Request(key, token_ids, self.hash_block_size, cache_salt, lora_name, self.hash_seed, mm_items=mm_items,
+                       namespace=namespace, hash_spec=self.hash_spec)
+
+    def request_from_hashes(self, key: str, block_hashes, num_tokens: int, lora_name: str | None = None,
+                            namespace: bytes = b"", num_prompt_tokens: int = 0) -> Request:
+        """A request of this pool whose client hashed it (in the pool's hash spec); `num_prompt_tokens` when
+        `num_tokens` counts output tokens too (0: num_tokens)."""
+        req = Request.from_block_hashes(key, block_hashes, num_tokens, self.hash_block_size, lora_name=lora_name,
+                                        namespace=namespace, hash_spec=self.hash_spec)
+        if num_prompt_tokens:
+            req.num_prompt_tokens = num_prompt_tokens
+        return req
 
     def block_sizes(self) -> list[int]:
         return [effective_block_size(s, self.spec.dcp_world_size) for s in self.spec.config.groups]

@@ -13,9 +13,14 @@ from kvservice.allocator.state import AllocatorState
 from kvservice.commands import RegisterPool
 from kvservice.core import AllBlocksCleared
 from kvservice.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from kvservice.hashing import HashSpec
 from kvservice.results import RegisterResult
 
 logger = logging.getLogger(__name__)
+
+
+def describe(spec: HashSpec) -> str:
+    return f"algorithm {spec.algorithm}, seed {spec.effective_seed!r}, hash block size {spec.block_size}"
 
 
 class PoolRegistry:
@@ -41,14 +46,19 @@ class PoolRegistry:
         if current is not None and not command.admin and current.owner_tenant != session.tenant:
             raise PermissionDenied(f"pool {spec.pool_id!r} belongs to another tenant; only it or an admin may "
                                    f"re-register it")
-        if command.fingerprint != state.fingerprint:
-            settings = state.settings
+        declared = state.hash_spec_of(spec)
+        if command.fingerprint != declared.fingerprint():
             raise FailedPrecondition(
-                f"hash_fingerprint {command.fingerprint!r} does not match the allocator's {state.fingerprint!r} "
-                f"(seed {settings.hash_seed!r}, hash block size {settings.hash_block_size}); hash with the same spec")
+                f"hash_fingerprint {command.fingerprint!r} does not match the declared hash spec's "
+                f"{declared.fingerprint()!r} ({describe(declared)}); hash with the same spec")
         if current is not None and spec.epoch < current.epoch:
             raise FailedPrecondition(f"pool {spec.pool_id!r}: epoch {spec.epoch} is older than the registered "
                                      f"epoch {current.epoch}")
+        if current is not None and spec.epoch == current.epoch and current.hash_spec != declared:
+            raise FailedPrecondition(
+                f"pool {spec.pool_id!r} is registered at epoch {spec.epoch} with hash spec "
+                f"{current.hash_spec.fingerprint()!r} ({describe(current.hash_spec)}), not {declared.fingerprint()!r} "
+                f"({describe(declared)}); register with a higher epoch to replace it")
         if current is not None and spec.epoch == current.epoch and not current.spec.same_shape(spec):
             raise FailedPrecondition(f"pool {spec.pool_id!r} is registered at epoch {spec.epoch} with another "
                                      f"config; register with a higher epoch to replace it")
@@ -74,8 +84,9 @@ class PoolRegistry:
         self.state.pools[pool_id] = pool
 
     def _result(self, pool: Pool, new_epoch: bool, failed: int) -> RegisterResult:
-        return RegisterResult(pool.pool_id, pool.epoch, new_epoch, pool.hash_block_size,
-                              self.state.settings.hash_seed, failed, pool.manager.scheduler_block_size)
+        spec = pool.hash_spec
+        return RegisterResult(pool.pool_id, pool.epoch, new_epoch, pool.hash_block_size, pool.hash_seed, failed,
+                              pool.manager.scheduler_block_size, spec.algorithm, spec.fingerprint())
 
     def _retire(self, old: Pool, new: Pool) -> int:
         """A new epoch: every in-flight request fails (and every transfer from or to the pool)."""
@@ -91,7 +102,7 @@ class PoolRegistry:
                 session.disown(old.pool_id, key)
             old.bury(key, reason)
         state.usage.drop_pool(old.pool_id)
-        state.events.extend(old.pool_id, [*old.manager.take_events(), AllBlocksCleared()])
+        state.events.extend(old.pool_id, [*old.manager.take_events(), AllBlocksCleared()], old.hash_bytes)
         old.manager.block_pool.release()
         logger.warning("pool %s: epoch %d -> %d, %d requests failed", old.pool_id, old.epoch, new.epoch,
                        len(old.requests))

@@ -63,11 +63,9 @@ class RequestBook:
             return refused
         ns = namespace(tenant)
         if op.block_hashes is not None:
-            req = Request.from_block_hashes(key, op.block_hashes, op.num_tokens, pool.hash_block_size,
-                                            lora_name=op.lora_name, namespace=ns)
+            req = pool.request_from_hashes(key, op.block_hashes, op.num_tokens, op.lora_name, ns, op.num_prompt_tokens)
         else:
-            req = Request(key, op.token_ids, pool.hash_block_size, op.cache_salt, op.lora_name,
-                          self.state.settings.hash_seed, mm_items=op.mm_items, namespace=ns)
+            req = pool.request_from_tokens(key, op.token_ids, op.cache_salt, op.lora_name, op.mm_items, ns)
         self.track(pool, session, key, req)
         return OpResult(op.request_id, num_tokens=req.num_tokens)
 

@@ -20,7 +20,7 @@ from kvservice.allocator.sessions import Session
 from kvservice.allocator.state import AllocatorState
 from kvservice.allocator.transfers import Transfer
 from kvservice.core import KVCacheBlocks, KVCacheManager, Request
-from kvservice.hashing import HASH_BYTES, MAX_TOKEN_ID, token_array
+from kvservice.hashing import MAX_TOKEN_ID, token_array
 from kvservice.ops import AllocateOp, ExternalSource, OpResult, OpStatus
 
 EMPTY_BLOCKS = KVCacheBlocks(((),))  # an append-only op: scheduled nothing
@@ -98,9 +98,10 @@ def hash_append_refusal(req: Request, hashes: list[bytes] | None, num_append: in
     if len(hashes) != expected:
         return (f"request {client_request_id(req.request_id)!r}: {num_tokens} tokens need {expected} new block "
                 f"hashes at block size {req.block_size}, got {len(hashes)}")
+    size = req.hash_bytes
     for i, h in enumerate(hashes):
-        if not isinstance(h, bytes) or len(h) != HASH_BYTES:
-            return f"block_hashes[{i}] must be {HASH_BYTES} bytes, got {h!r:.40}"
+        if not isinstance(h, bytes) or len(h) != size:
+            return f"block_hashes[{i}] must be {size} bytes in this pool's hash spec, got {h!r:.40}"
     return None
 
 

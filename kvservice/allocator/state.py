@@ -8,7 +8,8 @@ from kvservice.allocator.sessions import SessionTable
 from kvservice.allocator.transfers import TransferBook
 from kvservice.errors import NotFound, Unavailable
 from kvservice.external.registry import ExternalPools
-from kvservice.hashing import spec_fingerprint
+from kvservice.hashing import HashSpec, spec_fingerprint
+from kvservice.hashing.spec import KVSERVICE
 from kvservice.settings import AllocatorSettings
 
 
@@ -54,6 +55,11 @@ class AllocatorState:
         """The pools a caller sees (in GetStats and Lookup): its tenant's, or every pool for an admin."""
         return [p for p in self.pools.values() if admin or p.owner_tenant == tenant]
 
+    def hash_spec_of(self, spec) -> HashSpec:
+        """The hash spec a PoolSpec declares (none: kvservice's own with this allocator's seed)."""
+        settings = self.settings
+        return spec.hash_spec or HashSpec(KVSERVICE, settings.hash_seed, settings.hash_block_size)
+
     def new_pool(self, spec) -> Pool:
         settings = self.settings
         return Pool(spec, settings.hash_block_size, settings.hash_seed, settings.fast_path)
@@ -62,4 +68,4 @@ class AllocatorState:
         """Moves the core's pending cache events of `pool` into the event log."""
         events = pool.manager.take_events()
         if events:
-            self.events.extend(pool.pool_id, events)
+            self.events.extend(pool.pool_id, events, pool.hash_bytes)

@@ -59,7 +59,7 @@ class TransferBook:
         for pool_id in sorted(pools):  # sorted: replay after recovery picks the same source
             other = pools[pool_id]
             if (other is dst or other.owner_tenant != dst.owner_tenant or other.moving_to or not transferable(other)
-                    or not same_layout(other, dst)):
+                    or not same_layout(other, dst) or other.hash_spec != dst.hash_spec):
                 continue
             hit = other.cached_prefix_tokens(req.block_hashes, req.num_tokens)
             if best is None or hit > best[1]:

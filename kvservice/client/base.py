@@ -19,9 +19,10 @@ import grpc
 
 from kvservice._proto import allocator_pb2 as pb
 from kvservice.client.routing import SERVICE_NAME, Conn, Shards
+from kvservice.commands import VllmOptions
 from kvservice.core import KVCacheConfig
 from kvservice.errors import InvalidArgument
-from kvservice.hashing import DEFAULT_HASH_BLOCK_SIZE, DEFAULT_HASH_SEED, hash_prompt, spec_fingerprint
+from kvservice.hashing import DEFAULT_HASH_BLOCK_SIZE, DEFAULT_HASH_SEED, HashSpec, hash_prompt, spec_fingerprint
 from kvservice.ops import AddRequestOp, AllocateOp, Op
 from kvservice.results import LookupResult, SessionOpened, Stats, best_pool
 from kvservice.wire import encode, replies
@@ -215,9 +216,14 @@ class ClientBase:
 
     def register_pool(self, pool_id: str, config: KVCacheConfig, max_model_len: int, epoch: int = 0,
                       dcp_world_size: int = 1, enable_caching: bool = True, vocab_size: int = 0,
-                      kv_layout: str = ""):
+                      kv_layout: str = "", hash_spec: HashSpec | None = None, vllm: VllmOptions | None = None):
+        """`hash_spec`: the chain this pool's requests are hashed with (None: kvservice's own with this
+        client's hash_seed); its block size must be the allocator's hash block size. `vllm`: the pool
+        follows vLLM 0.33.0's KVCacheManager semantics (AllocateOp's vLLM fields)."""
+        fingerprint = spec_fingerprint(self.hash_seed, self.hash_block_size) if hash_spec is None \
+            else hash_spec.fingerprint()
         msg = encode.register_request(pool_id, config, max_model_len, epoch, dcp_world_size, enable_caching,
-                                      vocab_size, kv_layout, spec_fingerprint(self.hash_seed, self.hash_block_size))
+                                      vocab_size, kv_layout, fingerprint, hash_spec, vllm)
         return self._run(Call("RegisterPool", msg, replies.decode_register_result, True, pool_id))
 
     def step(self, pool_id: str, ops: Sequence[Op]):

@@ -171,7 +171,8 @@ class Request:
                 self._extend_vllm_hashes(first, num_full)
 
     @property
-    def _hash_bytes(self) -> int:
+    def hash_bytes(self) -> int:
+        """The length of this request's (client-computed, namespace-free) block hashes."""
         return HASH_BYTES if self.hash_spec is None else self.hash_spec.hash_bytes
 
     def _root(self) -> bytes:
@@ -205,7 +206,7 @@ class Request:
         if len(block_hashes) != expected:
             raise ValueError(f"request {self.request_id!r}: {num_tokens} tokens need {expected} new block hashes "
                              f"at block size {self.block_size}, got {len(block_hashes)}")
-        size = self._hash_bytes
+        size = self.hash_bytes
         for i, h in enumerate(block_hashes):
             if not isinstance(h, bytes) or len(h) != size:
                 raise ValueError(f"block_hashes[{i}] must be {size} bytes, got {h!r:.40}")
@@ -224,7 +225,7 @@ class Request:
         self.num_tokens = num_tokens
         del self.block_hashes[num_tokens // self.block_size:]
         if self._token_ids is not None:
-            self._chain_tip = self.block_hashes[-1][:self._hash_bytes] if self.block_hashes else self._root()
+            self._chain_tip = self.block_hashes[-1][:self.hash_bytes] if self.block_hashes else self._root()
 
     def fork(self, child_request_id: str) -> Request:
         """A copy under a new id: same tokens, hashes and computed count."""

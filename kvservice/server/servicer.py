@@ -23,6 +23,7 @@ from kvservice.allocator import Allocator
 from kvservice.commands import ExpireSessions, RegisterExternalPool, RemoveExternalPool, ResetPrefixCache, StepRpc
 from kvservice.errors import FailedPrecondition, InvalidArgument, KVServiceError, Unavailable
 from kvservice.external import wire as external_wire
+from kvservice.hashing import HASH_BYTES
 from kvservice.server.auth import Authenticator
 from kvservice.server.metrics import Metrics
 from kvservice.store.base import Journal, NullJournal
@@ -207,7 +208,8 @@ class AllocatorServicer:
                 raise InvalidArgument("token_ids", f"<{len(request.token_ids)} bytes>",
                                       "send token_ids or block_hashes, not both")
             result = self.allocator.lookup(principal.tenant,
-                                           block_hashes=decode_hashes("block_hashes", request.block_hashes),
+                                           block_hashes=decode_hashes("block_hashes", request.block_hashes,
+                                                                      request.hash_bytes or HASH_BYTES),
                                            num_tokens=request.num_tokens, pool_ids=pool_ids, admin=principal.admin)
         else:
             result = self.allocator.lookup(principal.tenant, token_ids=decode_u32("token_ids", request.token_ids),

@@ -22,12 +22,12 @@ from kvservice.core.block_pool import gc_paused
 from kvservice.core.state import GroupTables, ManagerState, export_manager_state, import_manager_state
 from kvservice.external.snapshot import decode_from as decode_external
 from kvservice.external.snapshot import encode_into as encode_external
-from kvservice.hashing import HASH_BYTES, MultiModalItem
+from kvservice.hashing import HashSpec, MultiModalItem
 from kvservice.ops import StepResult
 from kvservice.results import RegisterResult
-from kvservice.wire.decode import decode_pool_spec
-from kvservice.wire.encode import encode_config
+from kvservice.wire.encode import encode_config, encode_hash_spec, encode_vllm_options
 from kvservice.wire.fields import decode_u32
+from kvservice.wire.pool_spec import decode_pool_spec
 from kvservice.wire.replies import (
     decode_register_result,
     decode_step_result,
@@ -86,6 +86,10 @@ def _encode_pool(pool: Pool) -> st.PoolState:
     reg = pb.RegisterPoolRequest(pool_id=spec.pool_id, epoch=pool.epoch,
                                  config=encode_config(spec.config, spec.max_model_len, spec.dcp_world_size,
                                                       spec.enable_caching, spec.vocab_size, spec.kv_layout))
+    if spec.hash_spec is not None:
+        reg.hash_spec.CopyFrom(encode_hash_spec(spec.hash_spec))
+    if spec.vllm is not None:
+        reg.vllm.CopyFrom(encode_vllm_options(spec.vllm))
     ms = export_manager_state(pool.manager)
     m = st.ManagerState(ref_cnts=ms.ref_cnts.tobytes(), free_order=ms.free_order.tobytes(),
                         index_keys=b"".join(ms.index_keys), index_key_lengths=_u32(len(k) for k in ms.index_keys),
@@ -111,7 +115,7 @@ def _encode_pool(pool: Pool) -> st.PoolState:
 
 def _encode_request(req: Request, owner: str) -> st.RequestState:
     ns_len = len(req.namespace)
-    hashes = b"".join(h[:HASH_BYTES] for h in req.block_hashes) if ns_len else b"".join(req.block_hashes)
+    hashes = b"".join(h[:-ns_len] for h in req.block_hashes) if ns_len else b"".join(req.block_hashes)
     return st.RequestState(
         key=req.request_id, has_token_ids=req.has_token_ids,
         token_ids=req.all_token_ids.tobytes() if req.has_token_ids else b"", num_tokens=req.num_tokens,
@@ -224,7 +228,7 @@ def _decode_pool(ps: st.PoolState, state: AllocatorState) -> Pool:
                                  tuple(m.interval_stats), m.interval_reset)
     import_manager_state(pool.manager, manager_state)
     for rs in ps.requests:
-        pool.requests[rs.key] = _decode_request(rs)
+        pool.requests[rs.key] = _decode_request(rs, pool.hash_spec)
         if rs.owner:
             pool.owner[rs.key] = rs.owner
     for key, reason in zip(ps.tombstone_keys, ps.tombstone_reasons):
@@ -268,8 +272,10 @@ def import_pool(state: AllocatorState, data: bytes) -> str:
     return pool.pool_id
 
 
-def _decode_request(rs: st.RequestState) -> Request:
+def _decode_request(rs: st.RequestState, hash_spec: HashSpec) -> Request:
     req = Request.__new__(Request)
+    if not hash_spec.is_kvservice:
+        req.hash_spec = hash_spec
     req.request_id = rs.key
     req.block_size = rs.block_size
     req.cache_salt = rs.cache_salt if rs.has_cache_salt else None
@@ -291,5 +297,6 @@ def _decode_request(rs: st.RequestState) -> Request:
     req._chain_tip = rs.chain_tip
     ns = rs.namespace
     raw = rs.block_hashes
-    req.block_hashes = [raw[i:i + HASH_BYTES] + ns for i in range(0, len(raw), HASH_BYTES)]
+    n = hash_spec.hash_bytes
+    req.block_hashes = [raw[i:i + n] + ns for i in range(0, len(raw), n)]
     return req

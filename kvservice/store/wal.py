@@ -25,7 +25,8 @@ from kvservice.commands import (
     ThawPool,
 )
 from kvservice.external.wire import spec_from_proto, spec_to_proto
-from kvservice.wire.decode import STEP_REQUESTS, commit_transfer_command, decode_pool_spec, step_command
+from kvservice.wire.decode import STEP_REQUESTS, commit_transfer_command, step_command
+from kvservice.wire.pool_spec import decode_pool_spec
 
 _LEGACY_STEPS = {"step": StepRpc.STEP, "allocate": StepRpc.ALLOCATE, "free": StepRpc.FREE, "fork": StepRpc.FORK}
 

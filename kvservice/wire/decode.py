@@ -9,15 +9,8 @@ from collections.abc import Sequence
 
 from kvservice._proto import allocator_pb2 as pb
 from kvservice.commands import CommitTransfer, OpenSession, PoolSpec, RegisterPool, Step, StepRpc
-from kvservice.core import (
-    ChunkedLocalAttentionSpec,
-    FullAttentionSpec,
-    KVCacheConfig,
-    MambaSpec,
-    SlidingWindowSpec,
-)
 from kvservice.errors import InvalidArgument
-from kvservice.hashing import MultiModalItem
+from kvservice.hashing import HASH_BYTES, MultiModalItem
 from kvservice.ops import (
     AddRequestOp,
     AdmitBatchOp,
@@ -28,6 +21,7 @@ from kvservice.ops import (
     FreeOp,
     Op,
     PinOp,
+    ResetPrefixCacheOp,
     UnpinOp,
 )
 from kvservice.wire.fields import (
@@ -46,72 +40,15 @@ from kvservice.wire.fields import (
     invalid,
     name_problem,
 )
-from kvservice.wire.limits import (
-    MAX_BLOCK_SIZE,
-    MAX_BLOCKS,
-    MAX_DCP_WORLD_SIZE,
-    MAX_EPOCH,
-    MAX_MODEL_LEN,
-    MAX_OPS_PER_STEP,
-)
+from kvservice.wire.limits import MAX_MODEL_LEN, MAX_OPS_PER_STEP
+from kvservice.wire.pool_spec import decode_pool_spec
 
 STEP_REQUESTS = {StepRpc.STEP: pb.StepRequest, StepRpc.ALLOCATE: pb.AllocateRequest, StepRpc.FREE: pb.FreeRequest,
                  StepRpc.FORK: pb.ForkRequest}
-
-
-# ---- pools ---------------------------------------------------------------------------------------
-def decode_config(msg: pb.KVCacheConfig, field: str = "config") -> tuple[KVCacheConfig, int, int]:
-    """Returns (KVCacheConfig, max_model_len, dcp_world_size)."""
-    if msg.num_blocks < 2:
-        raise InvalidArgument(f"{field}.num_blocks", msg.num_blocks, "must be >= 2 (the null block + 1)")
-    check_count(f"{field}.num_blocks", msg.num_blocks, MAX_BLOCKS)
-    if not msg.groups:
-        raise InvalidArgument(f"{field}.groups", [], "needs at least one KV-cache group")
-    if msg.max_model_len == 0:
-        raise InvalidArgument(f"{field}.max_model_len", 0, "must be positive")
-    check_count(f"{field}.max_model_len", msg.max_model_len, MAX_MODEL_LEN)
-    dcp = msg.dcp_world_size or 1
-    check_count(f"{field}.dcp_world_size", dcp, MAX_DCP_WORLD_SIZE)
-    specs = []
-    for i, group in enumerate(msg.groups):
-        kind = group.WhichOneof("kind")
-        g = f"{field}.groups[{i}]"
-        if kind is None:
-            raise InvalidArgument(g, "{}", "set one of full_attention, sliding_window, chunked_local, mamba")
-        sub = getattr(group, kind)
-        if sub.block_size == 0 or sub.block_size > MAX_BLOCK_SIZE:
-            raise InvalidArgument(f"{g}.{kind}.block_size", sub.block_size, f"must be in [1, {MAX_BLOCK_SIZE}]")
-        if kind == "full_attention":
-            specs.append(FullAttentionSpec(sub.block_size))
-        elif kind == "sliding_window":
-            if sub.sliding_window == 0:
-                raise InvalidArgument(f"{g}.sliding_window.sliding_window", 0, "must be positive")
-            specs.append(SlidingWindowSpec(sub.block_size, sub.sliding_window))
-        elif kind == "chunked_local":
-            if sub.attention_chunk_size == 0:
-                raise InvalidArgument(f"{g}.chunked_local.attention_chunk_size", 0, "must be positive")
-            specs.append(ChunkedLocalAttentionSpec(sub.block_size, sub.attention_chunk_size))
-        else:
-            specs.append(MambaSpec(sub.block_size))
-        if dcp > 1 and kind != "full_attention":
-            raise InvalidArgument(f"{field}.dcp_world_size", dcp, f"decode context parallelism needs full attention "
-                                                                  f"only; groups[{i}] is {kind}")
-    return KVCacheConfig(int(msg.num_blocks), specs), msg.max_model_len, dcp
-
-
-def decode_pool_spec(msg: pb.RegisterPoolRequest, hash_block_size: int) -> PoolSpec:
-    pool_id = check_id("pool_id", msg.pool_id)
-    if msg.epoch > MAX_EPOCH:
-        raise InvalidArgument("epoch", msg.epoch, f"exceeds the limit {MAX_EPOCH}; count engine restarts from 0")
-    config, max_model_len, dcp = decode_config(msg.config)
-    for i, spec in enumerate(config.groups):
-        size = spec.block_size * (dcp if isinstance(spec, FullAttentionSpec) else 1)
-        if size % hash_block_size:
-            raise InvalidArgument(f"config.groups[{i}].block_size", spec.block_size,
-                                  f"the block ({size} tokens) must be a multiple of the service's hash block "
-                                  f"size {hash_block_size}")
-    return PoolSpec(pool_id, config, max_model_len, dcp, not msg.config.disable_prefix_caching,
-                    msg.config.vocab_size, check_name("config.kv_layout", msg.config.kv_layout) or "", msg.epoch)
+# AllocateOp fields only a pool with vLLM's semantics takes, and the ops such a pool refuses (vLLM has none).
+VLLM_FIELDS = ("num_output_placeholders", "num_in_flight_tokens", "waiting", "lookup", "num_new_computed_tokens",
+               "full_sequence_must_fit", "reserved_blocks", "has_scheduled_reqs", "cache_tokens")
+VLLM_REFUSED = frozenset({"decode", "admit", "fork", "pin"})
 
 
 # ---- ops -----------------------------------------------------------------------------------------
@@ -121,12 +58,17 @@ def decode_ops(ops: Sequence[pb.Op], spec: PoolSpec, hash_block_size: int, field
     append = out.append
     max_len = spec.max_model_len
     vocab = spec.vocab_size
+    hash_bytes = spec.hash_bytes
+    vllm = spec.vllm is not None
     for i, op in enumerate(ops):
         kind = op.WhichOneof("op")
+        if vllm and kind in VLLM_REFUSED:
+            raise InvalidArgument(f"{field}[{i}].{kind}", "...", f"pool {spec.pool_id!r} follows vLLM's semantics: "
+                                                                 f"send its allocations as AllocateOp")
         if kind == "allocate":
-            append(decode_allocate(op.allocate, max_len, vocab, field, i))
+            append(decode_allocate(op.allocate, max_len, vocab, field, i, hash_bytes, vllm))
         elif kind == "add":
-            append(decode_add(op.add, max_len, vocab, hash_block_size, field, i))
+            append(decode_add(op.add, max_len, vocab, hash_block_size, field, i, hash_bytes))
         elif kind == "decode":
             append(decode_batch(op.decode, max_len, vocab, f"{field}[{i}].decode"))
         elif kind == "admit":
@@ -138,12 +80,14 @@ def decode_ops(ops: Sequence[pb.Op], spec: PoolSpec, hash_block_size: int, field
             append(ForkOp(check_id((field, i, "fork", "parent_request_id"), f.parent_request_id),
                           check_id((field, i, "fork", "child_request_id"), f.child_request_id)))
         elif kind == "pin":
-            append(decode_pin(op.pin, max_len, vocab, hash_block_size, f"{field}[{i}].pin"))
+            append(decode_pin(op.pin, max_len, vocab, hash_block_size, f"{field}[{i}].pin", hash_bytes))
         elif kind == "unpin":
             append(UnpinOp(check_id((field, i, "unpin", "pin_id"), op.unpin.pin_id)))
+        elif kind == "reset_prefix_cache":
+            append(ResetPrefixCacheOp())
         else:
             raise InvalidArgument(f"{field}[{i}]", "{}", "set one of add, allocate, decode, admit, fork, free, pin, "
-                                                         "unpin")
+                                                         "unpin, reset_prefix_cache")
     return out
 
 
@@ -154,11 +98,16 @@ def ops_from_request(rpc: StepRpc, request, spec: PoolSpec, hash_block_size: int
     if rpc is StepRpc.ALLOCATE:
         ops: list[Op] = []
         if request.HasField("add"):
-            ops.append(decode_add(request.add, spec.max_model_len, spec.vocab_size, hash_block_size, "add", None))
+            ops.append(decode_add(request.add, spec.max_model_len, spec.vocab_size, hash_block_size, "add", None,
+                                  spec.hash_bytes))
         if not request.HasField("allocate"):
             raise InvalidArgument("allocate", None, "required")
-        ops.append(decode_allocate(request.allocate, spec.max_model_len, spec.vocab_size, "allocate"))
+        ops.append(decode_allocate(request.allocate, spec.max_model_len, spec.vocab_size, "allocate", None,
+                                   spec.hash_bytes, spec.vllm is not None))
         return ops
+    if spec.vllm is not None and rpc is StepRpc.FORK:
+        raise InvalidArgument("parent_request_id", request.parent_request_id,
+                              f"pool {spec.pool_id!r} follows vLLM's semantics, which has no forks")
     if rpc is StepRpc.FREE:
         if not request.request_ids:
             raise InvalidArgument("request_ids", [], "name at least one request")
@@ -170,7 +119,7 @@ def ops_from_request(rpc: StepRpc, request, spec: PoolSpec, hash_block_size: int
 
 
 def decode_add(a: pb.AddRequestOp, max_len: int, vocab: int, hash_block_size: int, field: str,
-               index: int | None = None) -> AddRequestOp:
+               index: int | None = None, hash_bytes: int = HASH_BYTES) -> AddRequestOp:
     """One add op; (`field`, `index`) names it in errors (`field[index].add`, or `field` alone)."""
     request_id = a.request_id
     why = id_problem(request_id)
@@ -179,8 +128,11 @@ def decode_add(a: pb.AddRequestOp, max_len: int, vocab: int, hash_block_size: in
     mm = tuple(MultiModalItem(check_id((field, index, "add", f"mm_items[{j}].identifier"), m.identifier), m.offset,
                               m.length) for j, m in enumerate(a.mm_items)) if a.mm_items else ()
     salt, lora = a.cache_salt, a.lora_name
-    if a.block_hashes:
-        return _decode_add_by_hashes(a, request_id, mm, max_len, hash_block_size, field, index)
+    if a.block_hashes or (a.num_tokens and not a.token_ids):  # a prompt under one hash block has no hashes
+        return _decode_add_by_hashes(a, request_id, mm, max_len, hash_block_size, field, index, hash_bytes)
+    if a.num_prompt_tokens:
+        raise invalid((field, index, "add", "num_prompt_tokens"), a.num_prompt_tokens,
+                      "only with block_hashes (token ids say their prompt themselves)")
     tokens = decode_u32((field, index, "add", "token_ids"), a.token_ids, vocab)
     num_tokens = len(tokens)
     if not num_tokens:
@@ -202,25 +154,30 @@ def decode_add(a: pb.AddRequestOp, max_len: int, vocab: int, hash_block_size: in
 
 
 def _decode_add_by_hashes(a: pb.AddRequestOp, request_id: str, mm: tuple, max_len: int, hash_block_size: int,
-                          field: str, index: int | None) -> AddRequestOp:
+                          field: str, index: int | None, hash_bytes: int) -> AddRequestOp:
     if a.token_ids:
         raise invalid((field, index, "add", "token_ids"), f"<{len(a.token_ids)} bytes>",
                       "send token_ids or block_hashes, not both")
     if a.cache_salt or mm:
         raise invalid((field, index, "add", "cache_salt" if a.cache_salt else "mm_items"), "...",
                       "with block_hashes the client hashes salt and multimodal items itself")
-    hashes = decode_hashes((field, index, "add", "block_hashes"), a.block_hashes)
+    hashes = decode_hashes((field, index, "add", "block_hashes"), a.block_hashes, hash_bytes)
     if a.num_tokens == 0 or a.num_tokens > max_len:
         raise invalid((field, index, "add", "num_tokens"), a.num_tokens, f"must be in [1, max_model_len {max_len}]")
     if len(hashes) != a.num_tokens // hash_block_size:
         raise invalid((field, index, "add", "block_hashes"), f"<{len(hashes)} hashes>",
                       f"{a.num_tokens} tokens need {a.num_tokens // hash_block_size} hashes at hash block size "
                       f"{hash_block_size}")
+    if a.num_prompt_tokens > a.num_tokens:
+        raise invalid((field, index, "add", "num_prompt_tokens"), a.num_prompt_tokens,
+                      f"exceeds num_tokens {a.num_tokens}")
     return AddRequestOp(request_id, None, hashes, a.num_tokens, None,
-                        check_name((field, index, "add", "lora_name"), a.lora_name))
+                        check_name((field, index, "add", "lora_name"), a.lora_name),
+                        num_prompt_tokens=a.num_prompt_tokens)
 
 
-def decode_allocate(a: pb.AllocateOp, max_len: int, vocab: int, field: str, index: int | None = None) -> AllocateOp:
+def decode_allocate(a: pb.AllocateOp, max_len: int, vocab: int, field: str, index: int | None = None,
+                    hash_bytes: int = HASH_BYTES, vllm: bool = False) -> AllocateOp:
     """One allocate op; (`field`, `index`) names it in errors, formatted only then."""
     request_id = a.request_id
     why = id_problem(request_id)
@@ -243,7 +200,7 @@ def decode_allocate(a: pb.AllocateOp, max_len: int, vocab: int, field: str, inde
             raise invalid((field, index, "allocate", "num_append_tokens"), num_append,
                           "append token ids or hashes (with num_append_tokens), not both")
     elif a.append_block_hashes or num_append:
-        hashes = decode_hashes((field, index, "allocate", "append_block_hashes"), a.append_block_hashes)
+        hashes = decode_hashes((field, index, "allocate", "append_block_hashes"), a.append_block_hashes, hash_bytes)
         if num_append == 0 or num_append > max_len:
             raise invalid((field, index, "allocate", "num_append_tokens"), num_append,
                           f"must be in [1, {what}] when appending hashes")
@@ -253,8 +210,44 @@ def decode_allocate(a: pb.AllocateOp, max_len: int, vocab: int, field: str, inde
         if not a.allow_transfer:
             raise invalid((field, index, "allocate", "allow_transfer"), False,
                           "an external_source needs allow_transfer")
-    return AllocateOp(request_id, computed, budget, tokens, hashes, num_append, lookahead, a.delay_cache_blocks,
-                      a.allow_transfer, external)
+    op = AllocateOp(request_id, computed, budget, tokens, hashes, num_append, lookahead, a.delay_cache_blocks,
+                    a.allow_transfer, external)
+    if vllm or a.num_output_placeholders or a.num_in_flight_tokens or a.waiting or a.lookup \
+            or a.num_new_computed_tokens or a.full_sequence_must_fit or a.reserved_blocks or a.has_scheduled_reqs \
+            or a.cache_tokens:
+        _decode_vllm_fields(a, op, max_len, vllm, field, index)
+    return op
+
+
+def _decode_vllm_fields(a: pb.AllocateOp, op: AllocateOp, max_len: int, vllm: bool, field: str,
+                        index: int | None) -> None:
+    """The fields of vLLM's allocate_slots: only on a pool with vLLM's semantics, each within max_model_len."""
+    def name(f: str) -> Field:
+        return (field, index, "allocate", f)
+
+    if not vllm:
+        first = next(f for f in VLLM_FIELDS if getattr(a, f))
+        raise invalid(name(first), getattr(a, first), "only a pool registered with vllm options takes it")
+    what = f"max_model_len {max_len}"
+    for f in ("num_output_placeholders", "num_in_flight_tokens", "num_new_computed_tokens", "cache_tokens"):
+        at_most(name(f), getattr(a, f), max_len, what)
+    if a.allow_transfer:
+        raise invalid(name("allow_transfer"), True, "vLLM's semantics have no cross-pool transfers")
+    if a.append_token_ids:
+        raise invalid(name("append_token_ids"), "...", "vLLM's scheduler appends block hashes (its own)")
+    if a.lookup and (a.num_append_tokens or a.num_computed_tokens):
+        raise invalid(name("num_append_tokens" if a.num_append_tokens else "num_computed_tokens"),
+                      a.num_append_tokens or a.num_computed_tokens,
+                      "an admission (lookup) starts from the tokens AddRequestOp gave, with none computed")
+    if a.num_new_computed_tokens and not a.lookup:
+        raise invalid(name("num_new_computed_tokens"), a.num_new_computed_tokens, "is the hit of an admission (lookup)")
+    if a.cache_tokens and (a.num_new_tokens or a.lookup):
+        raise invalid(name("cache_tokens"), a.cache_tokens, "caches without allocating: with num_new_tokens 0")
+    op.num_output_placeholders, op.num_in_flight_tokens, op.waiting = (a.num_output_placeholders,
+                                                                       a.num_in_flight_tokens, a.waiting)
+    op.lookup, op.num_new_computed_tokens = a.lookup, a.num_new_computed_tokens
+    op.full_sequence_must_fit, op.reserved_blocks = a.full_sequence_must_fit, a.reserved_blocks
+    op.has_scheduled_reqs, op.cache_tokens = a.has_scheduled_reqs, a.cache_tokens
 
 
 def decode_external(e: pb.ExternalSource, max_len: int, field: Field) -> ExternalSource:
@@ -269,12 +262,13 @@ def decode_external(e: pb.ExternalSource, max_len: int, field: Field) -> Externa
     return ExternalSource(pin_id, src_pool, list(e.src_block_ids), e.num_tokens)
 
 
-def decode_pin(p: pb.PinOp, max_len: int, vocab: int, hash_block_size: int, field: str) -> PinOp:
+def decode_pin(p: pb.PinOp, max_len: int, vocab: int, hash_block_size: int, field: str,
+               hash_bytes: int = HASH_BYTES) -> PinOp:
     """A pin op's prompt is checked by the add op's rules (the fields have the same names, but the id)."""
     check_id(f"{field}.pin_id", p.pin_id)
     as_add = pb.AddRequestOp(request_id=p.pin_id, token_ids=p.token_ids, block_hashes=p.block_hashes,
                              num_tokens=p.num_tokens, cache_salt=p.cache_salt, lora_name=p.lora_name)
-    add = decode_add(as_add, max_len, vocab, hash_block_size, field)
+    add = decode_add(as_add, max_len, vocab, hash_block_size, field, None, hash_bytes)
     return PinOp(add.request_id, add.token_ids, add.block_hashes, add.num_tokens, add.cache_salt, add.lora_name)
 
 

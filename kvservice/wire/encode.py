@@ -5,8 +5,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvservice._proto import allocator_pb2 as pb
+from kvservice.commands import VllmOptions
 from kvservice.core import ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
-from kvservice.ops import AddRequestOp, AdmitBatchOp, AllocateOp, DecodeBatchOp, ForkOp, FreeOp, Op, PinOp, UnpinOp
+from kvservice.hashing import HashSpec
+from kvservice.ops import (
+    AddRequestOp,
+    AdmitBatchOp,
+    AllocateOp,
+    DecodeBatchOp,
+    ForkOp,
+    FreeOp,
+    Op,
+    PinOp,
+    ResetPrefixCacheOp,
+    UnpinOp,
+)
 from kvservice.wire.fields import encode_u32
 
 
@@ -70,6 +83,8 @@ def encode_op(op: Op, msg: pb.Op) -> None:
     elif isinstance(op, ForkOp):
         msg.fork.parent_request_id = op.parent_request_id
         msg.fork.child_request_id = op.child_request_id
+    elif isinstance(op, ResetPrefixCacheOp):
+        msg.reset_prefix_cache.SetInParent()
     else:
         raise TypeError(f"not an op: {op!r}")
 
@@ -90,6 +105,12 @@ def encode_allocate(op: AllocateOp, a: pb.AllocateOp) -> None:
         e = op.external_source
         a.external_source.CopyFrom(pb.ExternalSource(pin_id=e.pin_id, src_pool_id=e.src_pool_id,
                                                      src_block_ids=e.src_block_ids, num_tokens=e.num_tokens))
+    if op.vllm_fields:  # zeros left unset (proto3: the same bytes)
+        a.num_output_placeholders, a.num_in_flight_tokens, a.waiting = (op.num_output_placeholders,
+                                                                        op.num_in_flight_tokens, op.waiting)
+        a.lookup, a.num_new_computed_tokens = op.lookup, op.num_new_computed_tokens
+        a.full_sequence_must_fit, a.reserved_blocks = op.full_sequence_must_fit, op.reserved_blocks
+        a.has_scheduled_reqs, a.cache_tokens = op.has_scheduled_reqs, op.cache_tokens
 
 
 def encode_add(op: AddRequestOp, a: pb.AddRequestOp) -> None:
@@ -97,6 +118,7 @@ def encode_add(op: AddRequestOp, a: pb.AddRequestOp) -> None:
     if op.block_hashes is not None:
         a.block_hashes = b"".join(op.block_hashes)
         a.num_tokens = op.num_tokens
+        a.num_prompt_tokens = op.num_prompt_tokens
     else:
         a.token_ids = encode_u32(op.token_ids or [])
     a.cache_salt = op.cache_salt or ""
@@ -106,11 +128,26 @@ def encode_add(op: AddRequestOp, a: pb.AddRequestOp) -> None:
 
 
 # ---- requests ------------------------------------------------------------------------------------
+def encode_hash_spec(spec: HashSpec) -> pb.HashSpec:
+    return pb.HashSpec(algorithm=spec.algorithm, seed=spec.seed or "", has_seed=spec.seed is not None)
+
+
+def encode_vllm_options(options: VllmOptions) -> pb.VllmManagerOptions:
+    return pb.VllmManagerOptions(watermark=options.watermark, scheduler_block_size=options.scheduler_block_size,
+                                 max_in_flight_tokens=options.max_in_flight_tokens)
+
+
 def register_request(pool_id: str, config: KVCacheConfig, max_model_len: int, epoch: int, dcp_world_size: int,
-                     enable_caching: bool, vocab_size: int, kv_layout: str, fingerprint: str) -> pb.RegisterPoolRequest:
-    return pb.RegisterPoolRequest(pool_id=pool_id, epoch=epoch, hash_fingerprint=fingerprint,
-                                  config=encode_config(config, max_model_len, dcp_world_size, enable_caching,
-                                                       vocab_size, kv_layout))
+                     enable_caching: bool, vocab_size: int, kv_layout: str, fingerprint: str,
+                     hash_spec: HashSpec | None = None, vllm: VllmOptions | None = None) -> pb.RegisterPoolRequest:
+    msg = pb.RegisterPoolRequest(pool_id=pool_id, epoch=epoch, hash_fingerprint=fingerprint,
+                                 config=encode_config(config, max_model_len, dcp_world_size, enable_caching,
+                                                      vocab_size, kv_layout))
+    if hash_spec is not None:
+        msg.hash_spec.CopyFrom(encode_hash_spec(hash_spec))
+    if vllm is not None:
+        msg.vllm.CopyFrom(encode_vllm_options(vllm))
+    return msg
 
 
 def step_request(pool_id: str, ops: Sequence[Op]) -> pb.StepRequest:
@@ -135,6 +172,7 @@ def lookup_request(token_ids, block_hashes, num_tokens: int, cache_salt: str | N
                            num_tokens=num_tokens)
     if block_hashes is not None:
         msg.block_hashes = b"".join(block_hashes)
+        msg.hash_bytes = len(block_hashes[0]) if block_hashes else 0
     else:
         msg.token_ids = encode_u32(token_ids)
     return msg

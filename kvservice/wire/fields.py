@@ -135,11 +135,12 @@ def decode_counts(field: str, data: bytes, n: int, limit: int, minimum: int = 0,
     return values
 
 
-def decode_hashes(field: Field, data: bytes) -> list[bytes]:
-    if len(data) % HASH_BYTES:
-        raise invalid(field, f"<{len(data)} bytes>", f"block hashes are {HASH_BYTES} bytes each: the length "
-                                                             f"must be a multiple of {HASH_BYTES}")
-    return [data[i:i + HASH_BYTES] for i in range(0, len(data), HASH_BYTES)]
+def decode_hashes(field: Field, data: bytes, hash_bytes: int = HASH_BYTES) -> list[bytes]:
+    """Concatenated block hashes of `hash_bytes` each (the pool's hash spec's length)."""
+    if len(data) % hash_bytes:
+        raise invalid(field, f"<{len(data)} bytes>", f"block hashes are {hash_bytes} bytes each in this hash spec: "
+                                                     f"the length must be a multiple of {hash_bytes}")
+    return [data[i:i + hash_bytes] for i in range(0, len(data), hash_bytes)]
 
 
 def at_most(field: Field, value: int, limit: int, what: str) -> int:

@@ -57,6 +57,8 @@ def encode_step_result(result: StepResult, msg: pb.StepResponse) -> pb.StepRespo
             _encode_packed(r.batch, m.batch)
     for src, dst in result.copies:
         msg.copies.add(src=src, dst=dst)
+    if result.num_free_blocks:
+        msg.num_free_blocks = result.num_free_blocks
     return msg
 
 
@@ -86,7 +88,7 @@ def decode_step_result(msg: pb.StepResponse) -> StepResult:
                                 tuple(list(g.block_ids) for g in m.new_blocks), m.num_computed_tokens,
                                 m.num_scheduled_tokens, m.num_tokens, transfer, batch,
                                 [(x.group, x.index, x.block_id) for x in m.replaced]))
-    return StepResult(msg.sequence, results, [(c.src, c.dst) for c in msg.copies])
+    return StepResult(msg.sequence, results, [(c.src, c.dst) for c in msg.copies], msg.num_free_blocks)
 
 
 def _decode_packed(b: pb.DecodeBatchResult) -> PackedResult:
@@ -104,12 +106,13 @@ def encode_register_result(r: RegisterResult) -> pb.RegisterPoolResponse:
     return pb.RegisterPoolResponse(pool_id=r.pool_id, epoch=r.epoch, new_epoch=r.new_epoch,
                                    hash_block_size=r.hash_block_size, hash_seed=r.hash_seed,
                                    num_requests_failed=r.num_requests_failed,
-                                   scheduler_block_size=r.scheduler_block_size)
+                                   scheduler_block_size=r.scheduler_block_size, hash_algorithm=r.hash_algorithm,
+                                   hash_fingerprint=r.hash_fingerprint)
 
 
 def decode_register_result(r: pb.RegisterPoolResponse) -> RegisterResult:
     return RegisterResult(r.pool_id, r.epoch, r.new_epoch, r.hash_block_size, r.hash_seed, r.num_requests_failed,
-                          r.scheduler_block_size)
+                          r.scheduler_block_size, r.hash_algorithm or "kvservice", r.hash_fingerprint)
 
 
 def encode_session_opened(s: SessionOpened) -> pb.OpenSessionResponse:
@@ -178,9 +181,10 @@ def encode_event(item: LoggedEvent) -> pb.KVEvent:
     msg = pb.KVEvent(sequence=item.sequence, pool_id=item.pool_id)
     ev = item.event
     if isinstance(ev, BlockStored):
-        msg.stored.block_hashes.extend(raw_hash(h) for h in ev.block_hashes)
+        n = item.hash_bytes
+        msg.stored.block_hashes.extend(raw_hash(h, n) for h in ev.block_hashes)
         if ev.parent_block_hash is not None:
-            msg.stored.parent_block_hash = raw_hash(ev.parent_block_hash)
+            msg.stored.parent_block_hash = raw_hash(ev.parent_block_hash, n)
         if ev.token_ids:
             msg.stored.token_ids = encode_u32(ev.token_ids)
         msg.stored.block_size = ev.block_size
@@ -188,7 +192,7 @@ def encode_event(item: LoggedEvent) -> pb.KVEvent:
         msg.stored.lora_name = ev.lora_name or ""
         msg.stored.block_ids.extend(ev.block_ids)
     elif isinstance(ev, BlockRemoved):
-        msg.removed.block_hashes.extend(raw_hash(h) for h in ev.block_hashes)
+        msg.removed.block_hashes.extend(raw_hash(h, item.hash_bytes) for h in ev.block_hashes)
         msg.removed.group_idx = ev.group_idx
     elif isinstance(ev, AllBlocksCleared):
         msg.cleared.SetInParent()

@@ -1,0 +1,69 @@
+"""Parity of vLLM 0.33.0's scheduler on kvservice with the stock one: >= 200 random workloads in each of
+vLLM's default configuration (async scheduling, the full-sequence gate), async scheduling off, and the gate
+off; every step's SchedulerOutput and the prefix-cache stats identical (tests/vllm/scheduler_harness.py;
+the smaller version is tests/vllm/test_vllm_scheduler.py in make test-vllm).
+
+Runs in the project's vLLM environment:
+    VLLM_TARGET_DEVICE=cpu PYTHONPATH=.:$HOME/.cache/kvservice/vllm-0.33.0/src \\
+        ~/.cache/kvservice/vllm-0.33.0/venv/bin/python bench/vllm_scheduler_parity.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import table, write_json  # noqa: E402
+from bench.rpc_bench import start  # noqa: E402
+from tests.vllm import scheduler_harness as h  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", type=int, default=200, help="per configuration")
+    parser.add_argument("--steps", type=int, default=80)
+    args = parser.parse_args()
+    server, target = start([sys.executable, "-m", "kvservice.cli", "--log-level", "ERROR", "serve", "--port", "0",
+                            "--no-persistence"], "kvservice serving on")
+    model = h.write_model_dir(Path(tempfile.mkdtemp()) / "model")
+    rows, data = [], {}
+    try:
+        for mode in h.MODES:
+            config = h.make_vllm_config(model, mode)
+            t0 = time.monotonic()
+            totals, failures = h.Outcome(), []
+            for seed in range(args.workloads):
+                workload = h.Workload.random(seed, num_steps=args.steps)
+                try:
+                    out = h.run_pair(workload, mode, config, target,
+                                     f"parity-{mode.async_scheduling:d}{mode.full_sequence_gate:d}-{seed}")
+                except AssertionError as exc:
+                    failures.append(str(exc)[:300])
+                    continue
+                for name in ("steps", "preemptions", "hits", "chunked", "n_gt_1", "rpcs"):
+                    setattr(totals, name, getattr(totals, name) + getattr(out, name))
+            identical = args.workloads - len(failures)
+            data[mode.name] = {"workloads": args.workloads, "identical": identical, "steps": totals.steps,
+                               "preemptions": totals.preemptions, "prefix_hits": totals.hits,
+                               "prefill_chunks": totals.chunked, "n_gt_1_requests": totals.n_gt_1,
+                               "step_rpcs": totals.rpcs, "failures": failures[:5],
+                               "seconds": time.monotonic() - t0}
+            rows.append([mode.name, f"{identical}/{args.workloads}", totals.steps, totals.preemptions, totals.hits,
+                         totals.chunked, totals.n_gt_1, f"{totals.rpcs / max(totals.steps, 1):.2f}"])
+            for f in failures[:3]:
+                print("  DIVERGED:", f)
+    finally:
+        server.kill()
+    print(table(["configuration", "identical", "steps", "preemptions", "prefix hits", "prefill chunks",
+                 "n>1 requests", "RPCs/step"], rows))
+    print(f"wrote {write_json('vllm_scheduler_parity', data)}")
+    return 0 if all(d["identical"] == d["workloads"] for d in data.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

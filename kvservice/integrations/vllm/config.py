@@ -1,0 +1,111 @@
+"""Where vLLM's scheduler finds its allocator, and what it refuses to run with.
+
+Settings come from `vllm_config.additional_config["kvservice"]` (keys `address`, `token`, `pool_id`,
+`timeout_s`), else from the environment (`KVSERVICE_ADDRESS`, `KVSERVICE_TOKEN`, `KVSERVICE_POOL_ID`).
+`unsupported()` lists every setting the kvservice-backed scheduler cannot honour exactly; the scheduler
+refuses to start while any is set, so a schedule is never silently wrong.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from vllm.v1 import kv_cache_interface as vi
+
+ENV = {"address": "KVSERVICE_ADDRESS", "token": "KVSERVICE_TOKEN", "pool_id": "KVSERVICE_POOL_ID"}
+KEYS = ("address", "token", "pool_id", "timeout_s")
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+DEFAULT_POOL_ID = "vllm-0"
+
+
+class UnsupportedConfig(ValueError):
+    """A vLLM setting the kvservice-backed scheduler cannot follow exactly (named in the message)."""
+
+
+@dataclass(slots=True)
+class KVServiceSettings:
+    address: str = DEFAULT_ADDRESS
+    token: str | None = None
+    pool_id: str = DEFAULT_POOL_ID
+    timeout_s: float = 10.0
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config) -> KVServiceSettings:
+        extra = (getattr(vllm_config, "additional_config", None) or {}).get("kvservice", {})
+        if not isinstance(extra, dict):
+            raise UnsupportedConfig(f"additional_config['kvservice'] must be a dict with keys {', '.join(KEYS)}, "
+                                    f"got {extra!r}")
+        unknown = sorted(set(extra) - set(KEYS))
+        if unknown:
+            raise UnsupportedConfig(f"additional_config['kvservice'] has unknown keys {unknown}; known: "
+                                    f"{', '.join(KEYS)}")
+        env = {key: os.environ[name] for key, name in ENV.items() if os.environ.get(name)}
+        values = {**env, **extra}
+        settings = cls(str(values.get("address", DEFAULT_ADDRESS)), values.get("token") or None,
+                       str(values.get("pool_id", DEFAULT_POOL_ID)), float(values.get("timeout_s", 10.0)))
+        if not settings.address:
+            raise UnsupportedConfig("additional_config['kvservice']['address'] (or KVSERVICE_ADDRESS) is empty")
+        return settings
+
+
+# vLLM's KV-cache specs whose semantics the allocator's pools carry exactly (RegisterPool's groups).
+_CARRIED = (vi.FullAttentionSpec, vi.SlidingWindowSpec, vi.ChunkedLocalAttentionSpec)
+_NOT_CARRIED = tuple(getattr(vi, name) for name in (
+    "MambaSpec", "CrossAttentionSpec", "SinkFullAttentionSpec", "RSWASpec", "CircularBufferSpec")
+    if hasattr(vi, name))
+
+
+def unsupported(scheduler, kv_cache_config) -> list[str]:
+    """Every setting of this scheduler the kvservice-backed one cannot honour, each as 'setting = value: why'."""
+    cfg = scheduler.vllm_config
+    out = []
+    if cfg.kv_transfer_config is not None:
+        out.append(f"kv_transfer_config = {cfg.kv_transfer_config.kv_connector!r}: KV connectors (P/D, offloading) "
+                   f"allocate outside the scheduler's calls")
+    if getattr(cfg, "ec_transfer_config", None) is not None:
+        out.append("ec_transfer_config: encoder-cache connectors")
+    if scheduler.is_encoder_decoder:
+        out.append("model_config.is_encoder_decoder = True: cross-attention blocks (encoder tokens)")
+    if cfg.speculative_config is not None:
+        out.append(f"speculative_config (method {cfg.speculative_config.method!r}): draft tokens are appended and "
+                   f"rejected (lookahead slots, EAGLE block drop, lookahead hashes)")
+    if scheduler.num_hash_lookahead_tokens:
+        out.append(f"num_hash_lookahead_tokens = {scheduler.num_hash_lookahead_tokens}: lookahead block hashes")
+    if getattr(scheduler, "num_prefill_lookahead", 0):
+        out.append(f"num_prefill_lookahead = {scheduler.num_prefill_lookahead}: MTP prefill lookahead")
+    if getattr(cfg, "aux_output_config", None) is not None and cfg.aux_output_config.enabled:
+        out.append("aux_output_config.enabled = True: auxiliary-output connector")
+    if scheduler.hash_block_size != scheduler.block_size:
+        out.append(f"hash_block_size = {scheduler.hash_block_size} != block_size {scheduler.block_size}: sub-block "
+                   f"(partial) prefix hits")
+    if getattr(scheduler, "prefix_replay_tokens", 0):
+        out.append(f"prefix_replay_tokens = {scheduler.prefix_replay_tokens}: bounded sliding-window replay")
+    if cfg.parallel_config.prefill_context_parallel_size > 1:
+        out.append(f"prefill_context_parallel_size = {cfg.parallel_config.prefill_context_parallel_size}")
+    if kv_cache_config.hisparse_host_num_blocks is not None:
+        out.append(f"hisparse_host_num_blocks = {kv_cache_config.hisparse_host_num_blocks}: the HiSparse tier")
+    if kv_cache_config.prefix_cache_retention_interval:
+        out.append(f"prefix_cache_retention_interval = {kv_cache_config.prefix_cache_retention_interval}: sparse "
+                   f"prefix-cache retention")
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        inner = next(iter(spec.kv_cache_specs.values())) if isinstance(spec, vi.UniformTypeKVCacheSpecs) else spec
+        name = f"kv_cache_groups[{i}] ({type(inner).__name__})"
+        if group.is_eagle_group:
+            out.append(f"{name}.is_eagle_group = True: EAGLE groups")
+        if isinstance(inner, _NOT_CARRIED) or not isinstance(inner, _CARRIED):
+            out.append(f"{name}: the allocator's pools carry full attention, sliding window and chunked local "
+                       f"attention only")
+        elif isinstance(inner, vi.SlidingWindowSpec) and getattr(inner, "extra_retained_tokens", 0):
+            out.append(f"{name}.extra_retained_tokens = {inner.extra_retained_tokens}")
+        if getattr(spec, "dcp_sharded", False) and scheduler.dcp_world_size > 1:
+            out.append(f"{name} with decode_context_parallel_size = {scheduler.dcp_world_size}")
+    return out
+
+
+def check_supported(scheduler, kv_cache_config) -> None:
+    problems = unsupported(scheduler, kv_cache_config)
+    if problems:
+        raise UnsupportedConfig("kvservice.integrations.vllm cannot schedule this configuration exactly; unset:\n  "
+                                + "\n  ".join(problems))

@@ -1,0 +1,87 @@
+"""vLLM 0.33.0's schedulers allocating from kvservice: select them with vLLM's `scheduler_cls`
+("kvservice.integrations.vllm.Scheduler", or "...AsyncScheduler" with async scheduling, vLLM's default).
+
+Each is vLLM's own class with its `kv_cache_manager` replaced by a RemoteKVCacheManager on a pool
+registered from the scheduler's KVCacheConfig (vLLM's hash spec, vLLM's allocation semantics), and with
+`schedule()` ending in the step's one Step RPC (checked before the SchedulerOutput is returned).
+"""
+
+from __future__ import annotations
+
+from vllm.v1.core.kv_cache_utils import get_none_hash_seed
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
+
+from kvservice.client import KVServiceClient
+from kvservice.commands import VllmOptions
+from kvservice.errors import FailedPrecondition
+from kvservice.hashing import HashSpec
+from kvservice.integrations.vllm.config import KVServiceSettings, UnsupportedConfig, check_supported
+from kvservice.integrations.vllm.remote import RemoteKVCacheManager
+from kvservice.integrations.vllm.specs import core_config
+
+
+class KVServiceScheduling:
+    """What both schedulers add to vLLM's: the remote manager, built in place of vLLM's own."""
+
+    kv_cache_manager: RemoteKVCacheManager
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        check_supported(self, self.kv_cache_config)
+        settings = KVServiceSettings.from_vllm_config(self.vllm_config)
+        self.kvservice_settings = settings
+        self.kvservice_client = KVServiceClient(settings.address, settings.token, client_name="vllm-scheduler",
+                                                timeout_s=settings.timeout_s, hash_block_size=self.hash_block_size)
+        self.kvservice_epoch = self._register_pool(settings.pool_id)
+        self.kv_cache_manager = RemoteKVCacheManager(
+            self.kvservice_client, settings.pool_id,
+            kv_cache_config=self.kv_cache_config, max_model_len=self.max_model_len,
+            scheduler_block_size=self.block_size, hash_block_size=self.hash_block_size,
+            max_in_flight_tokens=self.vllm_config.max_in_flight_tokens,
+            enable_caching=self.cache_config.enable_prefix_caching, use_eagle=self.use_eagle_block_drop,
+            num_hash_lookahead_tokens=self.num_hash_lookahead_tokens, num_prefill_lookahead=self.num_prefill_lookahead,
+            log_stats=self.log_stats, enable_kv_cache_events=self.enable_kv_cache_events,
+            dcp_world_size=self.dcp_world_size, pcp_world_size=1, metrics_collector=self.kv_metrics_collector,
+            watermark=self.scheduler_config.watermark,
+            enable_mamba_shared_prefix_checkpoint=self.cache_config.enable_mamba_shared_prefix_checkpoint)
+
+    def _register_pool(self, pool_id: str) -> int:
+        """Registers the pool at a new epoch when it exists (this engine's KV memory starts empty)."""
+        client = self.kvservice_client
+        existing = client.get_stats().pools.get(pool_id)
+        epoch = existing.epoch + 1 if existing is not None else 0
+        algorithm = self.cache_config.prefix_caching_hash_algo
+        hash_spec = HashSpec(algorithm, get_none_hash_seed(), self.hash_block_size)
+        options = VllmOptions(float(self.scheduler_config.watermark), self.block_size,
+                              self.vllm_config.max_in_flight_tokens or 0)
+        try:
+            result = client.register_pool(pool_id, core_config(self.kv_cache_config), self.max_model_len, epoch,
+                                          self.dcp_world_size, self.cache_config.enable_prefix_caching,
+                                          hash_spec=hash_spec, vllm=options)
+        except FailedPrecondition as exc:
+            raise UnsupportedConfig(
+                f"kvservice at {self.kvservice_settings.address} refused pool {pool_id!r} (hash "
+                f"{algorithm}, hash block size {self.hash_block_size}): {exc}. The allocator's --hash-block-size "
+                f"must equal vLLM's block size") from exc
+        return result.epoch
+
+    def schedule(self, *args, **kwargs):
+        output = super().schedule(*args, **kwargs)
+        self.kv_cache_manager.flush()  # the step's one RPC, checked before the output leaves
+        return output
+
+    def shutdown(self) -> None:
+        try:
+            self.kv_cache_manager.flush()
+        finally:
+            super().shutdown()
+            self.kvservice_client.close()
+
+
+class Scheduler(KVServiceScheduling, VllmScheduler):
+    """vLLM's synchronous Scheduler on kvservice."""
+
+
+class AsyncScheduler(KVServiceScheduling, VllmAsyncScheduler):
+    """vLLM's AsyncScheduler (async scheduling: output placeholders) on kvservice."""

@@ -1,0 +1,103 @@
+"""Server side: RegisterPool's pool spec (its KV-cache config, hash spec and vLLM options) as it arrives ->
+PoolSpec, every field validated (`InvalidArgument` naming it)."""
+
+from __future__ import annotations
+
+from kvservice._proto import allocator_pb2 as pb
+from kvservice.commands import PoolSpec, VllmOptions
+from kvservice.core import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from kvservice.errors import InvalidArgument
+from kvservice.hashing import HashSpec, vllm_spec
+from kvservice.hashing.spec import KVSERVICE
+from kvservice.wire.fields import check_count, check_id, check_name
+from kvservice.wire.limits import MAX_BLOCK_SIZE, MAX_BLOCKS, MAX_DCP_WORLD_SIZE, MAX_EPOCH, MAX_MODEL_LEN
+
+
+def decode_config(msg: pb.KVCacheConfig, field: str = "config") -> tuple[KVCacheConfig, int, int]:
+    """Returns (KVCacheConfig, max_model_len, dcp_world_size)."""
+    if msg.num_blocks < 2:
+        raise InvalidArgument(f"{field}.num_blocks", msg.num_blocks, "must be >= 2 (the null block + 1)")
+    check_count(f"{field}.num_blocks", msg.num_blocks, MAX_BLOCKS)
+    if not msg.groups:
+        raise InvalidArgument(f"{field}.groups", [], "needs at least one KV-cache group")
+    if msg.max_model_len == 0:
+        raise InvalidArgument(f"{field}.max_model_len", 0, "must be positive")
+    check_count(f"{field}.max_model_len", msg.max_model_len, MAX_MODEL_LEN)
+    dcp = msg.dcp_world_size or 1
+    check_count(f"{field}.dcp_world_size", dcp, MAX_DCP_WORLD_SIZE)
+    specs = []
+    for i, group in enumerate(msg.groups):
+        kind = group.WhichOneof("kind")
+        g = f"{field}.groups[{i}]"
+        if kind is None:
+            raise InvalidArgument(g, "{}", "set one of full_attention, sliding_window, chunked_local, mamba")
+        sub = getattr(group, kind)
+        if sub.block_size == 0 or sub.block_size > MAX_BLOCK_SIZE:
+            raise InvalidArgument(f"{g}.{kind}.block_size", sub.block_size, f"must be in [1, {MAX_BLOCK_SIZE}]")
+        if kind == "full_attention":
+            specs.append(FullAttentionSpec(sub.block_size))
+        elif kind == "sliding_window":
+            if sub.sliding_window == 0:
+                raise InvalidArgument(f"{g}.sliding_window.sliding_window", 0, "must be positive")
+            specs.append(SlidingWindowSpec(sub.block_size, sub.sliding_window))
+        elif kind == "chunked_local":
+            if sub.attention_chunk_size == 0:
+                raise InvalidArgument(f"{g}.chunked_local.attention_chunk_size", 0, "must be positive")
+            specs.append(ChunkedLocalAttentionSpec(sub.block_size, sub.attention_chunk_size))
+        else:
+            specs.append(MambaSpec(sub.block_size))
+        if dcp > 1 and kind != "full_attention":
+            raise InvalidArgument(f"{field}.dcp_world_size", dcp, f"decode context parallelism needs full attention "
+                                                                  f"only; groups[{i}] is {kind}")
+    return KVCacheConfig(int(msg.num_blocks), specs), msg.max_model_len, dcp
+
+
+def decode_pool_spec(msg: pb.RegisterPoolRequest, hash_block_size: int) -> PoolSpec:
+    pool_id = check_id("pool_id", msg.pool_id)
+    if msg.epoch > MAX_EPOCH:
+        raise InvalidArgument("epoch", msg.epoch, f"exceeds the limit {MAX_EPOCH}; count engine restarts from 0")
+    config, max_model_len, dcp = decode_config(msg.config)
+    for i, spec in enumerate(config.groups):
+        size = spec.block_size * (dcp if isinstance(spec, FullAttentionSpec) else 1)
+        if size % hash_block_size:
+            raise InvalidArgument(f"config.groups[{i}].block_size", spec.block_size,
+                                  f"the block ({size} tokens) must be a multiple of the service's hash block "
+                                  f"size {hash_block_size}")
+    hash_spec = decode_hash_spec(msg.hash_spec, hash_block_size) if msg.HasField("hash_spec") else None
+    vllm = decode_vllm_options(msg.vllm, config) if msg.HasField("vllm") else None
+    return PoolSpec(pool_id, config, max_model_len, dcp, not msg.config.disable_prefix_caching,
+                    msg.config.vocab_size, check_name("config.kv_layout", msg.config.kv_layout) or "", msg.epoch,
+                    hash_spec, vllm)
+
+
+def decode_vllm_options(msg: pb.VllmManagerOptions, config: KVCacheConfig, field: str = "vllm") -> VllmOptions:
+    if not 0.0 <= msg.watermark < 1.0:
+        raise InvalidArgument(f"{field}.watermark", msg.watermark, "must be in [0, 1) (vLLM's scheduler watermark)")
+    size = msg.scheduler_block_size
+    if size:
+        bad = [s.block_size for s in config.groups if size % s.block_size]
+        if size > MAX_BLOCK_SIZE * len(config.groups) or bad:
+            sizes = [s.block_size for s in config.groups]
+            raise InvalidArgument(f"{field}.scheduler_block_size", size,
+                                  f"must be a multiple of every group's block size {sizes}")
+    check_count(f"{field}.max_in_flight_tokens", msg.max_in_flight_tokens, MAX_MODEL_LEN)
+    return VllmOptions(msg.watermark, size, msg.max_in_flight_tokens)
+
+
+def decode_hash_spec(msg: pb.HashSpec, hash_block_size: int, field: str = "hash_spec") -> HashSpec:
+    """A declared hash spec, at the allocator's hash block size."""
+    algorithm = msg.algorithm or KVSERVICE
+    if algorithm != KVSERVICE and algorithm not in vllm_spec.ALGORITHMS:
+        raise InvalidArgument(f"{field}.algorithm", msg.algorithm,
+                              f"must be {KVSERVICE!r} or one of vLLM's {', '.join(vllm_spec.ALGORITHMS)}")
+    if msg.has_seed:
+        check_name(f"{field}.seed", msg.seed)
+    elif msg.seed:
+        raise InvalidArgument(f"{field}.seed", msg.seed, "set has_seed with a seed (unset: the algorithm's default)")
+    return HashSpec(algorithm, msg.seed if msg.has_seed else None, hash_block_size)

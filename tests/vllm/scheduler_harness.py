@@ -1,0 +1,238 @@
+"""Parity harness: vLLM 0.33.0's stock scheduler and the kvservice-backed one, side by side.
+
+Both get the same VllmConfig (vLLM's defaults but for the sizes a workload picks), the same request stream
+and the same fake model outputs (built as vLLM's tests/v1/core/test_scheduler.py builds them: one sampled
+token per request that finished its prefill, none for a prefill chunk). After every step the two
+SchedulerOutputs must agree: scheduled tokens per request, new requests with their block ids and prefix
+hits, cached requests' new block ids and computed tokens, preemptions, finished ids; and the prefix-cache
+stats. With async scheduling the engine's order is kept: step k+1 is scheduled before step k's output.
+
+Runs in the project's vLLM environment only (make vllm-env); used by tests/vllm/test_vllm_scheduler.py and
+bench/vllm_scheduler_parity.py.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler as StockAsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler as StockScheduler
+from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+from kvservice.integrations.vllm import AsyncScheduler, Scheduler
+
+BLOCK = 16
+VOCAB = 1000
+EOS = 2
+# A known architecture, no weights: the scheduler reads only the config (skip_tokenizer_init).
+MODEL_CONFIG = {"architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 64,
+                "num_attention_heads": 4, "num_hidden_layers": 2, "ffn_dim": 128, "vocab_size": 50272,
+                "max_position_embeddings": 4096, "word_embed_proj_dim": 64, "torch_dtype": "float16",
+                "do_layer_norm_before": True, "pad_token_id": 1, "bos_token_id": EOS, "eos_token_id": EOS}
+
+init_none_hash(sha256)
+_HASHER = get_request_block_hasher(BLOCK, sha256)
+
+
+def write_model_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(MODEL_CONFIG))
+    return path
+
+
+@dataclass(slots=True, frozen=True)
+class Mode:
+    """Which of vLLM's defaults a run keeps: async scheduling (AsyncScheduler) and the full-sequence
+    admission gate (scheduler_reserve_full_isl)."""
+
+    async_scheduling: bool = True
+    full_sequence_gate: bool = True
+
+    @property
+    def name(self) -> str:
+        return (f"async {'on' if self.async_scheduling else 'off'}, "
+                f"gate {'on' if self.full_sequence_gate else 'off'}")
+
+
+DEFAULT = Mode()
+MODES = (DEFAULT, Mode(async_scheduling=False), Mode(full_sequence_gate=False))
+
+
+def make_vllm_config(model_dir: Path, mode: Mode, max_model_len: int = 2048) -> VllmConfig:
+    """vLLM's default configuration for this model, with async scheduling as vLLM resolves it on a GPU
+    (the CPU platform turns it off) and the gate as `mode` says."""
+    model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float16", seed=0,
+                        max_model_len=max_model_len)
+    scheduler = SchedulerConfig(max_model_len=max_model_len, is_encoder_decoder=False,
+                                scheduler_reserve_full_isl=mode.full_sequence_gate)
+    config = VllmConfig(model_config=model, scheduler_config=scheduler, cache_config=CacheConfig(block_size=BLOCK))
+    config.scheduler_config.async_scheduling = mode.async_scheduling
+    register_all_kvcache_specs(config)
+    return config
+
+
+@dataclass(slots=True)
+class Workload:
+    """One random request stream: arrivals per step (some with n > 1: n requests of one prompt, as vLLM's
+    front end fans them out), shared prefixes, long prompts for chunked prefill, aborts, and a pool small
+    enough to preempt."""
+
+    seed: int
+    num_blocks: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    watermark: float
+    arrivals: dict[int, list[tuple[str, list[int], int]]] = field(default_factory=dict)  # step -> (id, prompt, max)
+    aborts: dict[int, float] = field(default_factory=dict)  # step -> which unfinished request (a fraction)
+    num_steps: int = 0
+
+    @classmethod
+    def random(cls, seed: int, num_steps: int = 60) -> Workload:
+        rng = random.Random(seed)
+        w = cls(seed, rng.choice([24, 40, 64, 200]), rng.choice([64, 128, 256, 2048]), rng.choice([4, 16, 128]),
+                rng.choice([0.0, 0.0, 0.05]), num_steps=num_steps)
+        prefixes = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(8, 90))] for _ in range(3)]
+        ids = 0
+        for step in range(num_steps // 2):
+            for _ in range(rng.choice([0, 0, 1, 1, 2, 3])):
+                prompt = (rng.choice(prefixes) if rng.random() < 0.7 else []) + \
+                    [rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 120))]
+                n = rng.choice([1, 1, 1, 2, 3])
+                for i in range(n):
+                    w.arrivals.setdefault(step, []).append((f"r{ids}-{i}", prompt, rng.randrange(1, 40)))
+                ids += 1
+            if rng.random() < 0.08:
+                w.aborts[step] = rng.random()
+        return w
+
+
+def sampled_token(seed: int, request_id: str, index: int) -> int:
+    """The fake model's output token `index` of a request (the same for both schedulers)."""
+    return random.Random(f"{seed}/{request_id}/{index}").randrange(3, VOCAB)
+
+
+class Side:
+    """One scheduler driven through a workload, as vLLM's engine core drives it."""
+
+    def __init__(self, cls, config: VllmConfig, workload: Workload) -> None:
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
+        kv_cache_config = KVCacheConfig(num_blocks=workload.num_blocks, kv_cache_tensors=[],
+                                        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+        self.scheduler = cls(vllm_config=config, kv_cache_config=kv_cache_config, block_size=BLOCK, log_stats=True,
+                             structured_output_manager=StructuredOutputManager(config))
+        self.workload = workload
+        self.pending: deque = deque()
+        self.step_s: list[float] = []
+
+    def add(self, request_id: str, prompt: list[int], max_tokens: int) -> None:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=False)
+        params.update_from_generation_config({}, EOS)
+        self.scheduler.add_request(Request(request_id, list(prompt), params, None, block_hasher=_HASHER))
+
+    def abort(self, fraction: float) -> None:
+        ids = sorted(self.scheduler.requests)
+        if ids:
+            self.scheduler.finish_requests([ids[int(fraction * len(ids))]], RequestStatus.FINISHED_ABORTED)
+
+    def schedule(self) -> tuple:
+        t = time.perf_counter()
+        out = self.scheduler.schedule()
+        self.step_s.append(time.perf_counter() - t)
+        chunks = {r for r in out.num_scheduled_tokens if self.scheduler.requests[r].is_prefill_chunk}
+        self.pending.append((out, chunks))
+        return summarize(out, chunks)
+
+    def update(self) -> tuple:
+        """Feeds the oldest outstanding step its fake model output; returns the stats after it."""
+        out, chunks = self.pending.popleft()
+        req_ids = list(out.num_scheduled_tokens)
+        sampled = []
+        for r in req_ids:
+            req = self.scheduler.requests.get(r)
+            if r in chunks or req is None:
+                sampled.append([])
+            else:
+                sampled.append([sampled_token(self.workload.seed, r, req.num_output_tokens)])
+        output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                   sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={}, pooler_output=[])
+        self.scheduler.update_from_output(out, output)
+        stats = self.scheduler.make_stats()
+        p = stats.prefix_cache_stats if stats is not None else None
+        return (p.requests, p.queries, p.hits, p.preempted_requests) if p is not None else None
+
+
+def summarize(out, chunks) -> tuple:
+    """What must match in a SchedulerOutput (block ids included)."""
+    cached = out.scheduled_cached_reqs
+    return (dict(out.num_scheduled_tokens),
+            sorted((n.req_id, tuple(map(tuple, n.block_ids)), n.num_computed_tokens) for n in out.scheduled_new_reqs),
+            sorted(zip(cached.req_ids, [None if b is None else tuple(map(tuple, b)) for b in cached.new_block_ids],
+                       cached.num_computed_tokens)),
+            sorted(cached.resumed_req_ids), sorted(out.preempted_req_ids or ()), sorted(out.finished_req_ids),
+            sorted(chunks))
+
+
+@dataclass(slots=True)
+class Outcome:
+    steps: int = 0
+    preemptions: int = 0
+    hits: int = 0
+    chunked: int = 0
+    n_gt_1: int = 0
+    rpcs: int = 0
+    stock_s: list[float] = field(default_factory=list)
+    remote_s: list[float] = field(default_factory=list)
+
+
+def run_pair(workload: Workload, mode: Mode, config: VllmConfig, address: str, pool_id: str) -> Outcome:
+    """Runs the stock and the kvservice-backed scheduler through `workload`; raises AssertionError naming
+    the step and the difference at the first divergence."""
+    sc = config.scheduler_config
+    sc.max_num_batched_tokens, sc.max_num_seqs, sc.watermark = (workload.max_num_batched_tokens,
+                                                                workload.max_num_seqs, workload.watermark)
+    config.additional_config = {"kvservice": {"address": address, "pool_id": pool_id}}
+    config.cache_config.num_gpu_blocks = workload.num_blocks
+    stock_cls, remote_cls = ((StockAsyncScheduler, AsyncScheduler) if mode.async_scheduling
+                             else (StockScheduler, Scheduler))
+    stock, remote = Side(stock_cls, config, workload), Side(remote_cls, config, workload)
+    outcome = Outcome(n_gt_1=sum(1 for a in workload.arrivals.values() for r, _, _ in a if r.endswith("-1")))
+    depth = 2 if mode.async_scheduling else 1  # outstanding steps (vLLM's engine core batch queue)
+    try:
+        for step in range(workload.num_steps):
+            for args in workload.arrivals.get(step, ()):
+                stock.add(*args)
+                remote.add(*args)
+            if step in workload.aborts:
+                stock.abort(workload.aborts[step])
+                remote.abort(workload.aborts[step])
+            a, b = stock.schedule(), remote.schedule()
+            assert a == b, f"{mode.name}, seed {workload.seed}, step {step}: stock {a} != kvservice {b}"
+            outcome.steps += 1
+            outcome.preemptions += len(a[4])
+            outcome.hits += sum(1 for _, _, computed in a[1] if computed)
+            outcome.chunked += len(a[6])
+            while len(stock.pending) >= depth or (stock.pending and not a[0]):
+                sa, sb = stock.update(), remote.update()
+                assert sa == sb, f"{mode.name}, seed {workload.seed}, step {step}: prefix stats {sa} != {sb}"
+            if not stock.scheduler.requests and step >= max(workload.arrivals, default=0):
+                break
+        outcome.rpcs = remote.scheduler.kv_cache_manager.num_rpcs
+        outcome.stock_s, outcome.remote_s = stock.step_s, remote.step_s
+    finally:
+        remote.scheduler.shutdown()
+        stock.scheduler.shutdown()
+    return outcome

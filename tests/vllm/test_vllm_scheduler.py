@@ -1,0 +1,153 @@
+"""vLLM 0.33.0's own schedulers allocating from a real `kvservice serve` (kvservice.integrations.vllm.Scheduler
+and AsyncScheduler): step-for-step the same SchedulerOutputs as the stock schedulers on random workloads in
+vLLM's default configuration and with async scheduling and the full-sequence gate each off (the smaller
+version of bench/vllm_scheduler_parity.py); at most one Step RPC per scheduler step; vLLM's own KV events;
+`scheduler_cls` resolves them; unsupported settings refused at start-up; a pool changed behind the
+scheduler's back is caught before a wrong schedule leaves it.
+
+Runs in the project's vLLM environment only (make vllm-env):
+    VLLM_TARGET_DEVICE=cpu PYTHONPATH=.:$HOME/.cache/kvservice/vllm-0.33.0/src \\
+        ~/.cache/kvservice/vllm-0.33.0/venv/bin/python -m pytest -q tests/vllm/test_vllm_scheduler.py
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs the vLLM 0.33.0 environment (make vllm-env; see this file's docstring)")
+
+from vllm.config import KVEventsConfig, KVTransferConfig  # noqa: E402
+from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: E402
+from vllm.v1.kv_cache_interface import SlidingWindowSpec  # noqa: E402
+
+from kvservice.integrations.vllm import AsyncScheduler, Scheduler  # noqa: E402
+from kvservice.integrations.vllm.config import UnsupportedConfig  # noqa: E402
+from kvservice.integrations.vllm.remote import PoolDiverged  # noqa: E402
+from kvservice.ops import AddRequestOp, AllocateOp  # noqa: E402
+from tests.service_helpers import start_server  # noqa: E402
+from tests.vllm import scheduler_harness as h  # noqa: E402
+
+NUM_WORKLOADS = 24  # per mode; the bench runs >= 200
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    proc = start_server(log_dir=tmp_path_factory.mktemp("vllm-sched"))
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return h.write_model_dir(tmp_path_factory.mktemp("model"))
+
+
+@pytest.mark.parametrize("mode", h.MODES, ids=lambda m: m.name.replace(", ", "-").replace(" ", "_"))
+def test_schedules_equal_the_stock_scheduler(server, model_dir, mode):
+    config = h.make_vllm_config(model_dir, mode)
+    totals = h.Outcome()
+    for seed in range(NUM_WORKLOADS):
+        workload = h.Workload.random(seed, num_steps=100)
+        out = h.run_pair(workload, mode, config, server.target, f"parity-{mode.async_scheduling:d}"
+                                                                 f"{mode.full_sequence_gate:d}-{seed}")
+        assert out.rpcs <= out.steps  # one Step per scheduler step at most (none when nothing changed)
+        for name in ("steps", "preemptions", "hits", "chunked", "n_gt_1", "rpcs"):
+            setattr(totals, name, getattr(totals, name) + getattr(out, name))
+    # The workloads exercise what the parity claims: preemption, prefix hits, chunked prefill, n > 1.
+    assert totals.preemptions > 10 and totals.hits > 50 and totals.chunked > 20 and totals.n_gt_1 > 20, totals
+
+
+def test_scheduler_cls_resolves_and_registers_the_pool(server, model_dir):
+    config = h.make_vllm_config(model_dir, h.DEFAULT)
+    for path, cls in (("kvservice.integrations.vllm.AsyncScheduler", AsyncScheduler),
+                      ("kvservice.integrations.vllm.Scheduler", Scheduler)):
+        config.scheduler_config.scheduler_cls = path
+        assert config.scheduler_config.get_scheduler_cls() is cls
+    config.scheduler_config.scheduler_cls = None
+    workload = h.Workload.random(0)
+    config.cache_config.num_gpu_blocks = workload.num_blocks
+    config.additional_config = {"kvservice": {"address": server.target, "pool_id": "cls-pool"}}
+    first = h.Side(AsyncScheduler, config, workload).scheduler
+    second = h.Side(AsyncScheduler, config, workload).scheduler  # an engine restart: a new epoch
+    assert (first.kvservice_epoch, second.kvservice_epoch) == (0, 1)
+    client = second.kvservice_client
+    pool = client.get_stats().pools["cls-pool"]
+    assert pool.epoch == 1 and pool.num_blocks == workload.num_blocks
+    first.shutdown()
+    second.shutdown()
+
+
+def _capture_events(side: h.Side) -> list:
+    events = []
+    side.scheduler.kv_event_publisher.publish = lambda batch: events.extend(batch.events)
+    return events
+
+
+def test_take_events_are_vllms_own_and_equal_the_stock_ones(server, model_dir):
+    config = h.make_vllm_config(model_dir, h.DEFAULT)
+    config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    workload = h.Workload.random(3, num_steps=80)
+    config.cache_config.num_gpu_blocks = workload.num_blocks
+    config.additional_config = {"kvservice": {"address": server.target, "pool_id": "events-pool"}}
+    stock, remote = (h.Side(h.StockAsyncScheduler, config, workload), h.Side(AsyncScheduler, config, workload))
+    stock_events, remote_events = _capture_events(stock), _capture_events(remote)
+    for step in range(workload.num_steps):
+        for args in workload.arrivals.get(step, ()):
+            stock.add(*args)
+            remote.add(*args)
+        assert stock.schedule() == remote.schedule()
+        while len(stock.pending) >= 2:
+            stock.update()
+            remote.update()
+    assert remote_events == stock_events
+    kinds = {type(e) for e in remote_events}
+    assert BlockStored in kinds and BlockRemoved in kinds, kinds
+    remote.scheduler.shutdown()
+
+
+def test_unsupported_settings_are_refused_at_start_up(server, model_dir, tmp_path):
+    config = h.make_vllm_config(model_dir, h.DEFAULT)
+    workload = h.Workload.random(0)
+    config.cache_config.num_gpu_blocks = workload.num_blocks
+    config.additional_config = {"kvservice": {"address": server.target, "pool_id": "refused"}}
+    spec = h.FullAttentionSpec(block_size=h.BLOCK, num_kv_heads=1, head_size=1, dtype=h.torch.float32)
+    kv = h.KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[h.KVCacheGroupSpec(["layer"], spec)])
+    window = SlidingWindowSpec(block_size=h.BLOCK, num_kv_heads=1, head_size=1, dtype=h.torch.float32,
+                               sliding_window=32)
+    sparse = h.KVCacheConfig(num_blocks=64, kv_cache_tensors=[], prefix_cache_retention_interval=64,
+                             kv_cache_groups=[h.KVCacheGroupSpec(["layer"], window)])
+    with pytest.raises(UnsupportedConfig, match="prefix_cache_retention_interval = 64"):
+        AsyncScheduler(vllm_config=config, kv_cache_config=sparse, block_size=h.BLOCK,
+                       structured_output_manager=h.StructuredOutputManager(config))
+    config.kv_transfer_config = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
+                                                 kv_connector_extra_config={"shared_storage_path": str(tmp_path)})
+    config.scheduler_config.disable_hybrid_kv_cache_manager = True  # what ExampleConnector needs
+    with pytest.raises(UnsupportedConfig, match="kv_transfer_config = 'ExampleConnector': KV connectors"):
+        AsyncScheduler(vllm_config=config, kv_cache_config=kv, block_size=h.BLOCK,
+                       structured_output_manager=h.StructuredOutputManager(config))
+    config.kv_transfer_config, config.scheduler_config.disable_hybrid_kv_cache_manager = None, None
+    config.additional_config = {"kvservice": {"address": server.target, "pool": "x"}}
+    with pytest.raises(UnsupportedConfig, match=r"unknown keys \['pool'\]"):
+        AsyncScheduler(vllm_config=config, kv_cache_config=kv, block_size=h.BLOCK,
+                       structured_output_manager=h.StructuredOutputManager(config))
+    assert "refused" not in server.client().get_stats().pools
+
+
+def test_a_pool_changed_behind_the_schedulers_back_is_caught(server, model_dir):
+    config = h.make_vllm_config(model_dir, h.Mode(async_scheduling=False))
+    workload = h.Workload(seed=9, num_blocks=40, max_num_batched_tokens=2048, max_num_seqs=16, watermark=0.0,
+                          num_steps=4)
+    config.cache_config.num_gpu_blocks = workload.num_blocks
+    config.additional_config = {"kvservice": {"address": server.target, "pool_id": "shared"}}
+    side = h.Side(Scheduler, config, workload)
+    side.add("a", list(range(3, 40)), 8)
+    side.schedule()
+    side.update()
+    intruder = server.client(hash_block_size=h.BLOCK)
+    hashes = [bytes(32)] * 2
+    intruder.step("shared", [AddRequestOp("x", block_hashes=hashes, num_tokens=32),
+                             AllocateOp("x", num_new_tokens=32)])
+    side.add("b", list(range(100, 140)), 8)
+    with pytest.raises(PoolDiverged, match="pool 'shared'"):
+        side.schedule()
+    side.scheduler.kvservice_client.close()
