@@ -80,7 +80,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--pool-blocks", type=int, default=129, help="pool for the concurrency comparison")
-    parser.add_argument("--reps", type=int, default=3, help="runs of each side in the transformers comparison")
+    parser.add_argument("--reps", type=int, default=9, help="runs of each side in the transformers comparison")
     args = parser.parse_args()
     torch.set_num_threads(1)
     server = start_serve(["--port", "0", "--no-persistence"], log_level="ERROR")
