@@ -190,3 +190,35 @@ def test_the_replica_follows_a_failover_and_a_moved_pool(tmp_path):
         for p in [*leaders.values(), *standbys.values()]:
             p.stop()
         cluster.stop()
+
+
+def test_a_dump_carries_a_sha256_pools_whole_hashes(server):
+    """A pool with vLLM's sha256 chain (32-byte hashes): WatchEvents(include_state)'s dump names its blocks
+    exactly as its live `stored` events did, and the replica leaves the pool to Lookup RPCs (its clients'
+    chain is not the one the replica hashes prompts with)."""
+    from kvservice.hashing import HashSpec
+    with KVServiceClient(server.target, "tok-a") as a:
+        a.register_pool("sha-pool", KVCacheConfig(64, [FullAttentionSpec(BS)]), max_model_len=512,
+                        hash_spec=HashSpec("sha256"))
+        live = a.open_events(["sha-pool"], timeout_s=10)
+        prompt = list(range(900, 948))
+        a.step("sha-pool", [AddRequestOp("s", token_ids=prompt), AllocateOp("s", num_new_tokens=48)])
+        stored = []
+        for event in live:
+            stored += event.block_hashes if event.kind == "stored" else []
+            if len(stored) >= 3:
+                break
+        live.cancel()
+        assert len(stored) == 3 and all(len(h) == 32 for h in stored)
+        dump = []
+        for event in a.watch_events(["sha-pool"], include_state=True, timeout_s=5):
+            if event.kind == "synced":
+                break
+            dump += event.block_hashes if event.kind == "stored" else []
+        assert sorted(dump) == sorted(stored)
+        assert not a.get_stats().pools["sha-pool"].plain_prefix
+        with PrefixIndex(a, refresh_s=0.2) as index:
+            assert index.wait_synced()
+            asked = index.remote_lookups
+            index.lookup(prompt, pool_ids=["sha-pool"])
+            assert index.remote_lookups == asked + 1

@@ -96,9 +96,10 @@ class Pool:
     @property
     def plain_prefix(self) -> bool:
         """Whether a hit is the longest run of cached block hashes: one full-attention group whose blocks are
-        hash blocks (what a client-side replica of the index can answer exactly)."""
+        hash blocks, hashed with the allocator's own chain (what a client-side replica of the index, hashing
+        prompts as the clients do, can answer exactly)."""
         groups = self.spec.config.groups
-        return (len(groups) == 1 and type(groups[0]) is FullAttentionSpec
+        return (self.spec.hash_spec is None and len(groups) == 1 and type(groups[0]) is FullAttentionSpec
                 and self.block_sizes()[0] == self.hash_block_size)
 
     def cached_hashes(self) -> dict[int, list[BlockHash]]:

@@ -52,15 +52,26 @@ class AsyncKVServiceClient(ClientBase):
 
     # ---- calls ---------------------------------------------------------------------------------
     async def _call(self, conn: Conn, method: str, request, timeout_s: float | None = None,
-                    retries: int | None = None):
+                    retries: int | None = None, stub=None):
+        """As the sync client's `_call`."""
         delay = 0.05
         retries = self.retries if retries is None else retries
         attempt = 0
+        first = stub or conn.stub
         while True:
             stub = conn.stub
+            if stub is not first and conn.stale:
+                raise ConnectionReplaced()
             try:
                 return await getattr(stub, method)(request, timeout=timeout_s or self.timeout_s,
                                                    metadata=self.metadata)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if conn.stub is stub or (task is not None and task.cancelling()):
+                    raise  # our caller cancelled us, not a channel closed under the call
+                if conn.stale:  # grpc.aio cancels calls in flight when their channel closes
+                    raise ConnectionReplaced() from None
+                continue
             except (grpc.RpcError, ValueError, grpc.aio.UsageError) as err:
                 if replaced_under(conn, stub, err):
                     if conn.stale:  # a new leader: the session is resumed there before anything is sent
@@ -79,11 +90,13 @@ class AsyncKVServiceClient(ClientBase):
                 if call.method == "OpenSession":
                     self._renew_in_background()
                 return result
+            stub = conn.stub
             if not conn.attached or conn.stale:
                 await self._run_on(conn, self._session_call(conn))
+                stub = conn.stub
             self._stamp(conn, self.session_id, call.request)
             try:
-                reply = await self._call(conn, call.method, call.request)
+                reply = await self._call(conn, call.method, call.request, stub=stub)
             except grpc.RpcError as err:
                 self._unacked(conn, err)
                 raise

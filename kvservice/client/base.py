@@ -51,7 +51,9 @@ def replaced_under(conn: Conn, stub, err: Exception) -> bool:
     raises ValueError on a closed channel, and cancels calls in flight when it closes."""
     if conn.stub is stub:
         return False
-    return isinstance(err, ValueError) or (isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.CANCELLED)
+    if isinstance(err, grpc.RpcError):
+        return err.code() == grpc.StatusCode.CANCELLED
+    return isinstance(err, ValueError) or type(err).__name__ == "UsageError"  # grpc.aio's closed channel
 
 
 @dataclass(slots=True, frozen=True)

@@ -119,7 +119,9 @@ class PrefixIndex:
 
     def synced(self) -> bool:
         """Whether every shard's stream is synced (every plain pool answered from memory)."""
-        return bool(self._shards) and all(s.synced for s in self._shards.values())
+        with self._lock:
+            shards = list(self._shards.values())
+        return bool(shards) and all(s.synced for s in shards)
 
     def wait_synced(self, timeout_s: float = 30.0) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -169,15 +171,21 @@ class PrefixIndex:
                 new_epoch = old is not None and pool_id in stats.pools and old.epoch != stats.pools[pool_id].epoch
                 if (moved or new_epoch) and shard_id in self._shards:
                     self._shards[shard_id].restart = True
+                    self._shards[shard_id].synced = False  # RPCs answer for it until the resync
             self._pool_shard = {p: s for p, s in pools.items() if p in stats.pools}
+            # A pool is gone only if it was known and is no longer listed; one registered after `stats` was
+            # read keeps what its events already brought.
+            gone = (set(self._stats) - set(stats.pools)) & set(self._hashes)
             self._stats = dict(stats.pools)
             self._external = list(stats.external_pools)
             self._block_size = stats.hash_block_size or self._block_size
-            for gone in set(self._hashes) - set(self._stats):
-                del self._hashes[gone]
+            for pool_id in gone:
+                del self._hashes[pool_id]
         shard_ids = {s.shard_id for s in shard_map.shards} if shard_map.sharded else {""}
         for shard_id in shard_ids - set(self._shards):
-            shard = self._shards[shard_id] = _Shard(shard_id)
+            shard = _Shard(shard_id)
+            with self._lock:
+                self._shards[shard_id] = shard
             t = threading.Thread(target=self._follow, args=(shard,), name=f"prefix-index-{shard_id or 'main'}",
                                  daemon=True)
             t.start()

@@ -33,6 +33,7 @@ class KVServiceClient(ClientBase):
     def __init__(self, target: str = "127.0.0.1:50051", token: str | None = None, **options) -> None:
         self._setup(grpc, target, token, **options)
         self._closed = threading.Event()
+        self._map_lock = threading.Lock()  # the map changes from any thread (a PrefixIndex's, the lease's)
         self._renewer: threading.Thread | None = None
 
     def __enter__(self) -> KVServiceClient:
@@ -47,12 +48,18 @@ class KVServiceClient(ClientBase):
             channel.close()
 
     # ---- calls ---------------------------------------------------------------------------------
-    def _call(self, conn: Conn, method: str, request, timeout_s: float | None = None, retries: int | None = None):
+    def _call(self, conn: Conn, method: str, request, timeout_s: float | None = None, retries: int | None = None,
+              stub=None):
+        """`stub`: the connection's stub when the caller checked its session there (default: now). Should a
+        map refresh swap it for a new leader's meanwhile, nothing is sent before the session is resumed."""
         delay = 0.05
         retries = self.retries if retries is None else retries
         attempt = 0
+        first = stub or conn.stub
         while True:
             stub = conn.stub
+            if stub is not first and conn.stale:
+                raise ConnectionReplaced()
             try:
                 return getattr(stub, method)(request, timeout=timeout_s or self.timeout_s, metadata=self.metadata)
             except (grpc.RpcError, ValueError) as err:
@@ -73,11 +80,13 @@ class KVServiceClient(ClientBase):
                 if call.method == "OpenSession":
                     self._renew_in_background()
                 return result
+            stub = conn.stub
             if not conn.attached or conn.stale:
                 self._run_on(conn, self._session_call(conn))
+                stub = conn.stub
             self._stamp(conn, self.session_id, call.request)
             try:
-                reply = self._call(conn, call.method, call.request)
+                reply = self._call(conn, call.method, call.request, stub=stub)
             except grpc.RpcError as err:
                 self._unacked(conn, err)
                 raise
@@ -102,7 +111,9 @@ class KVServiceClient(ClientBase):
                 hops += 1
                 if hops > MAX_HOPS or call.conn is not None:
                     raise
-                self._close(shards.moved(exc.pool_id, exc.shard_id, exc.address))
+                with self._map_lock:
+                    retired = shards.moved(exc.pool_id, exc.shard_id, exc.address)
+                self._close(retired)
             except Unavailable as exc:
                 if conn.stub is not stub:
                     continue  # the map named the shard's new leader meanwhile: go there now
@@ -145,7 +156,9 @@ class KVServiceClient(ClientBase):
             if err.code() == grpc.StatusCode.UNIMPLEMENTED:  # an allocator older than sharding
                 self.shards.known = True
             return False
-        self._close(self.shards.adopt(reply))
+        with self._map_lock:
+            retired = self.shards.adopt(reply)
+        self._close(retired)
         return True
 
     def _failed_over(self, dead: Conn, deadline: float) -> bool:
@@ -155,7 +168,9 @@ class KVServiceClient(ClientBase):
         if not shards.sharded:
             if not shards.alternates or time.monotonic() > deadline:
                 return False
-            self._close([shards.rotate(dead)])
+            with self._map_lock:
+                retired = [shards.rotate(dead)]
+            self._close(retired)
             time.sleep(0.1)
             return True
         # Sharded: a failed leader's standby (a new address in the map), or a pool being moved (a new shard

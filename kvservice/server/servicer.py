@@ -335,7 +335,8 @@ class AllocatorServicer:
         """WatchEvents include_state: the watched pools' cached blocks as events, then `synced`."""
         pools = [state.pools[p] for p in sorted(pool_ids) if p in state.pools] if pool_ids else \
             state.visible_pools(principal.tenant, principal.admin)
-        out = [m for pool in pools for m in replies.encode_state(pool.pool_id, sequence, pool.cached_hashes())]
+        out = [m for pool in pools
+               for m in replies.encode_state(pool.pool_id, sequence, pool.cached_hashes(), pool.hash_bytes)]
         out.append(pb.KVEvent(sequence=sequence, synced=pb.StateSyncedEvent()))
         return out
 

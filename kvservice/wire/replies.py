@@ -210,14 +210,15 @@ def decode_event(e: pb.KVEvent) -> Event:
     return Event(e.sequence, e.pool_id, kind or "cleared", [])  # "cleared", or "synced" (an include_state dump's end)
 
 
-def encode_state(pool_id: str, sequence: int, cached: dict[int, list[bytes]], chunk: int = 4096) -> list[pb.KVEvent]:
+def encode_state(pool_id: str, sequence: int, cached: dict[int, list[bytes]], hash_bytes: int,
+                 chunk: int = 4096) -> list[pb.KVEvent]:
     """A pool's state as events (WatchEvents include_state): `cleared`, then its cached (tenant-free) hashes
     as `stored` events of at most `chunk` each, per group."""
     out = [pb.KVEvent(sequence=sequence, pool_id=pool_id, cleared=pb.AllBlocksClearedEvent())]
     for group, hashes in sorted(cached.items()):
         for i in range(0, len(hashes), chunk):
             msg = pb.KVEvent(sequence=sequence, pool_id=pool_id)
-            msg.stored.block_hashes.extend(raw_hash(h) for h in hashes[i:i + chunk])
+            msg.stored.block_hashes.extend(raw_hash(h, hash_bytes) for h in hashes[i:i + chunk])
             msg.stored.group_idx = group
             out.append(msg)
     return out

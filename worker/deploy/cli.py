@@ -21,7 +21,7 @@ from worker.deploy.names import NAMESPACE
 from worker.deploy.placement import deploy, teardown
 from worker.deploy.router import Router
 from worker.model import ModelConfig, TinyTransformer
-from worker.ray_local import connect, init_local
+from worker.ray_local import init_local
 from worker.request import EngineRequest
 from worker.sampling import SamplingParams
 from worker.verify import Verification, verify
@@ -122,10 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         init_local(namespace=NAMESPACE)
     else:
         try:
-            if args.address.split(":")[0] in ("127.0.0.1", "localhost"):  # a cluster on this machine's loopback
-                connect(args.address, namespace=NAMESPACE)
-            else:
-                ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False, configure_logging=False)
+            ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False, configure_logging=False)
         except ConnectionError as exc:
             print(f"kvservice deploy: no Ray cluster at --address {args.address} ({exc}); start one "
                   f"(`ray start --head`) or try --local", file=sys.stderr)

@@ -42,8 +42,10 @@ class KVServiceSettings:
                                     f"{', '.join(KEYS)}")
         env = {key: os.environ[name] for key, name in ENV.items() if os.environ.get(name)}
         values = {**env, **extra}
+        # Data-parallel engines of one vLLM deployment get a pool each by default (vllm-0, vllm-1, ...).
+        rank = getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_rank", 0) or 0
         settings = cls(str(values.get("address", DEFAULT_ADDRESS)), values.get("token") or None,
-                       str(values.get("pool_id", DEFAULT_POOL_ID)), float(values.get("timeout_s", 10.0)))
+                       str(values.get("pool_id", f"vllm-{rank}")), float(values.get("timeout_s", 10.0)))
         if not settings.address:
             raise UnsupportedConfig("additional_config['kvservice']['address'] (or KVSERVICE_ADDRESS) is empty")
         return settings

@@ -47,6 +47,7 @@ class RemoteKVCacheManager(KVCacheManager):
         self._ops: list[Op] = []
         self._expected: list[Expected] = []
         self._known: dict[str, int] = {}  # request id -> how many of its tokens the pool has
+        self._failed: str | None = None  # why a Step failed (the client's retries gave up): the pool fell behind
 
     # ---- recording -----------------------------------------------------------------------------
     def _sync(self, request) -> tuple[list[bytes], int]:
@@ -133,10 +134,19 @@ class RemoteKVCacheManager(KVCacheManager):
         """Sends the recorded ops as one Step (none: no RPC) and checks the pool answered as the replica did."""
         if not self._ops:
             return None
+        if self._failed is not None:
+            raise PoolDiverged(f"pool {self.pool_id!r}: an earlier Step failed ({self._failed}); the replica is ahead "
+                               f"of the pool: restart the engine (a new pool epoch)")
         ops, expected = self._ops, self._expected
         self._ops, self._expected = [], []
-        result = self.client.step(self.pool_id, ops)
+        try:
+            result = self.client.step(self.pool_id, ops)
+        except Exception as exc:  # the replica applied them, the pool may not have: nothing may follow
+            self._failed = repr(exc)
+            raise
         self.num_rpcs += 1
+        if len(result.results) != len(ops):
+            raise PoolDiverged(f"pool {self.pool_id!r} answered {len(result.results)} results for {len(ops)} ops")
         self.last_result = result
         n = self.num_kv_cache_groups
         for i, (op, want, got) in enumerate(zip(ops, expected, result.results)):
