@@ -53,8 +53,8 @@ class ExternalSource:
 class AllocateOp:
     """Schedule up to `num_new_tokens` of a request after its `num_computed_tokens`.
 
-    On a pool with vLLM's semantics (PoolSpec.vllm) it is vLLM 0.33.0's `allocate_slots` (or, with
-    `cache_tokens`, its `cache_blocks`) with the fields after `external_source` (the proto says how)."""
+    On a pool with vLLM's semantics (PoolSpec.vllm) it is vLLM 0.33.0's `allocate_slots` (with
+    `cache_tokens`, its `cache_blocks` first) with the fields after `external_source` (the proto says how)."""
 
     request_id: str
     num_computed_tokens: int = 0

@@ -326,3 +326,38 @@ def test_random_traces_equal_the_core_called_as_vllm_does(case):
         restored = Allocator(hash_block_size=BS)
         load(dump(sched.allocator), restored, 0.0)
         assert state_digest(restored) == state_digest(sched.allocator)
+
+
+def test_a_cache_op_with_an_allocation_is_the_two_ops(client, request):
+    """What RemoteKVCacheManager folds: cache_tokens with num_new_tokens is cache_blocks, then allocate_slots —
+    the same blocks, cached blocks and free count as the two ops; a NO_SPACE refuses only the allocation."""
+    for crowded in (False, True):
+        outcomes = []
+        for folded in (False, True):
+            pid = f"{request.node.name}-{crowded}-{folded}"
+            register(client, pid, 6)  # 5 usable blocks of 4 tokens
+            prompt = list(range(7))
+            client.step(pid, admit("a", prompt, 7))  # 2 blocks
+            if crowded:  # the other 3 blocks taken: a's next block does not fit
+                client.step(pid, admit("b", list(range(100, 112)), 12))
+            full = prompt + [7]  # step 1's token fills a's block 1
+            cache = AllocateOp("a", num_computed_tokens=8, append_block_hashes=hashes(full)[1:2], num_append_tokens=1,
+                               cache_tokens=8)
+            alloc = AllocateOp("a", num_computed_tokens=8, num_new_tokens=1, num_output_placeholders=1)
+            if folded:
+                ops = [AllocateOp(**{**vars_of(alloc), "cache_tokens": 8,
+                                     "append_block_hashes": cache.append_block_hashes, "num_append_tokens": 1})]
+            else:
+                ops = [cache, alloc]
+            last = client.step(pid, ops).results[-1]
+            stats = client.get_stats().pools[pid]
+            outcomes.append((last.status, last.new_block_ids, stats.num_cached_blocks, stats.num_free_blocks))
+        assert outcomes[0] == outcomes[1]
+        assert outcomes[0][0] == (OpStatus.NO_SPACE if crowded else OpStatus.OK)
+        assert outcomes[0][2] == (5 if crowded else 2)  # a's 2 blocks cached either way (b's 3 too, crowded)
+    with pytest.raises(InvalidArgument, match="cache_tokens"):  # not on an admission
+        client.step(f"{request.node.name}-True-True", [AllocateOp("z", num_new_tokens=1, lookup=True, cache_tokens=1)])
+
+
+def vars_of(op: AllocateOp) -> dict:
+    return {f: getattr(op, f) for f in AllocateOp.__dataclass_fields__}

@@ -62,7 +62,8 @@ class VllmSlots:
         if op.cache_tokens:
             if op.cache_tokens > num_tokens:
                 return _refused(request_id, f"cache_tokens {op.cache_tokens} > the request's {num_tokens} tokens")
-            return None
+            if op.num_new_tokens == 0:
+                return None
         if not op.lookup:
             if op.num_new_tokens == 0 and not op.num_append_tokens:
                 return _refused(request_id, "num_new_tokens must be greater than 0 when there are no computed "
@@ -90,9 +91,10 @@ class VllmSlots:
         req.num_computed_tokens = op.num_computed_tokens
         req.num_in_flight_tokens = op.num_in_flight_tokens
         req.waiting = op.waiting
-        if op.cache_tokens:
+        if op.cache_tokens:  # cache_blocks first, as the scheduler called it (a refusal below leaves it done)
             manager.cache_blocks(req, op.cache_tokens)
-            return OpResult(request_id, num_computed_tokens=op.num_computed_tokens, num_tokens=req.num_tokens)
+            if op.num_new_tokens == 0:
+                return OpResult(request_id, num_computed_tokens=op.num_computed_tokens, num_tokens=req.num_tokens)
         if op.num_new_tokens == 0 and hit is None:  # the request's new tokens only
             return OpResult(request_id, num_computed_tokens=op.num_computed_tokens, num_tokens=req.num_tokens)
         num_hit = hit.num_tokens if hit is not None else 0

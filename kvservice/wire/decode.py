@@ -228,9 +228,12 @@ def _decode_vllm_fields(a: pb.AllocateOp, op: AllocateOp, max_len: int, vllm: bo
     if not vllm:
         first = next(f for f in VLLM_FIELDS if getattr(a, f))
         raise invalid(name(first), getattr(a, first), "only a pool registered with vllm options takes it")
-    what = f"max_model_len {max_len}"
-    for f in ("num_output_placeholders", "num_in_flight_tokens", "num_new_computed_tokens", "cache_tokens"):
-        at_most(name(f), getattr(a, f), max_len, what)
+    placeholders, in_flight, hit, cache = (a.num_output_placeholders, a.num_in_flight_tokens,
+                                           a.num_new_computed_tokens, a.cache_tokens)
+    if max(placeholders, in_flight, hit, cache) > max_len:  # the message is built only for a refusal
+        what = f"max_model_len {max_len}"
+        for f in ("num_output_placeholders", "num_in_flight_tokens", "num_new_computed_tokens", "cache_tokens"):
+            at_most(name(f), getattr(a, f), max_len, what)
     if a.allow_transfer:
         raise invalid(name("allow_transfer"), True, "vLLM's semantics have no cross-pool transfers")
     if a.append_token_ids:
@@ -241,13 +244,12 @@ def _decode_vllm_fields(a: pb.AllocateOp, op: AllocateOp, max_len: int, vllm: bo
                       "an admission (lookup) starts from the tokens AddRequestOp gave, with none computed")
     if a.num_new_computed_tokens and not a.lookup:
         raise invalid(name("num_new_computed_tokens"), a.num_new_computed_tokens, "is the hit of an admission (lookup)")
-    if a.cache_tokens and (a.num_new_tokens or a.lookup):
-        raise invalid(name("cache_tokens"), a.cache_tokens, "caches without allocating: with num_new_tokens 0")
-    op.num_output_placeholders, op.num_in_flight_tokens, op.waiting = (a.num_output_placeholders,
-                                                                       a.num_in_flight_tokens, a.waiting)
-    op.lookup, op.num_new_computed_tokens = a.lookup, a.num_new_computed_tokens
+    if a.cache_tokens and a.lookup:
+        raise invalid(name("cache_tokens"), a.cache_tokens, "caches a running request's blocks, not an admission's")
+    op.num_output_placeholders, op.num_in_flight_tokens, op.waiting = placeholders, in_flight, a.waiting
+    op.lookup, op.num_new_computed_tokens = a.lookup, hit
     op.full_sequence_must_fit, op.reserved_blocks = a.full_sequence_must_fit, a.reserved_blocks
-    op.has_scheduled_reqs, op.cache_tokens = a.has_scheduled_reqs, a.cache_tokens
+    op.has_scheduled_reqs, op.cache_tokens = a.has_scheduled_reqs, cache
 
 
 def decode_external(e: pb.ExternalSource, max_len: int, field: Field) -> ExternalSource:

@@ -12,7 +12,7 @@ leaves the scheduler, so a wrong schedule never reaches the workers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from vllm.v1.request import RequestStatus
 
@@ -48,6 +48,10 @@ class RemoteKVCacheManager(KVCacheManager):
         self._expected: list[Expected] = []
         self._known: dict[str, int] = {}  # request id -> how many of its tokens the pool has
         self._failed: str | None = None  # why a Step failed (the client's retries gave up): the pool fell behind
+        # Folding: a running request's cache op of this step (its index in _ops), and how many ops other
+        # than cache ops were recorded when it was (its allocation may join it while that count holds).
+        self._cache_ops: dict[str, tuple[int, int]] = {}
+        self._barriers = 0
 
     # ---- recording -----------------------------------------------------------------------------
     def _sync(self, request) -> tuple[list[bytes], int]:
@@ -70,8 +74,30 @@ class RemoteKVCacheManager(KVCacheManager):
         return list(request.block_hashes[known // size:num_tokens // size]), num_tokens - known
 
     def _record(self, op: Op, expected: Expected | None = None) -> None:
+        if isinstance(op, AllocateOp) and op.cache_tokens and not op.num_new_tokens:
+            self._cache_ops[op.request_id] = (len(self._ops), self._barriers)
+        else:
+            self._barriers += 1
         self._ops.append(op)
         self._expected.append(expected or Expected())
+
+    def _fold(self, op: AllocateOp, expected: Expected) -> bool:
+        """Records a running request's allocation inside its cache op of this step (one op instead of two:
+        cache_blocks, then allocate_slots) when nothing but other requests' cache ops lies between them.
+        Those commute with it: caching touches no free block, and allocations and frees keep their order."""
+        pending = self._cache_ops.pop(op.request_id, None)
+        if pending is None or pending[1] != self._barriers or op.lookup or op.num_append_tokens:
+            return False
+        index = pending[0]
+        cached = self._ops[index]
+        if (cached.num_computed_tokens, cached.num_output_placeholders, cached.num_in_flight_tokens,
+                cached.waiting) != (op.num_computed_tokens, op.num_output_placeholders, op.num_in_flight_tokens,
+                                    op.waiting):
+            return False
+        self._ops[index] = replace(op, cache_tokens=cached.cache_tokens, append_block_hashes=cached.append_block_hashes,
+                                   num_append_tokens=cached.num_append_tokens)
+        self._expected[index] = expected
+        return True
 
     def _op(self, request, **fields) -> AllocateOp:
         hashes, num_append = self._sync(request)
@@ -97,10 +123,12 @@ class RemoteKVCacheManager(KVCacheManager):
                                      num_lookahead_tokens, 0, delay_cache_blocks, 0, full_sequence_must_fit,
                                      reserved_blocks, has_scheduled_reqs, skip_zeroing_group_ids)
         if new is None:
-            self._record(op, Expected(OpStatus.NO_SPACE))
+            expected = Expected(OpStatus.NO_SPACE)
         else:  # an admission's reply is its whole table, a running request's its new blocks
             ids = self.get_block_ids(request.request_id) if op.lookup else new.get_block_ids()
-            self._record(op, Expected(OpStatus.OK, ids))
+            expected = Expected(OpStatus.OK, ids)
+        if not self._fold(op, expected):
+            self._record(op, expected)
         return new
 
     def cache_blocks(self, request, num_computed_tokens: int) -> None:
@@ -139,6 +167,7 @@ class RemoteKVCacheManager(KVCacheManager):
                                f"of the pool: restart the engine (a new pool epoch)")
         ops, expected = self._ops, self._expected
         self._ops, self._expected = [], []
+        self._cache_ops.clear()
         try:
             result = self.client.step(self.pool_id, ops)
         except Exception as exc:  # the replica applied them, the pool may not have: nothing may follow
