@@ -151,3 +151,24 @@ def test_a_pool_changed_behind_the_schedulers_back_is_caught(server, model_dir):
     with pytest.raises(PoolDiverged, match="pool 'shared'"):
         side.schedule()
     side.scheduler.kvservice_client.close()
+
+
+def test_folding_keeps_every_allocation_in_the_schedulers_order():
+    """A running request's allocation joins its cache op of the step only when no allocation or free lies
+    after that cache op: scheduled in the cache ops' order, all three fold; in reverse order only the last
+    request's does (an earlier fold would move its allocation before the ones the scheduler made first)."""
+    from kvservice.integrations.vllm.remote import Expected, RemoteKVCacheManager
+
+    def record(order: list[str]) -> list:
+        m = object.__new__(RemoteKVCacheManager)  # the recording half only: no replica, no pool
+        m._ops, m._expected, m._cache_ops, m._last_barrier = [], [], {}, -1
+        for rid in "abc":
+            m._record(AllocateOp(rid, num_computed_tokens=8, cache_tokens=8))
+        for rid in order:
+            op = AllocateOp(rid, num_computed_tokens=8, num_new_tokens=1)
+            if not m._fold(op, Expected()):
+                m._record(op)
+        return [(op.request_id, op.cache_tokens, op.num_new_tokens) for op in m._ops]
+
+    assert record(["a", "b", "c"]) == [("a", 8, 1), ("b", 8, 1), ("c", 8, 1)]
+    assert record(["c", "b", "a"]) == [("a", 8, 0), ("b", 8, 0), ("c", 8, 1), ("b", 0, 1), ("a", 0, 1)]

@@ -48,10 +48,10 @@ class RemoteKVCacheManager(KVCacheManager):
         self._expected: list[Expected] = []
         self._known: dict[str, int] = {}  # request id -> how many of its tokens the pool has
         self._failed: str | None = None  # why a Step failed (the client's retries gave up): the pool fell behind
-        # Folding: a running request's cache op of this step (its index in _ops), and how many ops other
-        # than cache ops were recorded when it was (its allocation may join it while that count holds).
-        self._cache_ops: dict[str, tuple[int, int]] = {}
-        self._barriers = 0
+        # Folding: a running request's cache op of this step (its index in _ops), and the index of the last op
+        # in _ops that is not a bare cache op (an allocation may join a cache op only after that one).
+        self._cache_ops: dict[str, int] = {}
+        self._last_barrier = -1
 
     # ---- recording -----------------------------------------------------------------------------
     def _sync(self, request) -> tuple[list[bytes], int]:
@@ -75,20 +75,19 @@ class RemoteKVCacheManager(KVCacheManager):
 
     def _record(self, op: Op, expected: Expected | None = None) -> None:
         if isinstance(op, AllocateOp) and op.cache_tokens and not op.num_new_tokens:
-            self._cache_ops[op.request_id] = (len(self._ops), self._barriers)
+            self._cache_ops[op.request_id] = len(self._ops)
         else:
-            self._barriers += 1
+            self._last_barrier = len(self._ops)
         self._ops.append(op)
         self._expected.append(expected or Expected())
 
     def _fold(self, op: AllocateOp, expected: Expected) -> bool:
         """Records a running request's allocation inside its cache op of this step (one op instead of two:
-        cache_blocks, then allocate_slots) when nothing but other requests' cache ops lies between them.
-        Those commute with it: caching touches no free block, and allocations and frees keep their order."""
-        pending = self._cache_ops.pop(op.request_id, None)
-        if pending is None or pending[1] != self._barriers or op.lookup or op.num_append_tokens:
+        cache_blocks, then allocate_slots) when only bare cache ops follow that one: every op that allocates or
+        frees keeps its order, and cache ops commute with allocations (caching touches no free block)."""
+        index = self._cache_ops.pop(op.request_id, None)
+        if index is None or index < self._last_barrier or op.lookup or op.num_append_tokens:
             return False
-        index = pending[0]
         cached = self._ops[index]
         if (cached.num_computed_tokens, cached.num_output_placeholders, cached.num_in_flight_tokens,
                 cached.waiting) != (op.num_computed_tokens, op.num_output_placeholders, op.num_in_flight_tokens,
@@ -97,6 +96,7 @@ class RemoteKVCacheManager(KVCacheManager):
         self._ops[index] = replace(op, cache_tokens=cached.cache_tokens, append_block_hashes=cached.append_block_hashes,
                                    num_append_tokens=cached.num_append_tokens)
         self._expected[index] = expected
+        self._last_barrier = index  # an allocation now: cache ops before it may no longer take theirs
         return True
 
     def _op(self, request, **fields) -> AllocateOp:
@@ -168,6 +168,7 @@ class RemoteKVCacheManager(KVCacheManager):
         ops, expected = self._ops, self._expected
         self._ops, self._expected = [], []
         self._cache_ops.clear()
+        self._last_barrier = -1
         try:
             result = self.client.step(self.pool_id, ops)
         except Exception as exc:  # the replica applied them, the pool may not have: nothing may follow
