@@ -22,64 +22,16 @@ Everything is a pure function of the events applied, in order (the WAL replays t
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 import msgpack
 import xxhash
 
 from kvservice.external.frames import EngineHash, Removed, Stored
+from kvservice.external.nodes import COUNT_BITS, COUNT_MASK, TIER_OF, TIERS, IndexCounters, Node, Orphan
 from kvservice.hashing import hash_packed_blocks, le_bytes, root_hash
 
-TIERS = ("GPU", "CPU", "STORAGE")
-TIER_OF = {None: 0, "GPU": 0, "CPU": 1, "STORAGE": 2}
-_BITS = 16
-_MASK = (1 << _BITS) - 1
 _SEALED = b"\xff"  # a tag DESIGN §4 never produces: blocks keyed with it never match a token Lookup
 _h128 = xxhash.xxh3_128_digest
-
-
-def tier_count(counts: int, tier: int) -> int:
-    """A node's number of copies in one tier (`counts` packs 16 bits per tier)."""
-    return (counts >> (tier * _BITS)) & _MASK
-
-
-class Node:
-    """One indexed block content. `engine`: its engine hash, or a list of them (aliases of one content)."""
-
-    __slots__ = ("key", "engine", "parent", "counts", "children", "queued")
-
-    def __init__(self, key: bytes, engine: EngineHash, parent: Node | None, counts: int) -> None:
-        self.key = key
-        self.engine: EngineHash | list[EngineHash] = engine
-        self.parent = parent
-        self.counts = counts  # 16 bits per tier
-        self.children = 0
-        self.queued = 0  # entries in the leaf queue (only the last one counts)
-
-
-class Orphan:
-    """A stored block whose parent is not indexed: its content, kept until the parent arrives."""
-
-    __slots__ = ("engine", "parent", "tokens", "salt", "lora", "sealed", "tier")
-
-    def __init__(self, engine: EngineHash, parent: EngineHash, tokens: bytes, salt: str | None, lora: str | None,
-                 sealed: bytes, tier: int) -> None:
-        self.engine, self.parent, self.tokens, self.salt = engine, parent, tokens, salt
-        self.lora, self.sealed, self.tier = lora, sealed, tier
-
-
-@dataclass(slots=True)
-class IndexCounters:
-    stored_blocks: int = 0
-    removed_blocks: int = 0
-    duplicate_stores: int = 0  # a content stored again while present (another physical block)
-    unknown_removals: int = 0  # BlockRemoved of a hash not indexed (missed store, or evicted here)
-    orphans_added: int = 0
-    orphans_adopted: int = 0
-    orphans_dropped: int = 0  # evicted by the memory bound before their parent arrived
-    evictions: int = 0  # indexed blocks evicted by the memory bound
-    clears: int = 0  # AllBlocksCleared
-    ignored_events: int = 0  # another KV-cache group, an unknown medium, a block size or shape not indexed
 
 
 class ExternalIndex:
@@ -121,7 +73,7 @@ class ExternalIndex:
         if not (self.tier_blocks[1] or self.tier_blocks[2]):  # GPU only: the common case, one test per block
             for j in range(num_blocks):
                 node = get(fine_hashes[(j + 1) * stride - 1])
-                if node is None or not node.counts & _MASK:
+                if node is None or not node.counts & COUNT_MASK:
                     out[0] = j * size
                     return out
             out[0] = num_blocks * size
@@ -131,7 +83,7 @@ class ExternalIndex:
             node = get(fine_hashes[(j + 1) * stride - 1])
             counts = node.counts if node is not None else 0
             for t in range(len(TIERS)):
-                if alive >> t & 1 and not (counts >> (t * _BITS)) & _MASK:
+                if alive >> t & 1 and not (counts >> (t * COUNT_BITS)) & COUNT_MASK:
                     alive &= ~(1 << t)
                     out[t] = j * size
             if not alive:
@@ -174,7 +126,7 @@ class ExternalIndex:
             if parent is None:
                 self._add_orphans(ev, packed, extras, tier)
                 return
-        inc = 1 << (tier * _BITS)
+        inc = 1 << (tier * COUNT_BITS)
         if ev.lora_name is None and not ev.extra_keys:  # one hashing call for the whole event
             fine = hash_packed_blocks(packed, self.key_block_size, parent.key if parent else self.root)
             stride = self.stride
@@ -193,7 +145,7 @@ class ExternalIndex:
         if tier is None or ev.group_idx != self.group_idx:
             self.counters.ignored_events += 1
             return
-        shift = tier * _BITS
+        shift = tier * COUNT_BITS
         for engine in ev.block_hashes:
             node = self.by_engine.get(engine)
             if node is None:
@@ -204,12 +156,12 @@ class ExternalIndex:
                     self._forget(orphan)
                     self.counters.removed_blocks += 1
                 continue
-            if not (node.counts >> shift) & _MASK:
+            if not (node.counts >> shift) & COUNT_MASK:
                 self.counters.unknown_removals += 1
                 continue
             self.counters.removed_blocks += 1
             node.counts -= 1 << shift
-            if not (node.counts >> shift) & _MASK:
+            if not (node.counts >> shift) & COUNT_MASK:
                 self.tier_blocks[tier] -= 1
             if not node.counts and not node.children:
                 self._delete(node)
@@ -232,7 +184,7 @@ class ExternalIndex:
     def _insert(self, key: bytes, engine: EngineHash, parent: Node | None, inc: int, tier: int,
                 adopt: bool = True) -> Node:
         node = self.by_key.get(key)
-        shift = tier * _BITS
+        shift = tier * COUNT_BITS
         if node is None:
             node = Node(key, engine, parent, inc)
             self.by_key[key] = node
@@ -246,10 +198,10 @@ class ExternalIndex:
                 self.counters.duplicate_stores += 1
             if self.by_engine.get(engine) is not node:
                 self._alias(node, engine)
-            count = (node.counts >> shift) & _MASK
+            count = (node.counts >> shift) & COUNT_MASK
             if count == 0:
                 self.tier_blocks[tier] += 1
-            if count < _MASK:  # saturates rather than carrying into the next tier
+            if count < COUNT_MASK:  # saturates rather than carrying into the next tier
                 node.counts += inc
             if not node.children:
                 self.push_leaf(node)  # stored again: the most recently used leaf
@@ -299,7 +251,7 @@ class ExternalIndex:
             if node.queued or node.children or self.by_key.get(node.key) is not node:
                 continue  # a newer entry exists, it is a parent now, or it is gone
             for t in range(len(TIERS)):
-                if (node.counts >> (t * _BITS)) & _MASK:
+                if (node.counts >> (t * COUNT_BITS)) & COUNT_MASK:
                     self.tier_blocks[t] -= 1
             node.counts = 0
             self._delete(node)
@@ -351,7 +303,7 @@ class ExternalIndex:
                     continue  # removed or evicted meanwhile
                 del self.orphans[orphan.engine]
                 key = self._key(parent, orphan.tokens, orphan.salt, orphan.lora, orphan.sealed)
-                child = self._insert(key, orphan.engine, parent, 1 << (orphan.tier * _BITS), orphan.tier, False)
+                child = self._insert(key, orphan.engine, parent, 1 << (orphan.tier * COUNT_BITS), orphan.tier, False)
                 self.counters.orphans_adopted += 1
                 stack.append((orphan.engine, child))
 

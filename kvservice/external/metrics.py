@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvservice.external.index import TIERS
+from kvservice.external.nodes import TIERS
 from kvservice.external.spec import SpecStatus
 
 _GAUGES = (("blocks_indexed", "Blocks in the pool's index, orphans included (what --vllm-events max-blocks bounds)"),

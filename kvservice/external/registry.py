@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from kvservice.commands import IngestEvents, RegisterExternalPool, RemoveExternalPool
 from kvservice.errors import FailedPrecondition, NotFound, PermissionDenied
-from kvservice.external.index import TIERS
+from kvservice.external.nodes import TIERS
 from kvservice.external.pool import ExternalPool, ResetKind
 from kvservice.hashing import hash_prompt
 from kvservice.results import PoolHit

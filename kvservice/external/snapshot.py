@@ -10,7 +10,8 @@ import msgpack
 
 from kvservice._proto import allocator_pb2 as pb
 from kvservice._proto import state_pb2 as st
-from kvservice.external.index import TIERS, ExternalIndex, IndexCounters, Node, Orphan, tier_count
+from kvservice.external.index import ExternalIndex
+from kvservice.external.nodes import TIERS, IndexCounters, Node, Orphan, tier_count
 from kvservice.external.pool import ExternalPool, PoolCounters
 from kvservice.external.registry import ExternalPools
 from kvservice.external.spec import SpecCheck, SpecStatus

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 
 from kvservice._proto import allocator_pb2 as pb
 from kvservice.errors import InvalidArgument
-from kvservice.external.index import TIERS
+from kvservice.external.nodes import TIERS
 from kvservice.external.pool import ExternalPool
 from kvservice.external.spec import DEFAULT_BLOCK_SIZE, DEFAULT_HASH, DEFAULT_MAX_BLOCKS, ExternalSpec, SpecError
 
