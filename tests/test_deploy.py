@@ -17,7 +17,7 @@ from worker.sampling import SamplingParams
 from worker.verify import verify
 
 ray = pytest.importorskip("ray")
-from worker.ray_local import connect, local_cluster  # noqa: E402
+from worker.ray_local import joined_cluster  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = ModelConfig()
@@ -25,14 +25,9 @@ MODEL = ModelConfig()
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = local_cluster({"num_cpus": 1, "resources": {"head_node": 1}}, {"num_cpus": 1, "resources": {"second_node": 1}})
-    try:
-        connect(c.address, namespace=deploy.NAMESPACE)
-        c.wait_for_nodes()
+    head, second = {"num_cpus": 1, "resources": {"head_node": 1}}, {"num_cpus": 1, "resources": {"second_node": 1}}
+    with joined_cluster(head, second, namespace=deploy.NAMESPACE) as c:
         yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -13,19 +13,13 @@ from tests.test_deploy import MODEL, assert_dense
 from worker import deploy
 
 ray = pytest.importorskip("ray")
-from worker.ray_local import connect, local_cluster  # noqa: E402
+from worker.ray_local import joined_cluster  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = local_cluster({"num_cpus": 1}, {"num_cpus": 1})
-    try:
-        connect(c.address, namespace=deploy.NAMESPACE)
-        c.wait_for_nodes()
+    with joined_cluster({"num_cpus": 1}, {"num_cpus": 1}, namespace=deploy.NAMESPACE) as c:
         yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -11,18 +11,15 @@ from worker.model import TinyTransformer
 from worker.sampling import SamplingParams
 
 ray = pytest.importorskip("ray")
-from worker.ray_local import connect, local_cluster  # noqa: E402
+from worker.ray_local import joined_cluster  # noqa: E402
 
 LAYOUT = "multinode-test"
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = local_cluster({"num_cpus": 1, "resources": {"node_a": 1}}, {"num_cpus": 1, "resources": {"node_b": 1}})
-    connect(c.address)
-    yield c
-    ray.shutdown()
-    c.shutdown()
+    with joined_cluster({"num_cpus": 1, "resources": {"node_a": 1}}, {"num_cpus": 1, "resources": {"node_b": 1}}) as c:
+        yield c
 
 
 def pool(server, pool_id, node):

@@ -11,6 +11,7 @@ through these helpers, which switch that mode on for this process and the Ray pr
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 LOOPBACK = "127.0.0.1"
 QUIET = {"log_to_driver": False, "configure_logging": False}
@@ -47,3 +48,18 @@ def local_cluster(*nodes: dict):
     for node in rest:
         cluster.add_node(node_ip_address=LOOPBACK, **node)
     return cluster
+
+
+@contextmanager
+def joined_cluster(*nodes: dict, namespace: str | None = None):
+    """`local_cluster(*nodes)` with this process connected as its driver (in `namespace`) once every node is
+    up; both are shut down on exit."""
+    import ray
+    cluster = local_cluster(*nodes)
+    try:
+        connect(cluster.address, namespace=namespace)
+        cluster.wait_for_nodes()
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
