@@ -69,14 +69,10 @@ class AsyncKVServiceClient(ClientBase):
                 task = asyncio.current_task()
                 if conn.stub is stub or (task is not None and task.cancelling()):
                     raise  # our caller cancelled us, not a channel closed under the call
-                if conn.stale:  # grpc.aio cancels calls in flight when their channel closes
-                    raise ConnectionReplaced() from None
-                continue
+                continue  # grpc.aio cancels calls in flight when their channel closes
             except (grpc.RpcError, ValueError, grpc.aio.UsageError) as err:
                 if replaced_under(conn, stub, err):
-                    if conn.stale:  # a new leader: the session is resumed there before anything is sent
-                        raise ConnectionReplaced() from None
-                    continue
+                    continue  # on the new channel (the check above stops it if the session must resume first)
                 if not isinstance(err, grpc.RpcError) or err.code() not in RETRYABLE or attempt == retries:
                     raise
             attempt += 1

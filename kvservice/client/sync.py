@@ -64,9 +64,7 @@ class KVServiceClient(ClientBase):
                 return getattr(stub, method)(request, timeout=timeout_s or self.timeout_s, metadata=self.metadata)
             except (grpc.RpcError, ValueError) as err:
                 if replaced_under(conn, stub, err):
-                    if conn.stale:  # a new leader: the session is resumed there before anything is sent
-                        raise ConnectionReplaced() from None
-                    continue
+                    continue  # on the new channel (the check above stops it if the session must resume first)
                 if not isinstance(err, grpc.RpcError) or err.code() not in RETRYABLE or attempt == retries:
                     raise
             attempt += 1
