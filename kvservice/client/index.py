@@ -9,9 +9,9 @@ and goes on with every change, so a replica that applied its stream holds exactl
 hashes of every pool the client's tenant sees, as of the last event it received (measured here: a few
 milliseconds behind; `bench/shard_bench.py`). While a shard's stream is not synced (starting, after its
 leader failed over, after a pool moved onto it) its pools are answered by a Lookup RPC to that shard, as
-are pools whose hits a replica cannot compute (several KV groups, blocks larger than hash blocks; their
-`PoolStats.plain_prefix` is false) and external pools. Free-block counts (the tie-break of `best_pool`)
-are refreshed every `refresh_s`.
+are pools whose hits a replica cannot compute (several KV groups, blocks larger than hash blocks, a hash
+spec of their own such as vLLM's; their `PoolStats.plain_prefix` is false) and external pools. Free-block
+counts (the tie-break of `best_pool`) are refreshed every `refresh_s`.
 """
 
 from __future__ import annotations
