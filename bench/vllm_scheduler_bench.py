@@ -1,12 +1,15 @@
 """vLLM 0.33.0's scheduler, stock vs kvservice-backed: step time in steady decode at 16, 64 and 256 running
 requests, Step RPCs per scheduler step, and one bare gRPC round trip of the same bytes.
 
-Both schedulers run vLLM's default configuration (async scheduling, the full-sequence gate) through the
-same requests (a shared 32-token prefix plus 16 tokens of their own, long outputs) and fake outputs
-(tests/vllm/scheduler_harness.py). Once every request decodes, each step is timed: schedule() (for the
-kvservice side this includes its one Step RPC) and update_from_output(). The echo (bench/echo_server.py)
-sends and returns as many bytes as each step's Step request and reply. Target (issue 15): at most one Step
-per step in steady decode, step time <= stock + 1.5 x the echo.
+All schedulers run vLLM's default configuration (async scheduling, the full-sequence gate) through the same
+requests (a shared 32-token prefix plus 16 tokens of their own, long outputs) and fake outputs
+(tests/vllm/scheduler_harness.py): the stock one, the kvservice-backed one pipelined (its default: a Step is
+checked while the next step runs) and unpipelined (each Step checked inside its schedule()). Once every
+request decodes, the sides take turns in blocks of steps (the machine's speed drifts; a block's first step
+is not timed, and a pipelined side's last Step is settled before the next side runs), and each step is
+timed: schedule() (with the kvservice side's one Step RPC) and update_from_output(). The echo
+(bench/echo_server.py) sends and returns as many bytes as each step's Step request and reply, in turns
+too. Target (issue 15): at most one Step per step in steady decode, step time <= stock + 1.5 x the echo.
 
 Runs in the project's vLLM environment:
     VLLM_TARGET_DEVICE=cpu PYTHONPATH=.:$HOME/.cache/kvservice/vllm-0.33.0/src \\
@@ -54,47 +57,56 @@ class Sizes:
                 for p, ops, r in self.calls]
 
 
-def run_side(cls, config, num_requests: int, steps: int, warmup: int) -> dict:
-    rng = random.Random(num_requests)
-    prefix = [rng.randrange(3, h.VOCAB) for _ in range(32)]
-    workload = h.Workload(seed=num_requests, num_blocks=num_requests * 12 + 64, max_num_batched_tokens=8192,
-                          max_num_seqs=max(num_requests, 16), watermark=0.0, num_steps=warmup + steps)
-    sc = config.scheduler_config
-    sc.max_num_batched_tokens, sc.max_num_seqs, sc.watermark = 8192, workload.max_num_seqs, 0.0
-    config.cache_config.num_gpu_blocks = workload.num_blocks
-    side = h.Side(cls, config, workload)
-    for i in range(num_requests):
-        side.add(f"r{i}", prefix + [rng.randrange(3, h.VOCAB) for _ in range(16)], 10_000)
-    manager = side.scheduler.kv_cache_manager
-    sizes = Sizes(manager.client) if hasattr(manager, "client") else None
-    schedule_s, update_s, rpcs = [], [], []
-    gc.disable()
-    try:
-        for step in range(warmup + steps):
-            before = getattr(manager, "num_rpcs", 0)
-            t0 = time.perf_counter()
-            summary = side.schedule()
-            t1 = time.perf_counter()
-            if len(side.pending) >= 2:
-                side.update()
-            t2 = time.perf_counter()
-            if step >= warmup:
-                assert len(summary[0]) == num_requests, "not every request decodes: raise warmup"
-                schedule_s.append(t1 - t0)
-                update_s.append(t2 - t1)
-                rpcs.append(getattr(manager, "num_rpcs", 0) - before)
-    finally:
-        gc.enable()
-        side.scheduler.shutdown()
-    out = {"schedule_s": schedule_s, "update_s": update_s, "rpcs": rpcs}
-    if sizes is not None:
-        out["bytes"] = sizes.bytes()[-steps:]
-    return out
+class Runner:
+    """One scheduler in steady decode over `num_requests` requests, stepped in blocks."""
+
+    def __init__(self, cls, config, num_requests: int, warmup: int) -> None:
+        rng = random.Random(num_requests)
+        prefix = [rng.randrange(3, h.VOCAB) for _ in range(32)]
+        workload = h.Workload(seed=num_requests, num_blocks=num_requests * 12 + 64, max_num_batched_tokens=8192,
+                              max_num_seqs=max(num_requests, 16), watermark=0.0, num_steps=0)
+        sc = config.scheduler_config
+        sc.max_num_batched_tokens, sc.max_num_seqs, sc.watermark = 8192, workload.max_num_seqs, 0.0
+        config.cache_config.num_gpu_blocks = workload.num_blocks
+        self.side = h.Side(cls, config, workload)
+        self.num_requests = num_requests
+        for i in range(num_requests):
+            self.side.add(f"r{i}", prefix + [rng.randrange(3, h.VOCAB) for _ in range(16)], 100_000)
+        self.manager = self.side.scheduler.kv_cache_manager
+        self.sizes = Sizes(self.manager.client) if hasattr(self.manager, "client") else None
+        self.step_s: list[float] = []
+        self.rpcs: list[int] = []
+        self.block(warmup, timed=False)
+        assert len(self.side.scheduler.running) == num_requests, "not every request decodes: raise warmup"
+
+    def block(self, steps: int, timed: bool = True) -> None:
+        side, manager = self.side, self.manager
+        gc.disable()
+        try:
+            for step in range(steps):
+                before = getattr(manager, "num_rpcs", 0)
+                t0 = time.perf_counter()
+                summary = side.schedule()
+                if len(side.pending) >= 2:
+                    side.update()
+                t1 = time.perf_counter()
+                if timed and step:  # a block's first step follows another side's turn: not timed
+                    assert len(summary[0]) == self.num_requests
+                    self.step_s.append(t1 - t0)
+                    self.rpcs.append(getattr(manager, "num_rpcs", 0) - before)
+            if hasattr(manager, "wait"):
+                manager.wait()  # the last Step settled: the next side runs alone
+        finally:
+            gc.enable()
+
+    def close(self) -> None:
+        self.side.scheduler.shutdown()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--blocks", type=int, default=10)
+    parser.add_argument("--block-steps", type=int, default=9, help="steps per turn (the first is not timed)")
     parser.add_argument("--warmup", type=int, default=6)
     args = parser.parse_args()
     server, target = start([sys.executable, "-m", "kvservice.cli", "--log-level", "ERROR", "serve", "--port", "0",
@@ -106,35 +118,46 @@ def main() -> int:
     try:
         echo = Echo(echo_target)
         for n in SIZES:
-            config = h.make_vllm_config(model, h.DEFAULT)
-            config.additional_config = {"kvservice": {"address": target, "pool_id": f"bench-{n}"}}
-            stock = run_side(h.StockAsyncScheduler, config, n, args.steps, args.warmup)
-            remote = run_side(h.AsyncScheduler, config, n, args.steps, args.warmup)
-            for sizes in remote["bytes"][:5]:
-                echo(sizes)  # warm the channel
-            echo_s = [echo(sizes) for sizes in remote["bytes"]]
-            stock_step = median([a + b for a, b in zip(stock["schedule_s"], stock["update_s"])])
-            remote_step = median([a + b for a, b in zip(remote["schedule_s"], remote["update_s"])])
+            sides = {}
+            for name, cls, pipeline in (("stock", h.StockAsyncScheduler, None), ("pipelined", h.AsyncScheduler, True),
+                                        ("unpipelined", h.AsyncScheduler, False)):
+                config = h.make_vllm_config(model, h.DEFAULT)
+                config.additional_config = {"kvservice": {"address": target, "pool_id": f"bench-{n}-{name}",
+                                                          "pipeline": pipeline}}
+                sides[name] = Runner(cls, config, n, args.warmup)
+            echo_s: list[float] = []
+            for _ in range(args.blocks):
+                for runner in sides.values():
+                    runner.block(args.block_steps)
+                recent = sides["pipelined"].sizes.bytes()[-args.block_steps:]
+                echo(recent[0])  # the block's first: not timed
+                echo_s.extend(echo(sizes) for sizes in recent[1:])
+            for runner in sides.values():
+                runner.close()
+            sizes = sides["pipelined"].sizes.bytes()
+            stock = median(sides["stock"].step_s)
             e = median(echo_s)
-            req_bytes = median([s for s, _ in remote["bytes"]])
-            resp_bytes = median([r for _, r in remote["bytes"]])
-            row = {"running": n, "stock_step_ms": stock_step * 1e3, "kvservice_step_ms": remote_step * 1e3,
-                   "stock_schedule_ms": median(stock["schedule_s"]) * 1e3,
-                   "kvservice_schedule_ms": median(remote["schedule_s"]) * 1e3,
-                   "echo_ms": e * 1e3, "step_request_bytes": req_bytes, "step_reply_bytes": resp_bytes,
-                   "rpcs_per_step_max": max(remote["rpcs"]), "rpcs_per_step_mean": sum(remote["rpcs"]) / args.steps,
-                   "target_ms": (stock_step + 1.5 * e) * 1e3, "meets_target": remote_step <= stock_step + 1.5 * e,
-                   "overhead_over_echo": (remote_step - stock_step) / e}
+            req_bytes = median([a for a, _ in sizes])
+            resp_bytes = median([b for _, b in sizes])
+            row = {"running": n, "stock_step_ms": stock * 1e3, "echo_ms": e * 1e3, "target_ms": (stock + 1.5 * e) * 1e3,
+                   "step_request_bytes": req_bytes, "step_reply_bytes": resp_bytes}
+            for name in ("pipelined", "unpipelined"):
+                runner = sides[name]
+                step = median(runner.step_s)
+                row[name] = {"step_ms": step * 1e3, "overhead_over_echo": (step - stock) / e,
+                             "meets_target": step <= stock + 1.5 * e, "rpcs_per_step_max": max(runner.rpcs),
+                             "rpcs_per_step_mean": sum(runner.rpcs) / len(runner.rpcs)}
             data["sizes"][str(n)] = row
-            rows.append([n, f"{row['stock_step_ms']:.2f}", f"{row['kvservice_step_ms']:.2f}", f"{row['echo_ms']:.2f}",
-                         f"{row['overhead_over_echo']:.2f}", f"{row['target_ms']:.2f}", row["meets_target"],
-                         f"{row['rpcs_per_step_mean']:.2f}", int(req_bytes), int(resp_bytes)])
+            p, u = row["pipelined"], row["unpipelined"]
+            rows.append([n, f"{stock * 1e3:.2f}", f"{p['step_ms']:.2f}", f"{u['step_ms']:.2f}", f"{e * 1e3:.2f}",
+                         f"{p['overhead_over_echo']:.2f}", f"{u['overhead_over_echo']:.2f}", f"{row['target_ms']:.2f}",
+                         p["meets_target"], f"{p['rpcs_per_step_mean']:.2f}", int(req_bytes), int(resp_bytes)])
     finally:
         server.kill()
         echo_server.kill()
-    print(table(["running", "stock ms", "kvservice ms", "echo ms", "(kv-stock)/echo", "target ms", "meets",
-                 "RPCs/step", "req B", "reply B"], rows))
-    print(f"wrote {write_json('vllm_scheduler', {'steps': args.steps, **data})}")
+    print(table(["running", "stock ms", "kvservice ms", "unpipelined ms", "echo ms", "(kv-stock)/echo",
+                 "unpipelined (kv-stock)/echo", "target ms", "meets", "RPCs/step", "req B", "reply B"], rows))
+    print(f"wrote {write_json('vllm_scheduler', {'blocks': args.blocks, 'block_steps': args.block_steps, **data})}")
     return 0
 
 

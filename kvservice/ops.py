@@ -131,6 +131,66 @@ class DecodeBatchOp:
     num_lookahead_tokens: int = 0
 
 
+# An AllocateBatchOp row: these AllocateOp fields as uint32s, in this order.
+ALLOCATE_ROW = ("num_computed_tokens", "num_new_tokens", "num_lookahead_tokens", "num_append_tokens",
+                "num_append_hashes", "num_output_placeholders", "num_in_flight_tokens", "cache_tokens",
+                "reserved_blocks", "flags")
+ROW_WIDTH = len(ALLOCATE_ROW)
+# The row's flags.
+WAITING, DELAY_CACHE_BLOCKS, FULL_SEQUENCE_MUST_FIT, HAS_SCHEDULED_REQS = 1, 2, 4, 8
+ROW_FLAGS = 15
+
+
+@dataclass(slots=True)
+class AllocateBatchOp:
+    """AllocateOps of a pool with vLLM's semantics, packed (a vLLM scheduler's running requests of one step):
+    row i is request_ids[i]'s AllocateOp (lookup off, no token ids), its fields the ROW_WIDTH uint32s
+    rows[ROW_WIDTH * i:] in ALLOCATE_ROW's order; its appended hashes are the next num_append_hashes of
+    `append_block_hashes`. Rows apply in order, each exactly as its AllocateOp; the result is packed."""
+
+    request_ids: list[str]
+    rows: array  # uint32
+    append_block_hashes: list[bytes] = field(default_factory=list)
+
+    def ops(self) -> list[AllocateOp]:
+        """The AllocateOps the rows stand for."""
+        out = []
+        hashes, h = self.append_block_hashes, 0
+        it = iter(self.rows)
+        for request_id, row in zip(self.request_ids, zip(*[it] * ROW_WIDTH)):
+            computed, new, lookahead, num_append, num_hashes, placeholders, in_flight, cache, reserved, flags = row
+            appended = None
+            if num_hashes or num_append:
+                appended, h = hashes[h:h + num_hashes], h + num_hashes
+            out.append(AllocateOp(request_id, computed, new, None, appended, num_append, lookahead,
+                                  bool(flags & DELAY_CACHE_BLOCKS), False, None, placeholders, in_flight,
+                                  bool(flags & WAITING), False, 0, bool(flags & FULL_SEQUENCE_MUST_FIT), reserved,
+                                  bool(flags & HAS_SCHEDULED_REQS), cache))
+        return out
+
+    @classmethod
+    def of(cls, ops: list[AllocateOp]) -> AllocateBatchOp:
+        """Packs AllocateOps that a row can carry (lookup off, no token ids, no transfer)."""
+        rows, hashes = array("I"), []
+        for op in ops:
+            if op.lookup or op.append_token_ids is not None or op.allow_transfer or op.external_source is not None:
+                raise ValueError(f"AllocateOp for {op.request_id!r} has a lookup, token ids or a transfer: an "
+                                 f"AllocateBatchOp row cannot carry it")
+            appended = op.append_block_hashes or []
+            hashes.extend(appended)
+            rows.extend((op.num_computed_tokens, op.num_new_tokens, op.num_lookahead_tokens, op.num_append_tokens,
+                         len(appended), op.num_output_placeholders, op.num_in_flight_tokens, op.cache_tokens,
+                         op.reserved_blocks, row_flags(op.waiting, op.delay_cache_blocks, op.full_sequence_must_fit,
+                                                       op.has_scheduled_reqs)))
+        return cls([op.request_id for op in ops], rows, hashes)
+
+
+def row_flags(waiting: bool, delay_cache_blocks: bool, full_sequence_must_fit: bool,
+              has_scheduled_reqs: bool) -> int:
+    return (WAITING * waiting | DELAY_CACHE_BLOCKS * delay_cache_blocks
+            | FULL_SEQUENCE_MUST_FIT * full_sequence_must_fit | HAS_SCHEDULED_REQS * has_scheduled_reqs)
+
+
 @dataclass(slots=True)
 class AdmitBatchOp:
     """Waiting requests added and scheduled together, packed: entry i is
@@ -146,7 +206,8 @@ class AdmitBatchOp:
     lora_names: list[str | None] | None = None
 
 
-Op = AddRequestOp | AllocateOp | ForkOp | FreeOp | DecodeBatchOp | AdmitBatchOp | PinOp | UnpinOp | ResetPrefixCacheOp
+Op = (AddRequestOp | AllocateOp | ForkOp | FreeOp | DecodeBatchOp | AdmitBatchOp | AllocateBatchOp | PinOp | UnpinOp
+      | ResetPrefixCacheOp)
 
 
 @dataclass(slots=True)
@@ -163,8 +224,8 @@ class TransferOrder:
 
 @dataclass(slots=True)
 class PackedResult:
-    """Packed per-request outcomes of a DecodeBatchOp or an AdmitBatchOp (whose new blocks are each
-    admitted request's whole table)."""
+    """Packed per-request outcomes of a DecodeBatchOp, an AllocateBatchOp or an AdmitBatchOp (whose new blocks
+    are each admitted request's whole table)."""
 
     statuses: bytes
     num_new_blocks: array  # uint32 per (request, group), row-major

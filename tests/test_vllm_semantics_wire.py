@@ -18,6 +18,7 @@ from kvservice.errors import InvalidArgument
 from kvservice.hashing import HashSpec
 from kvservice.ops import (
     AddRequestOp,
+    AllocateBatchOp,
     AllocateOp,
     DecodeBatchOp,
     FreeOp,
@@ -146,6 +147,65 @@ def test_a_stale_hit_and_refused_fields_change_nothing(client, request):
     assert r[2].status == OpStatus.OK and client.get_stats().pools[pid].num_cached_blocks == 0
 
 
+def test_allocate_batch_rows_are_their_allocate_ops_over_the_wire():
+    """Every AllocateOp field a row carries survives packing and the wire (random values, every flag)."""
+    rng = random.Random(5)
+    ops = []
+    for i in range(40):
+        hashes_ = [bytes([i, j]) * 16 for j in range(rng.randrange(3))]
+        ops.append(AllocateOp(f"r{i}", rng.randrange(200), rng.randrange(200), None, hashes_ if hashes_ else None,
+                              rng.randrange(1, 9) if hashes_ else 0, rng.randrange(3), rng.random() < 0.5, False,
+                              None, rng.randrange(3), rng.randrange(5), rng.random() < 0.5, False, 0,
+                              rng.random() < 0.5, rng.randrange(4), rng.random() < 0.5, rng.randrange(200)))
+    batch = AllocateBatchOp.of(ops)
+    assert batch.ops() == ops
+    spec = PoolSpec("p", KVCacheConfig(64, [FullAttentionSpec(BS)]), 256, hash_spec=SPEC, vllm=VllmOptions(0.0))
+    [decoded] = decode.decode_ops(encode.step_request("p", [batch]).ops, spec, BS)
+    assert decoded.ops() == ops
+    with pytest.raises(ValueError, match="lookup"):
+        AllocateBatchOp.of([AllocateOp("a", num_new_tokens=1, lookup=True)])
+
+
+def test_a_bad_allocate_batch_is_refused_naming_the_row_and_changes_nothing(client, request):
+    pid = request.node.name
+    register(client, pid, 17)
+    client.step(pid, admit("a", list(range(10)), 10))
+    before = client.get_stats(check_invariants=True).pools[pid]
+    good = AllocateOp("a", num_computed_tokens=10, num_new_tokens=1, num_output_placeholders=1)
+
+    def refused(batch: AllocateBatchOp, pool_id: str = pid) -> InvalidArgument:
+        with pytest.raises(InvalidArgument) as err:
+            client.step(pool_id, [AllocateBatchOp.of([good]), batch])  # the good row is not applied either
+        return err.value
+
+    too_long = AllocateBatchOp.of([good, AllocateOp("a", num_computed_tokens=11, num_new_tokens=300)])
+    err = refused(too_long)
+    assert err.field == "ops[1].allocate_batch.rows[1].num_new_tokens"
+    assert "300: exceeds max_model_len 256" in str(err)
+    flags = AllocateBatchOp.of([good])
+    flags.rows[-1] = 16
+    assert refused(flags).field == "ops[1].allocate_batch.rows[0].flags"
+    short = AllocateBatchOp.of([good])
+    del short.rows[-1]
+    assert refused(short).field == "ops[1].allocate_batch.rows"
+    unmatched = AllocateBatchOp.of([good])
+    unmatched.append_block_hashes = [bytes(32)]
+    assert refused(unmatched).field == "ops[1].allocate_batch.append_block_hashes"
+    hashes_only = AllocateBatchOp.of([AllocateOp("a", append_block_hashes=[bytes(32)], num_append_tokens=4)])
+    hashes_only.rows[3] = 0  # the row's num_append_tokens
+    assert refused(hashes_only).field == "ops[1].allocate_batch.rows[0].num_append_tokens"
+    assert refused(AllocateBatchOp([], AllocateBatchOp.of([]).rows)).field == "ops[1].allocate_batch.request_ids"
+    client.register_pool(pid + "-kv", KVCacheConfig(9, [FullAttentionSpec(BS)]), max_model_len=64)
+    with pytest.raises(InvalidArgument, match="does not follow vLLM's semantics") as err:
+        client.step(pid + "-kv", [AllocateBatchOp.of([good])])
+    assert err.value.field == "ops[0].allocate_batch"
+    after = client.get_stats(check_invariants=True).pools[pid]
+    assert (after.num_free_blocks, after.num_cached_blocks) == (before.num_free_blocks, before.num_cached_blocks)
+    r = client.step(pid, [AllocateBatchOp.of([good, AllocateOp("zz", num_new_tokens=1)])])[0]
+    assert [r.batch.status(0), r.batch.status(1)] == [OpStatus.OK, OpStatus.NOT_FOUND]
+    assert r.batch.failures[0].request_id == "zz"
+
+
 # ---- random traces: the wire against the core called as vLLM's scheduler calls it -----------------------
 CASES = {
     "full": [FullAttentionSpec(BS)],
@@ -198,8 +258,12 @@ class Sched:
         self.ref = Reference(groups, num_blocks, watermark)
         self.allocator = Allocator(hash_block_size=BS)
         self.session = WireSession(self.allocator)
-        self.session.register(PoolSpec("p", KVCacheConfig(num_blocks, list(groups)), 128, hash_spec=SPEC,
-                                       vllm=VllmOptions(watermark)))
+        # The twin gets each step's ops with every run of lookup-free AllocateOps packed as an AllocateBatchOp.
+        self.packed = Allocator(hash_block_size=BS)
+        self.twin = WireSession(self.packed)
+        for session in (self.session, self.twin):
+            session.register(PoolSpec("p", KVCacheConfig(num_blocks, list(groups)), 128, hash_spec=SPEC,
+                                      vllm=VllmOptions(watermark)))
         self.tokens: dict[str, list[int]] = {}
         self.sent: dict[str, int] = {}  # tokens the server knows
         self.running: list[str] = []
@@ -278,6 +342,11 @@ class Sched:
         if not ops:
             return
         result = self.session.step("p", ops)
+        twin = self.twin.step("p", pack_runs(ops))
+        num_groups = m.num_kv_cache_groups
+        assert unpacked(twin, num_groups) == [(r.status, _groups(r.new_block_ids, num_groups)) for r in result.results]
+        assert twin.num_free_blocks == result.num_free_blocks
+        assert pool_state(self.packed.state.pools["p"].manager) == pool_state(self.allocator.state.pools["p"].manager)
         for op, want, got in zip(ops, expect, result.results):
             if isinstance(want, tuple):
                 _, new, req = want
@@ -310,6 +379,37 @@ class Sched:
         expect.append(None)
 
 
+def pack_runs(ops: list) -> list:
+    """Each run of AllocateOps without a lookup as one AllocateBatchOp."""
+    out, run = [], []
+    for op in ops + [None]:
+        if isinstance(op, AllocateOp) and not op.lookup:
+            run.append(op)
+            continue
+        if run:
+            out.append(AllocateBatchOp.of(run))
+            run = []
+        if op is not None:
+            out.append(op)
+    return out
+
+
+def unpacked(result, num_groups: int) -> list:
+    """(status, new block ids per group) of every op, a batch's rows one by one."""
+    out = []
+    for r in result.results:
+        if r.batch is None:
+            out.append((r.status, _groups(r.new_block_ids, num_groups)))
+            continue
+        tables = r.batch.block_ids()
+        out.extend((r.batch.status(i), tables[i]) for i in range(len(r.batch)))
+    return out
+
+
+def _groups(ids, num_groups: int) -> tuple:
+    return tuple(list(g) for g in ids) if ids else tuple([] for _ in range(num_groups))
+
+
 def _placeholders(req: Request) -> int:
     """vLLM's async scheduler after a step: one token being sampled once the prompt is computed."""
     return max(0, req.num_computed_tokens + 1 - req.num_tokens)
@@ -323,6 +423,7 @@ def test_random_traces_equal_the_core_called_as_vllm_does(case):
         for _ in range(120):
             sched.step()
         assert state_digest(sched.session.replica) == state_digest(sched.allocator)
+        assert state_digest(sched.twin.replica) == state_digest(sched.packed)  # its WAL replays it too
         restored = Allocator(hash_block_size=BS)
         load(dump(sched.allocator), restored, 0.0)
         assert state_digest(restored) == state_digest(sched.allocator)

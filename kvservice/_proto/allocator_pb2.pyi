@@ -308,6 +308,16 @@ class ResetPrefixCacheOp(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class AllocateBatchOp(_message.Message):
+    __slots__ = ("request_ids", "rows", "append_block_hashes")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    APPEND_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    rows: bytes
+    append_block_hashes: bytes
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., rows: _Optional[bytes] = ..., append_block_hashes: _Optional[bytes] = ...) -> None: ...
+
 class DecodeBatchOp(_message.Message):
     __slots__ = ("request_ids", "num_computed_tokens", "append_token_ids", "num_new_tokens", "num_lookahead_tokens")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -341,7 +351,7 @@ class AdmitBatchOp(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[bytes] = ..., num_prompt_tokens: _Optional[bytes] = ..., num_new_tokens: _Optional[bytes] = ..., num_lookahead_tokens: _Optional[int] = ..., cache_salts: _Optional[_Iterable[str]] = ..., lora_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Op(_message.Message):
-    __slots__ = ("add", "allocate", "fork", "free", "pin", "unpin", "decode", "admit", "reset_prefix_cache")
+    __slots__ = ("add", "allocate", "fork", "free", "pin", "unpin", "decode", "admit", "reset_prefix_cache", "allocate_batch")
     ADD_FIELD_NUMBER: _ClassVar[int]
     ALLOCATE_FIELD_NUMBER: _ClassVar[int]
     FORK_FIELD_NUMBER: _ClassVar[int]
@@ -351,6 +361,7 @@ class Op(_message.Message):
     DECODE_FIELD_NUMBER: _ClassVar[int]
     ADMIT_FIELD_NUMBER: _ClassVar[int]
     RESET_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATE_BATCH_FIELD_NUMBER: _ClassVar[int]
     add: AddRequestOp
     allocate: AllocateOp
     fork: ForkOp
@@ -360,7 +371,8 @@ class Op(_message.Message):
     decode: DecodeBatchOp
     admit: AdmitBatchOp
     reset_prefix_cache: ResetPrefixCacheOp
-    def __init__(self, add: _Optional[_Union[AddRequestOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., fork: _Optional[_Union[ForkOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., pin: _Optional[_Union[PinOp, _Mapping]] = ..., unpin: _Optional[_Union[UnpinOp, _Mapping]] = ..., decode: _Optional[_Union[DecodeBatchOp, _Mapping]] = ..., admit: _Optional[_Union[AdmitBatchOp, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheOp, _Mapping]] = ...) -> None: ...
+    allocate_batch: AllocateBatchOp
+    def __init__(self, add: _Optional[_Union[AddRequestOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., fork: _Optional[_Union[ForkOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., pin: _Optional[_Union[PinOp, _Mapping]] = ..., unpin: _Optional[_Union[UnpinOp, _Mapping]] = ..., decode: _Optional[_Union[DecodeBatchOp, _Mapping]] = ..., admit: _Optional[_Union[AdmitBatchOp, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheOp, _Mapping]] = ..., allocate_batch: _Optional[_Union[AllocateBatchOp, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("session_id", "sequence", "pool_id", "ops")

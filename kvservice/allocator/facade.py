@@ -47,6 +47,7 @@ from kvservice.external.registry import ExternalRegistry
 from kvservice.ops import (
     AddRequestOp,
     AdmitBatchOp,
+    AllocateBatchOp,
     AllocateOp,
     DecodeBatchOp,
     ForkOp,
@@ -182,6 +183,8 @@ class Allocator:
                 append(allocate(pool, session, key, op))
             elif kind is AddRequestOp:
                 append(self.book.add(pool, session, op))
+            elif kind is AllocateBatchOp:
+                append(self.vllm_slots.allocate_batch(pool, tenant, op))
             elif kind is DecodeBatchOp:
                 append(self.batches.decode(pool, session, op))
             elif kind is AdmitBatchOp:

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvservice.allocator.keys import client_request_id
+from kvservice.allocator.keys import SEP, client_request_id
 from kvservice.allocator.pools import Pool
 from kvservice.allocator.requests import RequestBook
 from kvservice.allocator.schedule import hash_append_refusal
-from kvservice.core import KVCacheBlocks, Request
-from kvservice.ops import AllocateOp, OpResult, OpStatus
+from kvservice.core import KVCacheBlocks, PackedRows, Request
+from kvservice.core.coordinator import UnitaryKVCacheCoordinator
+from kvservice.core.managers.attention import FullAttentionManager
+from kvservice.ops import AllocateBatchOp, AllocateOp, OpResult, OpStatus, PackedResult
 
 
 @dataclass(slots=True)
@@ -40,6 +42,36 @@ class VllmSlots:
         if isinstance(planned, OpResult):
             return planned
         return self.apply(pool, key, req, op, planned)
+
+    def allocate_batch(self, pool: Pool, tenant: str, op: AllocateBatchOp) -> OpResult:
+        """Each row exactly as its AllocateOp (`allocate_op`), in order; the outcomes packed: a status, the new
+        blocks per group, the computed and scheduled tokens per row, and the refusals' results."""
+        num_groups = len(pool.spec.config.groups)
+        statuses = bytearray(len(op.request_ids))
+        out = PackedRows()
+        counts, ids, computed, scheduled = out.num_new_blocks, out.new_block_ids, out.num_computed, out.num_scheduled
+        failures: list[OpResult] = []
+        replaced: list[tuple[int, int, int, int]] = []
+        none = [0] * num_groups
+        for i, a in enumerate(op.ops()):
+            r = self.allocate_op(pool, f"{tenant}{SEP}{a.request_id}" if tenant else a.request_id, a)
+            if r.status:
+                statuses[i] = r.status
+                failures.append(r)
+                counts.extend(none)
+            elif r.new_block_ids:
+                for g in range(num_groups):
+                    table = r.new_block_ids[g] if g < len(r.new_block_ids) else ()
+                    counts.append(len(table))
+                    ids.extend(table)
+            else:
+                counts.extend(none)
+            computed.append(r.num_computed_tokens)
+            scheduled.append(r.num_scheduled_tokens)
+            for g, index, block_id in r.replaced:
+                replaced.append((i, g, index, block_id))
+        packed = PackedResult(bytes(statuses), counts, ids, computed, scheduled, failures, num_groups, replaced)
+        return OpResult("", OpStatus.OK, "", (), 0, 0, 0, None, packed)
 
     # ---- check ---------------------------------------------------------------------------------
     def plan(self, pool: Pool, key: str, req: Request, op: AllocateOp) -> Hit | None | OpResult:
@@ -97,6 +129,9 @@ class VllmSlots:
                 return OpResult(request_id, num_computed_tokens=op.num_computed_tokens, num_tokens=req.num_tokens)
         if op.num_new_tokens == 0 and hit is None:  # the request's new tokens only
             return OpResult(request_id, num_computed_tokens=op.num_computed_tokens, num_tokens=req.num_tokens)
+        if hit is None and _takes_no_block(manager, key, req, op):
+            return OpResult(request_id, OpStatus.OK, "", ([],), op.num_computed_tokens, op.num_new_tokens,
+                            req.num_tokens)
         num_hit = hit.num_tokens if hit is not None else 0
         new = manager.allocate_slots(req, op.num_new_tokens, num_hit, hit.blocks if hit is not None else None,
                                      op.num_lookahead_tokens, op.delay_cache_blocks,
@@ -116,6 +151,34 @@ class VllmSlots:
                             req.num_tokens, replaced=new.replaced)
         return OpResult(request_id, OpStatus.OK, "", new.get_block_ids(), op.num_computed_tokens, op.num_new_tokens,
                         req.num_tokens, replaced=new.replaced)
+
+
+def _takes_no_block(manager, key: str, req: Request, op: AllocateOp) -> bool:
+    """The decode step of a running request whose slots its blocks already hold, on a single full-attention
+    group, without the core's general path: what allocate_slots does then, it does — cache the blocks that
+    are full — and True; False (nothing done) for anything else, which the core's allocate_slots decides.
+
+    Exactly the core's outcome there: no watermark (not waiting), no gate, no reserved blocks, no new hit, and
+    with the held blocks covering every slot, no block is counted, skipped (full attention), copied (no fork
+    or partial hit pending) or allocated; the refusal `0 > free blocks` cannot happen."""
+    if op.waiting or op.full_sequence_must_fit or op.reserved_blocks:
+        return False
+    coordinator = manager.coordinator
+    if type(coordinator) is not UnitaryKVCacheCoordinator or coordinator.retention_interval is not None \
+            or coordinator.num_reprefillable_tokens:
+        return False
+    m = coordinator.single_type_managers[0]
+    if type(m) is not FullAttentionManager or key not in m.num_cached_block or key in m._partial_hit_reqs:
+        return False
+    max_len = manager.max_model_len
+    total = op.num_computed_tokens if op.num_computed_tokens < max_len else max_len
+    num_main = total + op.num_new_tokens
+    num_need = min(num_main + op.num_lookahead_tokens, max_len)
+    if -(-num_need // m.block_size) > len(m.req_to_blocks[key]) or m.cow_indices(key, total, num_need):
+        return False
+    if manager.enable_caching and m.enable_caching and not op.delay_cache_blocks:
+        m.cache_blocks(req, num_main if num_main < req.num_tokens else req.num_tokens)
+    return True
 
 
 def _refused(request_id: str, why: str) -> OpResult:

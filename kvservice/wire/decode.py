@@ -12,8 +12,12 @@ from kvservice.commands import CommitTransfer, OpenSession, PoolSpec, RegisterPo
 from kvservice.errors import InvalidArgument
 from kvservice.hashing import HASH_BYTES, MultiModalItem
 from kvservice.ops import (
+    ALLOCATE_ROW,
+    ROW_FLAGS,
+    ROW_WIDTH,
     AddRequestOp,
     AdmitBatchOp,
+    AllocateBatchOp,
     AllocateOp,
     DecodeBatchOp,
     ExternalSource,
@@ -38,6 +42,7 @@ from kvservice.wire.fields import (
     field_name,
     id_problem,
     invalid,
+    max_u32,
     name_problem,
 )
 from kvservice.wire.limits import MAX_MODEL_LEN, MAX_OPS_PER_STEP
@@ -69,6 +74,11 @@ def decode_ops(ops: Sequence[pb.Op], spec: PoolSpec, hash_block_size: int, field
             append(decode_allocate(op.allocate, max_len, vocab, field, i, hash_bytes, vllm))
         elif kind == "add":
             append(decode_add(op.add, max_len, vocab, hash_block_size, field, i, hash_bytes))
+        elif kind == "allocate_batch":
+            if not vllm:
+                raise InvalidArgument(f"{field}[{i}].allocate_batch", "...", f"pool {spec.pool_id!r} does not follow "
+                                                                          f"vLLM's semantics: send DecodeBatchOp")
+            append(decode_allocate_batch(op.allocate_batch, max_len, f"{field}[{i}].allocate_batch", hash_bytes))
         elif kind == "decode":
             append(decode_batch(op.decode, max_len, vocab, f"{field}[{i}].decode"))
         elif kind == "admit":
@@ -86,8 +96,8 @@ def decode_ops(ops: Sequence[pb.Op], spec: PoolSpec, hash_block_size: int, field
         elif kind == "reset_prefix_cache":
             append(ResetPrefixCacheOp())
         else:
-            raise InvalidArgument(f"{field}[{i}]", "{}", "set one of add, allocate, decode, admit, fork, free, pin, "
-                                                         "unpin, reset_prefix_cache")
+            raise InvalidArgument(f"{field}[{i}]", "{}", "set one of add, allocate, allocate_batch, decode, admit, "
+                                                         "fork, free, pin, unpin, reset_prefix_cache")
     return out
 
 
@@ -290,6 +300,46 @@ def decode_batch(d: pb.DecodeBatchOp, max_len: int, vocab: int, field: str) -> D
     # Lists: the allocator reads every entry, and a list hands out its int objects, an array makes them.
     return DecodeBatchOp(request_ids, computed.tolist(), None if tokens is None else tokens.tolist(),
                          d.num_new_tokens or 1, d.num_lookahead_tokens)
+
+
+# The AllocateBatchOp row fields bounded by max_model_len (each at most it, as in an AllocateOp).
+_ROW_BOUNDED = tuple(ALLOCATE_ROW.index(f) for f in (
+    "num_computed_tokens", "num_new_tokens", "num_lookahead_tokens", "num_append_tokens", "num_output_placeholders",
+    "num_in_flight_tokens", "cache_tokens"))
+
+
+def decode_allocate_batch(d: pb.AllocateBatchOp, max_len: int, field: str, hash_bytes: int) -> AllocateBatchOp:
+    """Columns checked in C (the loop that names the bad row runs only when one fails): each row as
+    `decode_allocate` checks an AllocateOp of a vLLM pool without a lookup."""
+    request_ids = check_ids(f"{field}.request_ids", list(d.request_ids))
+    n = len(request_ids)
+    if not n:
+        raise InvalidArgument(f"{field}.request_ids", [], "name at least one request")
+    rows = decode_u32(f"{field}.rows", d.rows)
+    if len(rows) != ROW_WIDTH * n:
+        raise InvalidArgument(f"{field}.rows", f"<{len(rows)} values>",
+                              f"needs {ROW_WIDTH} uint32 per request ({ROW_WIDTH * n})")
+    hashes = decode_hashes(f"{field}.append_block_hashes", d.append_block_hashes, hash_bytes)
+    what = f"max_model_len {max_len}"
+    for k in _ROW_BOUNDED:
+        column = rows[k::ROW_WIDTH]
+        if max_u32(column) > max_len:
+            j = next(j for j, v in enumerate(column) if v > max_len)
+            raise InvalidArgument(f"{field}.rows[{j}].{ALLOCATE_ROW[k]}", column[j], f"exceeds {what}")
+    flags = rows[ROW_WIDTH - 1::ROW_WIDTH]
+    if max_u32(flags) > ROW_FLAGS:
+        j = next(j for j, v in enumerate(flags) if v > ROW_FLAGS)
+        raise InvalidArgument(f"{field}.rows[{j}].flags", flags[j], f"only bits 1, 2, 4 and 8 (at most {ROW_FLAGS})")
+    num_hashes = rows[4::ROW_WIDTH]
+    if sum(num_hashes) != len(hashes):
+        raise InvalidArgument(f"{field}.append_block_hashes", f"<{len(hashes)} hashes>",
+                              f"the rows' num_append_hashes add up to {sum(num_hashes)}")
+    num_append = rows[3::ROW_WIDTH]
+    for j, (h, a) in enumerate(zip(num_hashes, num_append)):
+        if h and not a:
+            raise InvalidArgument(f"{field}.rows[{j}].num_append_tokens", 0,
+                                  f"must be in [1, {what}] when appending hashes")
+    return AllocateBatchOp(request_ids, rows, hashes)
 
 
 def decode_admit(a: pb.AdmitBatchOp, max_len: int, vocab: int, field: str) -> AdmitBatchOp:

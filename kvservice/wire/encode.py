@@ -11,6 +11,7 @@ from kvservice.hashing import HashSpec
 from kvservice.ops import (
     AddRequestOp,
     AdmitBatchOp,
+    AllocateBatchOp,
     AllocateOp,
     DecodeBatchOp,
     ForkOp,
@@ -48,6 +49,12 @@ def encode_op(op: Op, msg: pb.Op) -> None:
         encode_allocate(op, msg.allocate)
     elif isinstance(op, AddRequestOp):
         encode_add(op, msg.add)
+    elif isinstance(op, AllocateBatchOp):
+        b = msg.allocate_batch
+        b.request_ids.extend(op.request_ids)
+        b.rows = encode_u32(op.rows)
+        if op.append_block_hashes:
+            b.append_block_hashes = b"".join(op.append_block_hashes)
     elif isinstance(op, DecodeBatchOp):
         d = msg.decode
         d.request_ids.extend(op.request_ids)

@@ -133,42 +133,57 @@ def test_unsupported_settings_are_refused_at_start_up(server, model_dir, tmp_pat
     assert "refused" not in server.client().get_stats().pools
 
 
-def test_a_pool_changed_behind_the_schedulers_back_is_caught(server, model_dir):
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "unpipelined"])
+def test_a_pool_changed_behind_the_schedulers_back_is_caught(server, model_dir, pipeline):
+    """Unpipelined, the step that diverges raises; pipelined, the step after it does, before its output leaves
+    (and every later step raises too)."""
     config = h.make_vllm_config(model_dir, h.Mode(async_scheduling=False))
     workload = h.Workload(seed=9, num_blocks=40, max_num_batched_tokens=2048, max_num_seqs=16, watermark=0.0,
                           num_steps=4)
     config.cache_config.num_gpu_blocks = workload.num_blocks
-    config.additional_config = {"kvservice": {"address": server.target, "pool_id": "shared"}}
+    pool_id = f"shared-{pipeline}"
+    config.additional_config = {"kvservice": {"address": server.target, "pool_id": pool_id, "pipeline": pipeline}}
     side = h.Side(Scheduler, config, workload)
     side.add("a", list(range(3, 40)), 8)
     side.schedule()
     side.update()
     intruder = server.client(hash_block_size=h.BLOCK)
     hashes = [bytes(32)] * 2
-    intruder.step("shared", [AddRequestOp("x", block_hashes=hashes, num_tokens=32),
-                             AllocateOp("x", num_new_tokens=32)])
+    intruder.step(pool_id, [AddRequestOp("x", block_hashes=hashes, num_tokens=32), AllocateOp("x", num_new_tokens=32)])
     side.add("b", list(range(100, 140)), 8)
-    with pytest.raises(PoolDiverged, match="pool 'shared'"):
+    if pipeline:
+        side.schedule()  # b's blocks: sent, checked in the background
+        side.update()
+    with pytest.raises(PoolDiverged, match=f"pool '{pool_id}'"):
         side.schedule()
+    with pytest.raises(PoolDiverged, match="an earlier Step failed"):
+        side.scheduler.kv_cache_manager.flush()
     side.scheduler.kvservice_client.close()
 
 
 def test_folding_keeps_every_allocation_in_the_schedulers_order():
-    """A running request's allocation joins its cache op of the step only when no allocation or free lies
-    after that cache op: scheduled in the cache ops' order, all three fold; in reverse order only the last
+    """A running request's allocation joins its cache row of the step only when no allocation or free lies
+    after that cache row: scheduled in the cache rows' order, all three fold; in reverse order only the last
     request's does (an earlier fold would move its allocation before the ones the scheduler made first)."""
-    from kvservice.integrations.vllm.remote import Expected, RemoteKVCacheManager
+    from types import SimpleNamespace
+
+    from kvservice.integrations.vllm.remote import RemoteKVCacheManager
+    from kvservice.ops import ROW_WIDTH, AllocateBatchOp
 
     def record(order: list[str]) -> list:
         m = object.__new__(RemoteKVCacheManager)  # the recording half only: no replica, no pool
-        m._ops, m._expected, m._cache_ops, m._last_barrier = [], [], {}, -1
+        m._ops, m._expected, m._rows, m._cache_rows, m._position, m._last_barrier = [], [], None, {}, 0, 0
+        reqs = {rid: SimpleNamespace(request_id=rid, num_computed_tokens=8, num_output_placeholders=0,
+                                     num_in_flight_tokens=0) for rid in "abc"}
+        no_blocks = SimpleNamespace(blocks=([],))
         for rid in "abc":
-            m._record(AllocateOp(rid, num_computed_tokens=8, cache_tokens=8))
+            m._cache_row(reqs[rid], [], 0, 0, 8)
         for rid in order:
-            op = AllocateOp(rid, num_computed_tokens=8, num_new_tokens=1)
-            if not m._fold(op, Expected()):
-                m._record(op)
-        return [(op.request_id, op.cache_tokens, op.num_new_tokens) for op in m._ops]
+            m._allocation_row(reqs[rid], [], 0, 1, 0, 0, 0, no_blocks)
+        [batch] = m._ops
+        assert isinstance(batch, AllocateBatchOp)
+        r = batch.rows
+        return [(rid, r[ROW_WIDTH * j + 7], r[ROW_WIDTH * j + 1]) for j, rid in enumerate(batch.request_ids)]
 
     assert record(["a", "b", "c"]) == [("a", 8, 1), ("b", 8, 1), ("c", 8, 1)]
     assert record(["c", "b", "a"]) == [("a", 8, 0), ("b", 8, 0), ("c", 8, 1), ("b", 0, 1), ("a", 0, 1)]

@@ -1,7 +1,10 @@
 """Where vLLM's scheduler finds its allocator, and what it refuses to run with.
 
 Settings come from `vllm_config.additional_config["kvservice"]` (keys `address`, `token`, `pool_id`,
-`timeout_s`), else from the environment (`KVSERVICE_ADDRESS`, `KVSERVICE_TOKEN`, `KVSERVICE_POOL_ID`).
+`timeout_s`, `pipeline`), else from the environment (`KVSERVICE_ADDRESS`, `KVSERVICE_TOKEN`,
+`KVSERVICE_POOL_ID`, `KVSERVICE_PIPELINE`). `pipeline` (default on): a step's Step RPC is answered and
+checked while the scheduler goes on, and a divergence raises at the next schedule(); off: schedule() waits
+for it and checks it before its output leaves.
 `unsupported()` lists every setting the kvservice-backed scheduler cannot honour exactly; the scheduler
 refuses to start while any is set, so a schedule is never silently wrong.
 """
@@ -13,8 +16,10 @@ from dataclasses import dataclass
 
 from vllm.v1 import kv_cache_interface as vi
 
-ENV = {"address": "KVSERVICE_ADDRESS", "token": "KVSERVICE_TOKEN", "pool_id": "KVSERVICE_POOL_ID"}
-KEYS = ("address", "token", "pool_id", "timeout_s")
+ENV = {"address": "KVSERVICE_ADDRESS", "token": "KVSERVICE_TOKEN", "pool_id": "KVSERVICE_POOL_ID",
+       "pipeline": "KVSERVICE_PIPELINE"}
+KEYS = ("address", "token", "pool_id", "timeout_s", "pipeline")
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEFAULT_POOL_ID = "vllm-0"
 
@@ -29,6 +34,7 @@ class KVServiceSettings:
     token: str | None = None
     pool_id: str = DEFAULT_POOL_ID
     timeout_s: float = 10.0
+    pipeline: bool = True
 
     @classmethod
     def from_vllm_config(cls, vllm_config) -> KVServiceSettings:
@@ -45,10 +51,20 @@ class KVServiceSettings:
         # Data-parallel engines of one vLLM deployment get a pool each by default (vllm-0, vllm-1, ...).
         rank = getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_rank", 0) or 0
         settings = cls(str(values.get("address", DEFAULT_ADDRESS)), values.get("token") or None,
-                       str(values.get("pool_id", f"vllm-{rank}")), float(values.get("timeout_s", 10.0)))
+                       str(values.get("pool_id", f"vllm-{rank}")), float(values.get("timeout_s", 10.0)),
+                       _bool("pipeline", values.get("pipeline", True)))
         if not settings.address:
             raise UnsupportedConfig("additional_config['kvservice']['address'] (or KVSERVICE_ADDRESS) is empty")
         return settings
+
+
+def _bool(key: str, value) -> bool:
+    if isinstance(value, bool):
+        return value
+    if str(value).strip().lower() not in _BOOLS:
+        raise UnsupportedConfig(f"additional_config['kvservice'][{key!r}] (or {ENV[key]}) must be a boolean "
+                                f"(true/false, 1/0, on/off), got {value!r}")
+    return _BOOLS[str(value).strip().lower()]
 
 
 # vLLM's KV-cache specs whose semantics the allocator's pools carry exactly (RegisterPool's groups).

@@ -3,23 +3,50 @@
 The pool is this scheduler's own (registered with vLLM's semantics and hash spec), and the core is
 deterministic, so the manager keeps an exact replica of it: the drop-in KVCacheManager (kvservice.core
 with vLLM's names). Every call the scheduler makes is answered by the replica at once — hits, fits, block
-ids — and recorded as the op the pool takes for it (AddRequestOp with the request's own block hashes,
-AllocateOp with all of allocate_slots' arguments, FreeOp, ResetPrefixCacheOp). `flush()` sends the ops of
-one scheduler step as one Step RPC and checks every reply against the replica: the same outcome, the same
-block ids, the same free-block count. A difference raises `PoolDiverged` before the step's SchedulerOutput
-leaves the scheduler, so a wrong schedule never reaches the workers.
+ids — and recorded as the op the pool takes for it: AddRequestOp with the request's own block hashes, an
+admission's AllocateOp, FreeOp, ResetPrefixCacheOp, and every other allocation (running requests, their
+`cache_blocks`) as a row of an AllocateBatchOp (one packed op for the step's runs of them).
+
+`flush()` sends the ops of one scheduler step as one Step RPC. Its reply is checked against what the
+replica answered: the same outcome per op and row, the same block ids, the same free-block count. A
+difference raises `PoolDiverged`, and so does every later step. Pipelined (the default), the Step is sent
+and checked by a background thread while the scheduler goes on, and its outcome is raised by the next
+flush (the next schedule()), before that step's output leaves: the step's own output came from the replica,
+which is exact for this engine; the check guards the pool the fleet sees. Unpipelined, flush() waits and
+checks before the step's output leaves.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import logging
+import threading
+from array import array
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
+from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.request import RequestStatus
 
-from kvservice.integrations.vllm.manager import KVCacheManager
-from kvservice.ops import AddRequestOp, AllocateOp, FreeOp, Op, OpStatus, ResetPrefixCacheOp, StepResult
+from kvservice.ops import (
+    DELAY_CACHE_BLOCKS,
+    FULL_SEQUENCE_MUST_FIT,
+    HAS_SCHEDULED_REQS,
+    ROW_WIDTH,
+    WAITING,
+    AddRequestOp,
+    AllocateBatchOp,
+    AllocateOp,
+    FreeOp,
+    Op,
+    OpResult,
+    OpStatus,
+    ResetPrefixCacheOp,
+    StepResult,
+)
 
 _WAITING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+_NOTHING: tuple[list[bytes], int] = ([], 0)  # no new hashes, no new tokens (never appended to)
+logger = logging.getLogger("kvservice.integrations.vllm")
 
 
 class PoolDiverged(RuntimeError):
@@ -34,24 +61,59 @@ class Expected:
     block_ids: tuple[list[int], ...] | None = None
 
 
-class RemoteKVCacheManager(KVCacheManager):
-    """Args: `client` (a kvservice client on the allocator), `pool_id` (the registered pool), then the
-    drop-in KVCacheManager's (vLLM's) arguments."""
+@dataclass(slots=True)
+class Rows:
+    """An AllocateBatchOp being recorded, with the replica's answers: the new block ids of the rows that took
+    blocks, and the rows it refused (NO_SPACE); every other row is OK with no new blocks."""
 
-    def __init__(self, client, pool_id: str, *args, **kwargs) -> None:
+    op: AllocateBatchOp = field(default_factory=lambda: AllocateBatchOp([], array("I"), []))
+    blocks: dict[int, tuple[list[int], ...]] = field(default_factory=dict)
+    no_space: set[int] = field(default_factory=set)
+
+    def answer(self, row: int, new) -> None:
+        """The replica's allocate_slots result for `row` (None: refused)."""
+        if new is None:
+            self.no_space.add(row)
+        elif any(new.blocks):
+            self.blocks[row] = new.get_block_ids()
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A sent Step: its reply (a future) and what the replica expects of it."""
+
+    future: Future
+    ops: list[Op]
+    expected: list[Expected | Rows]
+    num_free_blocks: int
+    started: threading.Event = field(default_factory=threading.Event)
+
+
+class RemoteKVCacheManager(KVCacheManager):
+    """Args: `client` (a kvservice client on the allocator), `pool_id` (the registered pool), `pipeline`
+    (check each Step's reply in the background, raising at the next flush), then the drop-in
+    KVCacheManager's (vLLM's) arguments."""
+
+    def __init__(self, client, pool_id: str, *args, pipeline: bool = True, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.hash_block_size = kwargs["hash_block_size"]
         self.client = client
         self.pool_id = pool_id
+        self.pipeline = pipeline
         self.num_rpcs = 0
         self.last_result: StepResult | None = None
         self._ops: list[Op] = []
-        self._expected: list[Expected] = []
+        self._expected: list[Expected | Rows] = []
+        self._rows: Rows | None = None  # the open AllocateBatchOp (the last of _ops), if any
         self._known: dict[str, int] = {}  # request id -> how many of its tokens the pool has
-        self._failed: str | None = None  # why a Step failed (the client's retries gave up): the pool fell behind
-        # Folding: a running request's cache op of this step (its index in _ops), and the index of the last op
-        # in _ops that is not a bare cache op (an allocation may join a cache op only after that one).
-        self._cache_ops: dict[str, int] = {}
-        self._last_barrier = -1
+        self._failed: str | None = None  # why a Step failed or diverged: nothing may follow
+        self._in_flight: InFlight | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        # Folding: a running request's cache row of this step (its Rows, row and position), and the position of
+        # the last record that is not a bare cache row (an allocation may join a cache row only after it).
+        self._cache_rows: dict[str, tuple[Rows, int, int]] = {}
+        self._position = 0
+        self._last_barrier = 0
 
     # ---- recording -----------------------------------------------------------------------------
     def _sync(self, request) -> tuple[list[bytes], int]:
@@ -63,49 +125,96 @@ class RemoteKVCacheManager(KVCacheManager):
             self._record(AddRequestOp(request_id, block_hashes=list(request.block_hashes), num_tokens=num_tokens,
                                       num_prompt_tokens=request.num_prompt_tokens))
             self._known[request_id] = num_tokens
-            return [], 0
+            return _NOTHING
+        if num_tokens == known:
+            return _NOTHING
         if num_tokens < known:
             raise PoolDiverged(f"request {request_id!r} went from {known} to {num_tokens} tokens; the pool only "
                                f"appends (speculative decoding is refused at start-up)")
-        if num_tokens == known:
-            return [], 0
         size = self.hash_block_size
         self._known[request_id] = num_tokens
-        return list(request.block_hashes[known // size:num_tokens // size]), num_tokens - known
+        return request.block_hashes[known // size:num_tokens // size], num_tokens - known  # (a slice is a copy)
 
     def _record(self, op: Op, expected: Expected | None = None) -> None:
-        if isinstance(op, AllocateOp) and op.cache_tokens and not op.num_new_tokens:
-            self._cache_ops[op.request_id] = len(self._ops)
-        else:
-            self._last_barrier = len(self._ops)
+        """An op other than a row: it ends the open AllocateBatchOp, and rows after it may not fold before it."""
+        self._rows = None
         self._ops.append(op)
         self._expected.append(expected or Expected())
+        self._position += 1
+        self._last_barrier = self._position
 
-    def _fold(self, op: AllocateOp, expected: Expected) -> bool:
-        """Records a running request's allocation inside its cache op of this step (one op instead of two:
-        cache_blocks, then allocate_slots) when only bare cache ops follow that one: every op that allocates or
-        frees keeps its order, and cache ops commute with allocations (caching touches no free block)."""
-        index = self._cache_ops.pop(op.request_id, None)
-        if index is None or index < self._last_barrier or op.lookup or op.num_append_tokens:
+    def _row(self, request, hashes: list[bytes], num_append: int, num_new_tokens: int, num_lookahead_tokens: int,
+             reserved_blocks: int, flags: int, cache_tokens: int) -> tuple[Rows, int]:
+        """Appends a row for `request` to the open AllocateBatchOp (opening one): its Rows and index."""
+        rows = self._rows
+        if rows is None:
+            rows = self._rows = Rows()
+            self._ops.append(rows.op)
+            self._expected.append(rows)
+        op = rows.op
+        op.request_ids.append(request.request_id)
+        op.rows.extend((request.num_computed_tokens, num_new_tokens, num_lookahead_tokens, num_append, len(hashes),
+                        request.num_output_placeholders, request.num_in_flight_tokens, cache_tokens, reserved_blocks,
+                        flags))
+        if hashes:
+            op.append_block_hashes.extend(hashes)
+        self._position += 1
+        return rows, len(op.request_ids) - 1
+
+    def _allocation_row(self, request, hashes: list[bytes], num_append: int, num_new_tokens: int,
+                        num_lookahead_tokens: int, reserved_blocks: int, flags: int, new) -> None:
+        """Records an allocate_slots call without a hit (and the replica's answer `new`) as a row: folded into
+        the request's cache row of this step when it may be, else a row of its own."""
+        if num_append or not self._fold(request, num_new_tokens, num_lookahead_tokens, reserved_blocks, flags, new):
+            self._cache_rows.pop(request.request_id, None)
+            rows, i = self._row(request, hashes, num_append, num_new_tokens, num_lookahead_tokens, reserved_blocks,
+                                flags, 0)
+            if new is None or any(new.blocks):
+                rows.answer(i, new)
+            self._last_barrier = self._position
+
+    def _cache_row(self, request, hashes: list[bytes], num_append: int, flags: int, cache_tokens: int) -> None:
+        """Records a cache_blocks call as a row (no barrier: an allocation after it may still fold into it).
+        `_row`, inline: once per running request and step."""
+        rows = self._rows
+        if rows is None:
+            rows = self._rows = Rows()
+            self._ops.append(rows.op)
+            self._expected.append(rows)
+        op = rows.op
+        ids = op.request_ids
+        request_id = request.request_id
+        self._position = position = self._position + 1
+        self._cache_rows[request_id] = (rows, len(ids), position)
+        ids.append(request_id)
+        op.rows.extend((request.num_computed_tokens, 0, 0, num_append, len(hashes), request.num_output_placeholders,
+                        request.num_in_flight_tokens, cache_tokens, 0, flags))
+        if hashes:
+            op.append_block_hashes.extend(hashes)
+
+    def _fold(self, request, num_new_tokens: int, num_lookahead_tokens: int, reserved_blocks: int, flags: int,
+              new) -> bool:
+        """Records a running request's allocation in its cache row of this step (one row instead of two:
+        cache_blocks, then allocate_slots) when only bare cache rows came after that one: every allocation and
+        free keeps its order, and caching commutes with allocations (it touches no free block)."""
+        cached = self._cache_rows.pop(request.request_id, None)
+        if cached is None:
             return False
-        cached = self._ops[index]
-        if (cached.num_computed_tokens, cached.num_output_placeholders, cached.num_in_flight_tokens,
-                cached.waiting) != (op.num_computed_tokens, op.num_output_placeholders, op.num_in_flight_tokens,
-                                    op.waiting):
+        rows, i, position = cached
+        if position <= self._last_barrier:
             return False
-        self._ops[index] = replace(op, cache_tokens=cached.cache_tokens, append_block_hashes=cached.append_block_hashes,
-                                   num_append_tokens=cached.num_append_tokens)
-        self._expected[index] = expected
-        self._last_barrier = index  # an allocation now: cache ops before it may no longer take theirs
+        r = rows.op.rows
+        base = ROW_WIDTH * i
+        if (r[base], r[base + 5], r[base + 6], r[base + 9] & WAITING) != (
+                request.num_computed_tokens, request.num_output_placeholders, request.num_in_flight_tokens,
+                flags & WAITING):
+            return False
+        r[base + 1], r[base + 2] = num_new_tokens, num_lookahead_tokens
+        r[base + 8], r[base + 9] = reserved_blocks, flags
+        if new is None or any(new.blocks):
+            rows.answer(i, new)
+        self._last_barrier = position  # an allocation now: cache rows before it may no longer take theirs
         return True
-
-    def _op(self, request, **fields) -> AllocateOp:
-        hashes, num_append = self._sync(request)
-        return AllocateOp(request.request_id, num_computed_tokens=request.num_computed_tokens,
-                          append_block_hashes=hashes, num_append_tokens=num_append,
-                          num_output_placeholders=request.num_output_placeholders,
-                          num_in_flight_tokens=request.num_in_flight_tokens, waiting=request.status in _WAITING,
-                          **fields)
 
     # ---- vLLM's KVCacheManager, answered by the replica, recorded for the pool ----------------------
     def allocate_slots(self, request, num_new_tokens: int, num_new_computed_tokens: int = 0,
@@ -115,26 +224,32 @@ class RemoteKVCacheManager(KVCacheManager):
                        skip_zeroing_group_ids: tuple[int, ...] = ()):
         if num_external_computed_tokens or num_encoder_tokens:
             raise NotImplementedError("kvservice: external (connector) and encoder tokens are refused at start-up")
-        op = self._op(request, num_new_tokens=num_new_tokens, num_lookahead_tokens=num_lookahead_tokens,
-                      delay_cache_blocks=delay_cache_blocks, lookup=num_new_computed_tokens > 0,
-                      num_new_computed_tokens=num_new_computed_tokens, full_sequence_must_fit=full_sequence_must_fit,
-                      reserved_blocks=reserved_blocks, has_scheduled_reqs=has_scheduled_reqs)
+        waiting = request.status in _WAITING
+        hashes, num_append = self._sync(request)
+        if num_new_computed_tokens > 0:  # an admission with a hit: its own op (the pool checks the hit)
+            op = AllocateOp(request.request_id, request.num_computed_tokens, num_new_tokens, None, hashes or None,
+                            num_append, num_lookahead_tokens, delay_cache_blocks, False, None,
+                            request.num_output_placeholders, request.num_in_flight_tokens, waiting, True,
+                            num_new_computed_tokens, full_sequence_must_fit, reserved_blocks, has_scheduled_reqs)
         new = super().allocate_slots(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
                                      num_lookahead_tokens, 0, delay_cache_blocks, 0, full_sequence_must_fit,
                                      reserved_blocks, has_scheduled_reqs, skip_zeroing_group_ids)
-        if new is None:
-            expected = Expected(OpStatus.NO_SPACE)
-        else:  # an admission's reply is its whole table, a running request's its new blocks
-            ids = self.get_block_ids(request.request_id) if op.lookup else new.get_block_ids()
-            expected = Expected(OpStatus.OK, ids)
-        if not self._fold(op, expected):
-            self._record(op, expected)
+        if num_new_computed_tokens > 0:  # an admission's reply is its whole table
+            self._record(op, Expected(OpStatus.NO_SPACE) if new is None
+                         else Expected(OpStatus.OK, self.get_block_ids(request.request_id)))
+        else:  # row_flags, inline
+            self._allocation_row(request, hashes, num_append, num_new_tokens, num_lookahead_tokens, reserved_blocks,
+                                 waiting | DELAY_CACHE_BLOCKS * delay_cache_blocks
+                                 | FULL_SEQUENCE_MUST_FIT * full_sequence_must_fit
+                                 | HAS_SCHEDULED_REQS * has_scheduled_reqs, new)
         return new
 
     def cache_blocks(self, request, num_computed_tokens: int) -> None:
         super().cache_blocks(request, num_computed_tokens)
         if self.enable_caching and num_computed_tokens > 0:
-            self._record(self._op(request, cache_tokens=num_computed_tokens))
+            hashes, num_append = self._sync(request)
+            self._cache_row(request, hashes, num_append, WAITING if request.status in _WAITING else 0,
+                            num_computed_tokens)
 
     def free(self, request) -> None:
         super().free(request)
@@ -159,39 +274,126 @@ class RemoteKVCacheManager(KVCacheManager):
         return len(self._ops)
 
     def flush(self) -> StepResult | None:
-        """Sends the recorded ops as one Step (none: no RPC) and checks the pool answered as the replica did."""
+        """Sends the recorded ops as one Step (none: no RPC). First the Step before it is waited for: its
+        failure or divergence raises here. Unpipelined this Step is waited for and checked too; its result is
+        returned (pipelined: the one before it, None if there was none)."""
+        previous = self.wait()
         if not self._ops:
-            return None
+            return previous
+        ops, expected = self._ops, self._expected
+        self._ops, self._expected, self._rows = [], [], None
+        self._cache_rows.clear()
+        self._position = self._last_barrier = 0
+        sent = InFlight(Future(), ops, expected, self.block_pool.get_num_free_blocks())
+        self.num_rpcs += 1
+        if self.pipeline:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"kvservice-step-{self.pool_id}")
+            sent.future = self._executor.submit(self._send, sent)
+            # The sending thread takes the GIL now and keeps it until its call waits on the network: a scheduler
+            # that went on at once would hold the GIL for a switch interval (5 ms) before the Step left.
+            sent.started.wait()
+            self._in_flight = sent
+            return previous
+        try:
+            sent.future.set_result(self._send(sent))
+        except Exception as exc:
+            sent.future.set_exception(exc)
+        self._in_flight = sent
+        return self.wait()
+
+    def wait(self) -> StepResult | None:
+        """The Step in flight, answered and checked (None: none in flight). Raises what failed it, or
+        PoolDiverged — and, once one has, PoolDiverged on every later call."""
+        sent, self._in_flight = self._in_flight, None
+        if sent is not None:
+            try:
+                result = sent.future.result()
+            except PoolDiverged as exc:
+                self._failed = str(exc)
+                raise
+            except Exception as exc:  # the replica applied them, the pool may not have: nothing may follow
+                self._failed = repr(exc)
+                raise
+            self.last_result = result
+            return result
         if self._failed is not None:
             raise PoolDiverged(f"pool {self.pool_id!r}: an earlier Step failed ({self._failed}); the replica is ahead "
                                f"of the pool: restart the engine (a new pool epoch)")
-        ops, expected = self._ops, self._expected
-        self._ops, self._expected = [], []
-        self._cache_ops.clear()
-        self._last_barrier = -1
+        return None
+
+    def close(self) -> None:
+        """Sends what is recorded, waits for it, and stops the sending thread."""
         try:
-            result = self.client.step(self.pool_id, ops)
-        except Exception as exc:  # the replica applied them, the pool may not have: nothing may follow
-            self._failed = repr(exc)
+            self.flush()
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
+    def _send(self, sent: InFlight) -> StepResult:
+        """One Step and its check (on the sending thread when pipelined: it reads only what `sent` holds)."""
+        sent.started.set()
+        result = self.client.step(self.pool_id, sent.ops)
+        try:
+            self._check(sent, result)
+        except PoolDiverged as exc:
+            logger.error("%s", exc)
             raise
-        self.num_rpcs += 1
+        return result
+
+    def _check(self, sent: InFlight, result: StepResult) -> None:
+        ops = sent.ops
         if len(result.results) != len(ops):
             raise PoolDiverged(f"pool {self.pool_id!r} answered {len(result.results)} results for {len(ops)} ops")
-        self.last_result = result
         n = self.num_kv_cache_groups
-        for i, (op, want, got) in enumerate(zip(ops, expected, result.results)):
-            if got.status != want.status or (want.block_ids is not None
-                                             and _ids(got.new_block_ids, n) != _ids(want.block_ids, n)):
+        for i, (op, want, got) in enumerate(zip(ops, sent.expected, result.results)):
+            if isinstance(want, Rows):
+                _check_rows(self.pool_id, i, want, got, n)
+            elif got.status != want.status or (want.block_ids is not None
+                                               and _ids(got.new_block_ids, n) != _ids(want.block_ids, n)):
                 what = f"{type(op).__name__} for {getattr(op, 'request_id', '')!r}"
                 raise PoolDiverged(
                     f"pool {self.pool_id!r} answered op {i} ({what}) with {got.status.name} {got.new_block_ids} "
                     f"{got.message!r}; the scheduler's replica with {want.status.name} {want.block_ids}. Another "
                     f"client changed this pool, or the allocator lost state: restart the engine (a new pool epoch)")
-        free = self.block_pool.get_num_free_blocks()
-        if result.num_free_blocks != free:
+        if result.num_free_blocks != sent.num_free_blocks:
             raise PoolDiverged(f"pool {self.pool_id!r} has {result.num_free_blocks} free blocks after the step, the "
-                               f"scheduler's replica {free}; restart the engine (a new pool epoch)")
-        return result
+                               f"scheduler's replica {sent.num_free_blocks}; restart the engine (a new pool epoch)")
+
+
+def _check_rows(pool_id: str, index: int, want: Rows, got: OpResult, num_groups: int) -> None:
+    """An AllocateBatchOp's packed outcome against the replica's: compared whole (in C), row by row only to
+    name the first difference."""
+    batch, request_ids = got.batch, want.op.request_ids
+    n = len(request_ids)
+    statuses = bytearray(n)
+    for row in want.no_space:
+        statuses[row] = OpStatus.NO_SPACE
+    counts = array("I", bytes(4 * n * num_groups))
+    ids = array("I")
+    for row in sorted(want.blocks):
+        for g, table in enumerate(want.blocks[row]):
+            counts[row * num_groups + g] = len(table)
+            ids.extend(table)
+    if (got.status == OpStatus.OK and batch is not None and batch.statuses == statuses
+            and batch.num_new_blocks == counts and batch.new_block_ids == ids):
+        return
+    if got.status != OpStatus.OK or batch is None or len(batch.statuses) != n:
+        raise PoolDiverged(f"pool {pool_id!r} answered op {index} (AllocateBatchOp of {n} rows) with "
+                           f"{got.status.name} {got.message!r} and {len(batch.statuses) if batch else 'no'} rows")
+    tables, failures = batch.block_ids(), iter(batch.failures)
+    for row, rid in enumerate(request_ids):
+        status, want_status = batch.status(row), OpStatus(statuses[row])
+        message = next(failures).message if status else ""
+        blocks = want.blocks.get(row)
+        if status != want_status or _ids(tables[row], num_groups) != _ids(blocks, num_groups):
+            raise PoolDiverged(f"pool {pool_id!r} answered op {index} row {row} (allocation for {rid!r}) with "
+                               f"{status.name} {tables[row]} {message!r}; the scheduler's replica with "
+                               f"{want_status.name} {blocks}. Another client changed this pool, or the allocator "
+                               f"lost state: restart the engine (a new pool epoch)")
+    raise PoolDiverged(f"pool {pool_id!r} answered op {index} (AllocateBatchOp) differently from the replica")
 
 
 def _ids(groups, num_groups: int) -> tuple[tuple[int, ...], ...]:

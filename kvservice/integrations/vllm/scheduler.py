@@ -3,7 +3,8 @@
 
 Each is vLLM's own class with its `kv_cache_manager` replaced by a RemoteKVCacheManager on a pool
 registered from the scheduler's KVCacheConfig (vLLM's hash spec, vLLM's allocation semantics), and with
-`schedule()` ending in the step's one Step RPC (checked before the SchedulerOutput is returned).
+`schedule()` ending in the step's one Step RPC (pipelined by default: checked by the next schedule(); see
+remote.py).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ class KVServiceScheduling:
             log_stats=self.log_stats, enable_kv_cache_events=self.enable_kv_cache_events,
             dcp_world_size=self.dcp_world_size, pcp_world_size=1, metrics_collector=self.kv_metrics_collector,
             watermark=self.scheduler_config.watermark,
-            enable_mamba_shared_prefix_checkpoint=self.cache_config.enable_mamba_shared_prefix_checkpoint)
+            enable_mamba_shared_prefix_checkpoint=self.cache_config.enable_mamba_shared_prefix_checkpoint,
+            pipeline=settings.pipeline)
 
     def _register_pool(self, pool_id: str) -> int:
         """Registers the pool at a new epoch when it exists (this engine's KV memory starts empty)."""
@@ -68,12 +70,13 @@ class KVServiceScheduling:
 
     def schedule(self, *args, **kwargs):
         output = super().schedule(*args, **kwargs)
-        self.kv_cache_manager.flush()  # the step's one RPC, checked before the output leaves
+        # The step's one RPC; the step before it (pipelined) or this one is checked before the output leaves.
+        self.kv_cache_manager.flush()
         return output
 
     def shutdown(self) -> None:
         try:
-            self.kv_cache_manager.flush()
+            self.kv_cache_manager.close()
         finally:
             super().shutdown()
             self.kvservice_client.close()
