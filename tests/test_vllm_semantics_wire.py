@@ -346,7 +346,9 @@ class Sched:
         num_groups = m.num_kv_cache_groups
         assert unpacked(twin, num_groups) == [(r.status, _groups(r.new_block_ids, num_groups)) for r in result.results]
         assert twin.num_free_blocks == result.num_free_blocks
-        assert pool_state(self.packed.state.pools["p"].manager) == pool_state(self.allocator.state.pools["p"].manager)
+        single, packed = self.allocator.state.pools["p"], self.packed.state.pools["p"]
+        assert pool_state(packed.manager) == pool_state(single.manager)
+        assert _counters(packed) == _counters(single)
         for op, want, got in zip(ops, expect, result.results):
             if isinstance(want, tuple):
                 _, new, req = want
@@ -392,6 +394,12 @@ def pack_runs(ops: list) -> list:
         if op is not None:
             out.append(op)
     return out
+
+
+def _counters(pool) -> dict:
+    """What an AllocateOp sets on the pool's requests."""
+    return {k: (r.num_tokens, r.num_computed_tokens, r.num_in_flight_tokens, r.waiting, tuple(r.block_hashes))
+            for k, r in pool.requests.items()}
 
 
 def unpacked(result, num_groups: int) -> list:

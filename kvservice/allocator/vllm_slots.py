@@ -19,7 +19,18 @@ from kvservice.allocator.schedule import hash_append_refusal
 from kvservice.core import KVCacheBlocks, PackedRows, Request
 from kvservice.core.coordinator import UnitaryKVCacheCoordinator
 from kvservice.core.managers.attention import FullAttentionManager
-from kvservice.ops import AllocateBatchOp, AllocateOp, OpResult, OpStatus, PackedResult
+from kvservice.ops import (
+    DELAY_CACHE_BLOCKS,
+    FULL_SEQUENCE_MUST_FIT,
+    HAS_SCHEDULED_REQS,
+    ROW_WIDTH,
+    WAITING,
+    AllocateBatchOp,
+    AllocateOp,
+    OpResult,
+    OpStatus,
+    PackedResult,
+)
 
 
 @dataclass(slots=True)
@@ -45,7 +56,11 @@ class VllmSlots:
 
     def allocate_batch(self, pool: Pool, tenant: str, op: AllocateBatchOp) -> OpResult:
         """Each row exactly as its AllocateOp (`allocate_op`), in order; the outcomes packed: a status, the new
-        blocks per group, the computed and scheduled tokens per row, and the refusals' results."""
+        blocks per group, the computed and scheduled tokens per row, and the refusals' results.
+
+        A running request's row that `plan` surely passes and whose slots its blocks already hold (the decode
+        step) is applied here, from the columns; every other row goes through `allocate_op`."""
+        manager = pool.manager
         num_groups = len(pool.spec.config.groups)
         statuses = bytearray(len(op.request_ids))
         out = PackedRows()
@@ -53,8 +68,44 @@ class VllmSlots:
         failures: list[OpResult] = []
         replaced: list[tuple[int, int, int, int]] = []
         none = [0] * num_groups
-        for i, a in enumerate(op.ops()):
-            r = self.allocate_op(pool, f"{tenant}{SEP}{a.request_id}" if tenant else a.request_id, a)
+        m = _decode_manager(manager)
+        requests, max_len = pool.requests, pool.spec.max_model_len
+        rows, hashes = op.rows, op.append_block_hashes
+        h = 0
+        ops = None
+        for i, request_id in enumerate(op.request_ids):
+            key = f"{tenant}{SEP}{request_id}" if tenant else request_id
+            b = ROW_WIDTH * i
+            num_computed, num_new, lookahead, num_append, num_hashes, placeholders, in_flight, cache, reserved, \
+                flags = rows[b:b + ROW_WIDTH]
+            appended = hashes[h:h + num_hashes] if num_hashes else None
+            h += num_hashes
+            req = requests.get(key) if m is not None else None
+            if (req is not None and num_new and not reserved and not flags & (WAITING | FULL_SEQUENCE_MUST_FIT)
+                    and not (num_append and hash_append_refusal(req, appended, num_append))):
+                num_tokens = req.num_tokens + num_append
+                if num_tokens <= max_len and num_computed + num_new <= num_tokens + placeholders \
+                        and cache <= num_tokens:  # `plan` passes: apply's steps, as they are
+                    if num_append:
+                        req.append_block_hashes(appended or [], num_append)
+                    req.num_computed_tokens, req.num_in_flight_tokens, req.waiting = num_computed, in_flight, False
+                    if cache:
+                        manager.cache_blocks(req, cache)
+                    delay = bool(flags & DELAY_CACHE_BLOCKS)
+                    if _takes_no_block(manager, m, key, req, num_computed, num_new, lookahead, delay):
+                        counts.extend(none)
+                        computed.append(num_computed)
+                        scheduled.append(num_new)
+                        continue
+                    r = self._allocate(pool, key, req, request_id, num_computed, num_new, lookahead, delay, False, 0,
+                                       bool(flags & HAS_SCHEDULED_REQS), None)
+                else:
+                    r = None
+            else:
+                r = None
+            if r is None:
+                ops = ops or op.ops()
+                r = self.allocate_op(pool, key, ops[i])
             if r.status:
                 statuses[i] = r.status
                 failures.append(r)
@@ -129,54 +180,67 @@ class VllmSlots:
                 return OpResult(request_id, num_computed_tokens=op.num_computed_tokens, num_tokens=req.num_tokens)
         if op.num_new_tokens == 0 and hit is None:  # the request's new tokens only
             return OpResult(request_id, num_computed_tokens=op.num_computed_tokens, num_tokens=req.num_tokens)
-        if hit is None and _takes_no_block(manager, key, req, op):
-            return OpResult(request_id, OpStatus.OK, "", ([],), op.num_computed_tokens, op.num_new_tokens,
-                            req.num_tokens)
+        return self._allocate(pool, key, req, request_id, op.num_computed_tokens, op.num_new_tokens,
+                              op.num_lookahead_tokens, op.delay_cache_blocks, op.full_sequence_must_fit,
+                              op.reserved_blocks, op.has_scheduled_reqs, hit, op.waiting)
+
+    def _allocate(self, pool: Pool, key: str, req: Request, request_id: str, num_computed: int, num_new: int,
+                  lookahead: int, delay: bool, full_sequence_must_fit: bool, reserved_blocks: int,
+                  has_scheduled_reqs: bool, hit: Hit | None, waiting: bool = False) -> OpResult:
+        """The core's allocate_slots for the op (its request's counters set), as an OpResult."""
+        manager = pool.manager
+        if hit is None and not (waiting or full_sequence_must_fit or reserved_blocks):
+            m = _decode_manager(manager)
+            if m is not None and _takes_no_block(manager, m, key, req, num_computed, num_new, lookahead, delay):
+                return OpResult(request_id, OpStatus.OK, "", ([],), num_computed, num_new, req.num_tokens)
         num_hit = hit.num_tokens if hit is not None else 0
-        new = manager.allocate_slots(req, op.num_new_tokens, num_hit, hit.blocks if hit is not None else None,
-                                     op.num_lookahead_tokens, op.delay_cache_blocks,
-                                     full_sequence_must_fit=op.full_sequence_must_fit,
-                                     reserved_blocks=op.reserved_blocks, has_scheduled_reqs=op.has_scheduled_reqs)
+        new = manager.allocate_slots(req, num_new, num_hit, hit.blocks if hit is not None else None, lookahead, delay,
+                                     full_sequence_must_fit=full_sequence_must_fit, reserved_blocks=reserved_blocks,
+                                     has_scheduled_reqs=has_scheduled_reqs)
         if new is None:
             free = manager.block_pool.get_num_free_blocks()
             return OpResult(request_id, OpStatus.NO_SPACE,
-                            f"pool {pool.pool_id!r} has {free} free blocks, not enough for {op.num_new_tokens} more "
-                            f"tokens of {client_request_id(key)!r}", (), op.num_computed_tokens + num_hit, 0,
-                            req.num_tokens)
+                            f"pool {pool.pool_id!r} has {free} free blocks, not enough for {num_new} more "
+                            f"tokens of {client_request_id(key)!r}", (), num_computed + num_hit, 0, req.num_tokens)
         if hit is not None:
             manager.record_prefix_cache_stats(req, num_hit)
             req.num_computed_tokens = num_hit
             # An admission: the engine has no row yet, so it gets the whole table (hits included).
-            return OpResult(request_id, OpStatus.OK, "", manager.get_block_ids(key), num_hit, op.num_new_tokens,
-                            req.num_tokens, replaced=new.replaced)
-        return OpResult(request_id, OpStatus.OK, "", new.get_block_ids(), op.num_computed_tokens, op.num_new_tokens,
-                        req.num_tokens, replaced=new.replaced)
+            return OpResult(request_id, OpStatus.OK, "", manager.get_block_ids(key), num_hit, num_new, req.num_tokens,
+                            replaced=new.replaced)
+        return OpResult(request_id, OpStatus.OK, "", new.get_block_ids(), num_computed, num_new, req.num_tokens,
+                        replaced=new.replaced)
 
 
-def _takes_no_block(manager, key: str, req: Request, op: AllocateOp) -> bool:
-    """The decode step of a running request whose slots its blocks already hold, on a single full-attention
-    group, without the core's general path: what allocate_slots does then, it does — cache the blocks that
-    are full — and True; False (nothing done) for anything else, which the core's allocate_slots decides.
-
-    Exactly the core's outcome there: no watermark (not waiting), no gate, no reserved blocks, no new hit, and
-    with the held blocks covering every slot, no block is counted, skipped (full attention), copied (no fork
-    or partial hit pending) or allocated; the refusal `0 > free blocks` cannot happen."""
-    if op.waiting or op.full_sequence_must_fit or op.reserved_blocks:
-        return False
+def _decode_manager(manager):
+    """The pool's one full-attention group's manager when `_takes_no_block` may decide its decode steps."""
     coordinator = manager.coordinator
     if type(coordinator) is not UnitaryKVCacheCoordinator or coordinator.retention_interval is not None \
             or coordinator.num_reprefillable_tokens:
-        return False
+        return None
     m = coordinator.single_type_managers[0]
-    if type(m) is not FullAttentionManager or key not in m.num_cached_block or key in m._partial_hit_reqs:
+    return m if type(m) is FullAttentionManager else None
+
+
+def _takes_no_block(manager, m, key: str, req: Request, num_computed: int, num_new: int, lookahead: int,
+                    delay: bool) -> bool:
+    """The decode step of a running request (not waiting, no gate, no reserved blocks, no hit) whose slots its
+    blocks already hold, on the single full-attention group `m` (`_decode_manager`), without the core's general
+    path: what allocate_slots does then, it does — cache the blocks that are full — and True; False (nothing
+    done) for anything else, which the core's allocate_slots decides.
+
+    Exactly the core's outcome there: no watermark (not waiting), with the held blocks covering every slot no
+    block is counted, skipped (full attention), copied (no fork or partial hit pending) or allocated, and the
+    refusal `0 > free blocks` cannot happen."""
+    if key not in m.num_cached_block or key in m._partial_hit_reqs:
         return False
     max_len = manager.max_model_len
-    total = op.num_computed_tokens if op.num_computed_tokens < max_len else max_len
-    num_main = total + op.num_new_tokens
-    num_need = min(num_main + op.num_lookahead_tokens, max_len)
+    total = num_computed if num_computed < max_len else max_len
+    num_main = total + num_new
+    num_need = min(num_main + lookahead, max_len)
     if -(-num_need // m.block_size) > len(m.req_to_blocks[key]) or m.cow_indices(key, total, num_need):
         return False
-    if manager.enable_caching and m.enable_caching and not op.delay_cache_blocks:
+    if manager.enable_caching and m.enable_caching and not delay:
         m.cache_blocks(req, num_main if num_main < req.num_tokens else req.num_tokens)
     return True
 
