@@ -52,3 +52,30 @@ def test_long_prefill_beside_decodes():
     key_cache, value_cache = empty_caches(batch, 2, 16, torch.float32)
     fill_cache_by_indexing(batch, key_cache, value_cache)
     compare(batch, key_cache, value_cache, torch.float32)
+
+
+def test_a_steps_plan_is_reused_only_for_the_same_unchanged_metadata():
+    """The layers of a step share its index math (the same metadata tensors); changed in place, or new
+    tensors with the same values, the plan is made again: each call equals the twin."""
+    batch = make_batch(MIXED, 4, 2, 32, 16, torch.float32, seed=4)
+    key_cache, value_cache = empty_caches(batch, 2, 32, torch.float32)
+    fill_cache_by_indexing(batch, key_cache, value_cache)
+    args = lambda: (batch.q, key_cache, value_cache, batch.block_table, batch.query_start_loc, batch.seq_lens,  # noqa: E731
+                    batch.scale)
+    first = torch_batched.paged_attention(*args())
+    assert torch_batched.paged_attention(*args()) is not first  # a fresh output, from the same plan
+    assert torch.equal(torch_batched._memo[0][0][0], batch.block_table)
+    batch.seq_lens[2] -= 1  # a decode now reads one key fewer: the version changed
+    assert_close(torch_batched.paged_attention(*args()), ref.paged_attention(*args()), torch.float32, "seq_lens")
+    moved = int(batch.block_table[0, 1])
+    spare = max(set(range(key_cache.shape[0])) - set(batch.block_table.flatten().tolist()))
+    for cache in (key_cache, value_cache):  # row 0's second block moves: the old one holds NaN now
+        cache[spare] = cache[moved]
+        cache[moved] = float("nan")
+    before = ref.paged_attention(*args())  # NaN: the twin reads the old block too
+    batch.block_table[0, 1] = spare
+    out = torch_batched.paged_attention(*args())
+    assert not torch.isnan(out).any() and torch.isnan(before).any()
+    assert_close(out, ref.paged_attention(*args()), torch.float32, "table")
+    batch.block_table = batch.block_table.clone()
+    assert_close(torch_batched.paged_attention(*args()), ref.paged_attention(*args()), torch.float32, "new table")
