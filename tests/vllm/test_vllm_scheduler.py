@@ -175,7 +175,7 @@ def test_folding_keeps_every_allocation_in_the_schedulers_order():
         m._ops, m._expected, m._rows, m._cache_rows, m._position, m._last_barrier = [], [], None, {}, 0, 0
         reqs = {rid: SimpleNamespace(request_id=rid, num_computed_tokens=8, num_output_placeholders=0,
                                      num_in_flight_tokens=0) for rid in "abc"}
-        no_blocks = SimpleNamespace(blocks=([],))
+        no_blocks = m.empty_kv_cache_blocks = SimpleNamespace(blocks=([],))
         for rid in "abc":
             m._cache_row(reqs[rid], [], 0, 0, 8)
         for rid in order:

@@ -163,15 +163,30 @@ class RemoteKVCacheManager(KVCacheManager):
 
     def _allocation_row(self, request, hashes: list[bytes], num_append: int, num_new_tokens: int,
                         num_lookahead_tokens: int, reserved_blocks: int, flags: int, new) -> None:
-        """Records an allocate_slots call without a hit (and the replica's answer `new`) as a row: folded into
-        the request's cache row of this step when it may be, else a row of its own."""
-        if num_append or not self._fold(request, num_new_tokens, num_lookahead_tokens, reserved_blocks, flags, new):
-            self._cache_rows.pop(request.request_id, None)
-            rows, i = self._row(request, hashes, num_append, num_new_tokens, num_lookahead_tokens, reserved_blocks,
-                                flags, 0)
-            if new is None or any(new.blocks):
-                rows.answer(i, new)
-            self._last_barrier = self._position
+        """Records an allocate_slots call without a hit (and the replica's answer `new`) as a row.
+
+        Folded into the request's cache row of this step (one row instead of two: cache_blocks, then
+        allocate_slots) when only bare cache rows came after that one and the request is as it was then:
+        every allocation and free keeps its order, and caching commutes with allocations (it touches no free
+        block). Else a row of its own."""
+        cached = self._cache_rows.pop(request.request_id, None)
+        if cached is not None and not num_append and cached[2] > self._last_barrier:
+            rows, i, position = cached
+            r = rows.op.rows
+            base = ROW_WIDTH * i
+            if (r[base] == request.num_computed_tokens and r[base + 5] == request.num_output_placeholders
+                    and r[base + 6] == request.num_in_flight_tokens and not (r[base + 9] ^ flags) & WAITING):
+                r[base + 1], r[base + 2] = num_new_tokens, num_lookahead_tokens
+                r[base + 8], r[base + 9] = reserved_blocks, flags
+                if new is not self.empty_kv_cache_blocks:
+                    rows.answer(i, new)
+                self._last_barrier = position  # an allocation now: cache rows before it may no longer take theirs
+                return
+        rows, i = self._row(request, hashes, num_append, num_new_tokens, num_lookahead_tokens, reserved_blocks, flags,
+                            0)
+        if new is not self.empty_kv_cache_blocks:
+            rows.answer(i, new)
+        self._last_barrier = self._position
 
     def _cache_row(self, request, hashes: list[bytes], num_append: int, flags: int, cache_tokens: int) -> None:
         """Records a cache_blocks call as a row (no barrier: an allocation after it may still fold into it).
@@ -192,30 +207,6 @@ class RemoteKVCacheManager(KVCacheManager):
         if hashes:
             op.append_block_hashes.extend(hashes)
 
-    def _fold(self, request, num_new_tokens: int, num_lookahead_tokens: int, reserved_blocks: int, flags: int,
-              new) -> bool:
-        """Records a running request's allocation in its cache row of this step (one row instead of two:
-        cache_blocks, then allocate_slots) when only bare cache rows came after that one: every allocation and
-        free keeps its order, and caching commutes with allocations (it touches no free block)."""
-        cached = self._cache_rows.pop(request.request_id, None)
-        if cached is None:
-            return False
-        rows, i, position = cached
-        if position <= self._last_barrier:
-            return False
-        r = rows.op.rows
-        base = ROW_WIDTH * i
-        if (r[base], r[base + 5], r[base + 6], r[base + 9] & WAITING) != (
-                request.num_computed_tokens, request.num_output_placeholders, request.num_in_flight_tokens,
-                flags & WAITING):
-            return False
-        r[base + 1], r[base + 2] = num_new_tokens, num_lookahead_tokens
-        r[base + 8], r[base + 9] = reserved_blocks, flags
-        if new is None or any(new.blocks):
-            rows.answer(i, new)
-        self._last_barrier = position  # an allocation now: cache rows before it may no longer take theirs
-        return True
-
     # ---- vLLM's KVCacheManager, answered by the replica, recorded for the pool ----------------------
     def allocate_slots(self, request, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks=None, num_lookahead_tokens: int = 0, num_external_computed_tokens: int = 0,
@@ -225,7 +216,10 @@ class RemoteKVCacheManager(KVCacheManager):
         if num_external_computed_tokens or num_encoder_tokens:
             raise NotImplementedError("kvservice: external (connector) and encoder tokens are refused at start-up")
         waiting = request.status in _WAITING
-        hashes, num_append = self._sync(request)
+        if self._known.get(request.request_id) == request.num_tokens:  # _sync's common case, inline
+            hashes, num_append = _NOTHING
+        else:
+            hashes, num_append = self._sync(request)
         if num_new_computed_tokens > 0:  # an admission with a hit: its own op (the pool checks the hit)
             op = AllocateOp(request.request_id, request.num_computed_tokens, num_new_tokens, None, hashes or None,
                             num_append, num_lookahead_tokens, delay_cache_blocks, False, None,
