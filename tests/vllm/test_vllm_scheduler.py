@@ -3,7 +3,7 @@ and AsyncScheduler): step-for-step the same SchedulerOutputs as the stock schedu
 vLLM's default configuration and with async scheduling and the full-sequence gate each off (the smaller
 version of bench/vllm_scheduler_parity.py); at most one Step RPC per scheduler step; vLLM's own KV events;
 `scheduler_cls` resolves them; unsupported settings refused at start-up; a pool changed behind the
-scheduler's back is caught before a wrong schedule leaves it.
+scheduler's back is caught (pipelined: by the next schedule()), and the pipeline setting.
 
 Runs in the project's vLLM environment only (make vllm-env):
     VLLM_TARGET_DEVICE=cpu PYTHONPATH=.:$HOME/.cache/kvservice/vllm-0.33.0/src \\
@@ -187,3 +187,20 @@ def test_folding_keeps_every_allocation_in_the_schedulers_order():
 
     assert record(["a", "b", "c"]) == [("a", 8, 1), ("b", 8, 1), ("c", 8, 1)]
     assert record(["c", "b", "a"]) == [("a", 8, 0), ("b", 8, 0), ("c", 8, 1), ("b", 0, 1), ("a", 0, 1)]
+
+
+def test_the_pipeline_setting(monkeypatch):
+    from types import SimpleNamespace
+
+    from kvservice.integrations.vllm.config import KVServiceSettings
+
+    def settings(extra: dict):
+        return KVServiceSettings.from_vllm_config(SimpleNamespace(additional_config={"kvservice": extra}))
+
+    assert settings({}).pipeline is True
+    assert settings({"pipeline": False}).pipeline is False
+    monkeypatch.setenv("KVSERVICE_PIPELINE", "off")
+    assert settings({}).pipeline is False
+    assert settings({"pipeline": "on"}).pipeline is True  # the config wins over the environment
+    with pytest.raises(UnsupportedConfig, match=r"\['pipeline'\] \(or KVSERVICE_PIPELINE\) must be a boolean"):
+        settings({"pipeline": "sometimes"})
