@@ -173,9 +173,10 @@ class AllocateBatchOp:
         """Packs AllocateOps that a row can carry (lookup off, no token ids, no transfer)."""
         rows, hashes = array("I"), []
         for op in ops:
-            if op.lookup or op.append_token_ids is not None or op.allow_transfer or op.external_source is not None:
-                raise ValueError(f"AllocateOp for {op.request_id!r} has a lookup, token ids or a transfer: an "
-                                 f"AllocateBatchOp row cannot carry it")
+            if (op.lookup or op.num_new_computed_tokens or op.append_token_ids is not None or op.allow_transfer
+                    or op.external_source is not None):
+                raise ValueError(f"AllocateOp for {op.request_id!r} has a lookup (a hit), token ids or a transfer: "
+                                 f"an AllocateBatchOp row cannot carry it")
             appended = op.append_block_hashes or []
             hashes.extend(appended)
             rows.extend((op.num_computed_tokens, op.num_new_tokens, op.num_lookahead_tokens, op.num_append_tokens,

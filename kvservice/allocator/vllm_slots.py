@@ -82,7 +82,7 @@ class VllmSlots:
             h += num_hashes
             req = requests.get(key) if m is not None else None
             if (req is not None and num_new and not reserved and not flags & (WAITING | FULL_SEQUENCE_MUST_FIT)
-                    and not (num_append and hash_append_refusal(req, appended, num_append))):
+                    and not ((num_append or num_hashes) and hash_append_refusal(req, appended, num_append))):
                 num_tokens = req.num_tokens + num_append
                 if num_tokens <= max_len and num_computed + num_new <= num_tokens + placeholders \
                         and cache <= num_tokens:  # `plan` passes: apply's steps, as they are
@@ -238,7 +238,7 @@ def _takes_no_block(manager, m, key: str, req: Request, num_computed: int, num_n
     total = num_computed if num_computed < max_len else max_len
     num_main = total + num_new
     num_need = min(num_main + lookahead, max_len)
-    if -(-num_need // m.block_size) > len(m.req_to_blocks[key]) or m.cow_indices(key, total, num_need):
+    if -(-num_need // m.block_size) > len(m.req_to_blocks.get(key, ())) or m.cow_indices(key, total, num_need):
         return False
     if manager.enable_caching and m.enable_caching and not delay:
         m.cache_blocks(req, num_main if num_main < req.num_tokens else req.num_tokens)

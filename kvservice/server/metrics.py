@@ -135,7 +135,8 @@ class Metrics:
         child.observe(seconds)
 
     def count_outcomes(self, results) -> None:
-        """Op outcomes of one Step by status (the entries of a DecodeBatchOp or AdmitBatchOp count one each)."""
+        """Op outcomes of one Step by status (the entries of a DecodeBatchOp, AllocateBatchOp or AdmitBatchOp
+        count one each)."""
         counts = [0] * len(OpStatus)
         for r in results:
             batch = r.batch

@@ -204,3 +204,34 @@ def test_the_pipeline_setting(monkeypatch):
     assert settings({"pipeline": "on"}).pipeline is True  # the config wins over the environment
     with pytest.raises(UnsupportedConfig, match=r"\['pipeline'\] \(or KVSERVICE_PIPELINE\) must be a boolean"):
         settings({"pipeline": "sometimes"})
+
+
+def test_a_reply_the_checks_cannot_read_is_a_divergence():
+    """A packed reply that disagrees (a refusal with no failure result) or cannot even be read is PoolDiverged,
+    and every later step raises too."""
+    from array import array
+    from concurrent.futures import Future
+
+    from kvservice.integrations.vllm.remote import InFlight, RemoteKVCacheManager, Rows
+    from kvservice.ops import OpResult, OpStatus, PackedResult, StepResult
+
+    rows = Rows()
+    rows.op.request_ids.append("a")
+    rows.op.rows.extend([8, 1, 0, 0, 0, 0, 0, 0, 0, 8])
+    odd = PackedResult(bytes([OpStatus.NO_SPACE]), array("I", [0]), array("I"), array("I", [8]), array("I", [0]),
+                       [], 1)
+    short = PackedResult(bytes(1), array("I"), array("I"), array("I", [8]), array("I", [1]), [], 1)  # no counts
+    replies = iter([StepResult(1, [OpResult("", batch=odd)], [], 5), StepResult(2, [OpResult("", batch=short)], [], 5)])
+    m = object.__new__(RemoteKVCacheManager)  # the checking half only
+    m.pool_id, m.num_kv_cache_groups, m._in_flight, m._failed = "p", 1, None, None
+    m.client = type("Client", (), {"step": lambda self, pool_id, ops: next(replies)})()
+    for match in ("row 0 \\(allocation for 'a'\\) with NO_SPACE", "answered a Step the scheduler cannot read"):
+        sent = InFlight(Future(), [rows.op], [rows], 5)
+        with pytest.raises(PoolDiverged, match=match):
+            m._send(sent)
+    m._in_flight = InFlight(Future(), [], [], 0)
+    m._in_flight.future.set_exception(PoolDiverged("x"))
+    with pytest.raises(PoolDiverged):
+        m.wait()
+    with pytest.raises(PoolDiverged, match="an earlier Step failed"):
+        m.wait()

@@ -95,7 +95,7 @@ def _bias(visible: torch.Tensor) -> torch.Tensor:
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
 
 
 def paged_attention(

@@ -4,7 +4,9 @@ Settings come from `vllm_config.additional_config["kvservice"]` (keys `address`,
 `timeout_s`, `pipeline`), else from the environment (`KVSERVICE_ADDRESS`, `KVSERVICE_TOKEN`,
 `KVSERVICE_POOL_ID`, `KVSERVICE_PIPELINE`). `pipeline` (default on): a step's Step RPC is answered and
 checked while the scheduler goes on, and a divergence raises at the next schedule(); off: schedule() waits
-for it and checks it before its output leaves.
+for it and checks it before its output leaves. Pipelined, a step's output (and the KV its workers write)
+may leave before the pool confirmed it: that is sound because the pool is this scheduler's alone and the
+scheduler's replica decided it; the check guards what the rest of the fleet reads from the pool.
 `unsupported()` lists every setting the kvservice-backed scheduler cannot honour exactly; the scheduler
 refuses to start while any is set, so a schedule is never silently wrong.
 """

@@ -1,11 +1,12 @@
 """RemoteKVCacheManager: vLLM 0.33.0's KVCacheManager surface, allocating from a kvservice pool.
 
-The pool is this scheduler's own (registered with vLLM's semantics and hash spec), and the core is
-deterministic, so the manager keeps an exact replica of it: the drop-in KVCacheManager (kvservice.core
-with vLLM's names). Every call the scheduler makes is answered by the replica at once — hits, fits, block
-ids — and recorded as the op the pool takes for it: AddRequestOp with the request's own block hashes, an
-admission's AllocateOp, FreeOp, ResetPrefixCacheOp, and every other allocation (running requests, their
-`cache_blocks`) as a row of an AllocateBatchOp (one packed op for the step's runs of them).
+The pool is this scheduler's own (registered with vLLM's semantics and hash spec), and kvservice's core
+follows vLLM 0.33.0's semantics exactly (parity-tested), so the manager keeps an exact replica of it:
+vLLM's own KVCacheManager, which it subclasses. Every call the scheduler makes is answered by the replica
+at once — hits, fits, block ids — and recorded as the op the pool takes for it: AddRequestOp with the
+request's own block hashes, an admission's AllocateOp, FreeOp, ResetPrefixCacheOp, and every other
+allocation (running requests, their `cache_blocks`) as a row of an AllocateBatchOp (one packed op for the
+step's runs of them).
 
 `flush()` sends the ops of one scheduler step as one Step RPC. Its reply is checked against what the
 replica answered: the same outcome per op and row, the same block ids, the same free-block count. A
@@ -91,12 +92,12 @@ class InFlight:
 
 class RemoteKVCacheManager(KVCacheManager):
     """Args: `client` (a kvservice client on the allocator), `pool_id` (the registered pool), `pipeline`
-    (check each Step's reply in the background, raising at the next flush), then the drop-in
-    KVCacheManager's (vLLM's) arguments."""
+    (check each Step's reply in the background, raising at the next flush), then vLLM's KVCacheManager's
+    arguments, by keyword."""
 
-    def __init__(self, client, pool_id: str, *args, pipeline: bool = True, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.hash_block_size = kwargs["hash_block_size"]
+    def __init__(self, client, pool_id: str, *, hash_block_size: int, pipeline: bool = True, **kwargs) -> None:
+        super().__init__(hash_block_size=hash_block_size, **kwargs)
+        self.hash_block_size = hash_block_size
         self.client = client
         self.pool_id = pool_id
         self.pipeline = pipeline
@@ -129,6 +130,7 @@ class RemoteKVCacheManager(KVCacheManager):
         if num_tokens == known:
             return _NOTHING
         if num_tokens < known:
+            self._failed = f"request {request_id!r} lost tokens"
             raise PoolDiverged(f"request {request_id!r} went from {known} to {num_tokens} tokens; the pool only "
                                f"appends (speculative decoding is refused at start-up)")
         size = self.hash_block_size
@@ -225,9 +227,13 @@ class RemoteKVCacheManager(KVCacheManager):
                             num_append, num_lookahead_tokens, delay_cache_blocks, False, None,
                             request.num_output_placeholders, request.num_in_flight_tokens, waiting, True,
                             num_new_computed_tokens, full_sequence_must_fit, reserved_blocks, has_scheduled_reqs)
-        new = super().allocate_slots(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
-                                     num_lookahead_tokens, 0, delay_cache_blocks, 0, full_sequence_must_fit,
-                                     reserved_blocks, has_scheduled_reqs, skip_zeroing_group_ids)
+        try:
+            new = super().allocate_slots(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                                         num_lookahead_tokens, 0, delay_cache_blocks, 0, full_sequence_must_fit,
+                                         reserved_blocks, has_scheduled_reqs, skip_zeroing_group_ids)
+        except BaseException as exc:  # the hashes _sync took are not recorded: the pool would fall behind
+            self._failed = f"allocate_slots raised {exc!r}"
+            raise
         if num_new_computed_tokens > 0:  # an admission's reply is its whole table
             self._record(op, Expected(OpStatus.NO_SPACE) if new is None
                          else Expected(OpStatus.OK, self.get_block_ids(request.request_id)))
@@ -281,13 +287,17 @@ class RemoteKVCacheManager(KVCacheManager):
         sent = InFlight(Future(), ops, expected, self.block_pool.get_num_free_blocks())
         self.num_rpcs += 1
         if self.pipeline:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"kvservice-step-{self.pool_id}")
-            sent.future = self._executor.submit(self._send, sent)
+            try:
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"kvservice-step-{self.pool_id}")
+                sent.future = self._executor.submit(self._send, sent)
+            except BaseException as exc:  # never sent: the replica is ahead of the pool
+                self._failed = repr(exc)
+                raise
+            self._in_flight = sent
             # The sending thread takes the GIL now and keeps it until its call waits on the network: a scheduler
             # that went on at once would hold the GIL for a switch interval (5 ms) before the Step left.
             sent.started.wait()
-            self._in_flight = sent
             return previous
         try:
             sent.future.set_result(self._send(sent))
@@ -335,6 +345,10 @@ class RemoteKVCacheManager(KVCacheManager):
         except PoolDiverged as exc:
             logger.error("%s", exc)
             raise
+        except Exception as exc:  # a reply the checks cannot even read
+            logger.error("pool %r: malformed Step reply: %r", self.pool_id, exc)
+            raise PoolDiverged(f"pool {self.pool_id!r} answered a Step the scheduler cannot read ({exc!r}); "
+                               f"restart the engine (a new pool epoch)") from exc
         return result
 
     def _check(self, sent: InFlight, result: StepResult) -> None:
@@ -380,7 +394,8 @@ def _check_rows(pool_id: str, index: int, want: Rows, got: OpResult, num_groups:
     tables, failures = batch.block_ids(), iter(batch.failures)
     for row, rid in enumerate(request_ids):
         status, want_status = batch.status(row), OpStatus(statuses[row])
-        message = next(failures).message if status else ""
+        failure = next(failures, None) if status else None
+        message = failure.message if failure is not None else ""
         blocks = want.blocks.get(row)
         if status != want_status or _ids(tables[row], num_groups) != _ids(blocks, num_groups):
             raise PoolDiverged(f"pool {pool_id!r} answered op {index} row {row} (allocation for {rid!r}) with "
