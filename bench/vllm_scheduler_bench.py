@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import median, table, write_json  # noqa: E402
+from bench.common import bar_plot, median, table, write_json  # noqa: E402
 from bench.rpc_bench import Echo, start  # noqa: E402
 from kvservice._proto import allocator_pb2 as pb  # noqa: E402
 from kvservice.wire import encode, replies  # noqa: E402
@@ -158,6 +158,15 @@ def main() -> int:
     print(table(["running", "stock ms", "kvservice ms", "unpipelined ms", "echo ms", "(kv-stock)/echo",
                  "unpipelined (kv-stock)/echo", "target ms", "meets", "RPCs/step", "req B", "reply B"], rows))
     print(f"wrote {write_json('vllm_scheduler', {'blocks': args.blocks, 'block_steps': args.block_steps, **data})}")
+    sizes = [data["sizes"][str(n)] for n in SIZES]
+    plot = bar_plot("vllm_scheduler", "vLLM 0.33.0 scheduler step in steady decode (medians)",
+                    [f"{n} running" for n in SIZES],
+                    {"stock": [r["stock_step_ms"] for r in sizes],
+                     "kvservice (pipelined)": [r["pipelined"]["step_ms"] for r in sizes],
+                     "kvservice (unpipelined)": [r["unpipelined"]["step_ms"] for r in sizes],
+                     "target: stock + 1.5 x echo": [r["target_ms"] for r in sizes]}, "ms per step", log=True)
+    if plot is not None:
+        print(f"wrote {plot}")
     return 0
 
 
