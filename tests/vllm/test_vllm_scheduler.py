@@ -176,17 +176,21 @@ def test_folding_keeps_every_allocation_in_the_schedulers_order():
         reqs = {rid: SimpleNamespace(request_id=rid, num_computed_tokens=8, num_output_placeholders=0,
                                      num_in_flight_tokens=0) for rid in "abc"}
         no_blocks = m.empty_kv_cache_blocks = SimpleNamespace(blocks=([],))
-        for rid in "abc":
-            m._cache_row(reqs[rid], [], 0, 0, 8)
-        for rid in order:
-            m._allocation_row(reqs[rid], [], 0, 1, 0, 0, 0, no_blocks)
+        for rid in order:  # "c:x" a cache_blocks call, "x" an allocation
+            if rid.startswith("c:"):
+                m._cache_row(reqs[rid[2:]], [], 0, 0, 8)
+            else:
+                m._allocation_row(reqs[rid], [], 0, 1, 0, 0, 0, no_blocks)
         [batch] = m._ops
         assert isinstance(batch, AllocateBatchOp)
         r = batch.rows
         return [(rid, r[ROW_WIDTH * j + 7], r[ROW_WIDTH * j + 1]) for j, rid in enumerate(batch.request_ids)]
 
-    assert record(["a", "b", "c"]) == [("a", 8, 1), ("b", 8, 1), ("c", 8, 1)]
-    assert record(["c", "b", "a"]) == [("a", 8, 0), ("b", 8, 0), ("c", 8, 1), ("b", 0, 1), ("a", 0, 1)]
+    caches = ["c:a", "c:b", "c:c"]
+    assert record(caches + ["a", "b", "c"]) == [("a", 8, 1), ("b", 8, 1), ("c", 8, 1)]
+    assert record(caches + ["c", "b", "a"]) == [("a", 8, 0), ("b", 8, 0), ("c", 8, 1), ("b", 0, 1), ("a", 0, 1)]
+    # A request's second cache call: the allocation joins the latest one, the first stays a row of its own.
+    assert record(["c:a", "c:b", "c:a", "a", "b"]) == [("a", 8, 0), ("b", 8, 0), ("a", 8, 1), ("b", 0, 1)]
 
 
 def test_the_pipeline_setting(monkeypatch):
