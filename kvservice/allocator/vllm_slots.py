@@ -98,7 +98,7 @@ class VllmSlots:
                         scheduled.append(num_new)
                         continue
                     r = self._allocate(pool, key, req, request_id, num_computed, num_new, lookahead, delay, False, 0,
-                                       bool(flags & HAS_SCHEDULED_REQS), None)
+                                       bool(flags & HAS_SCHEDULED_REQS), None, shortcut=False)
                 else:
                     r = None
             else:
@@ -186,10 +186,12 @@ class VllmSlots:
 
     def _allocate(self, pool: Pool, key: str, req: Request, request_id: str, num_computed: int, num_new: int,
                   lookahead: int, delay: bool, full_sequence_must_fit: bool, reserved_blocks: int,
-                  has_scheduled_reqs: bool, hit: Hit | None, waiting: bool = False) -> OpResult:
-        """The core's allocate_slots for the op (its request's counters set), as an OpResult."""
+                  has_scheduled_reqs: bool, hit: Hit | None, waiting: bool = False,
+                  shortcut: bool = True) -> OpResult:
+        """The core's allocate_slots for the op (its request's counters set), as an OpResult; `shortcut`: try
+        `_takes_no_block` first (False: the caller did)."""
         manager = pool.manager
-        if hit is None and not (waiting or full_sequence_must_fit or reserved_blocks):
+        if shortcut and hit is None and not (waiting or full_sequence_must_fit or reserved_blocks):
             m = _decode_manager(manager)
             if m is not None and _takes_no_block(manager, m, key, req, num_computed, num_new, lookahead, delay):
                 return OpResult(request_id, OpStatus.OK, "", ([],), num_computed, num_new, req.num_tokens)
