@@ -20,14 +20,12 @@ checks before the step's output leaves.
 from __future__ import annotations
 
 import logging
-import threading
-from array import array
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.request import RequestStatus
 
+from kvservice.integrations.vllm.expected import Expected, InFlight, PoolDiverged, Rows, check_step
 from kvservice.ops import (
     DELAY_CACHE_BLOCKS,
     FULL_SEQUENCE_MUST_FIT,
@@ -35,59 +33,19 @@ from kvservice.ops import (
     ROW_WIDTH,
     WAITING,
     AddRequestOp,
-    AllocateBatchOp,
     AllocateOp,
     FreeOp,
     Op,
-    OpResult,
     OpStatus,
     ResetPrefixCacheOp,
     StepResult,
 )
 
+__all__ = ["Expected", "InFlight", "PoolDiverged", "RemoteKVCacheManager", "Rows"]
+
 _WAITING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 _NOTHING: tuple[list[bytes], int] = ([], 0)  # no new hashes, no new tokens (never appended to)
 logger = logging.getLogger("kvservice.integrations.vllm")
-
-
-class PoolDiverged(RuntimeError):
-    """The allocator's pool answered differently from the scheduler's replica of it."""
-
-
-@dataclass(slots=True)
-class Expected:
-    """What the replica answered for one op: OK with these block ids (None: unchecked), or NO_SPACE."""
-
-    status: OpStatus = OpStatus.OK
-    block_ids: tuple[list[int], ...] | None = None
-
-
-@dataclass(slots=True)
-class Rows:
-    """An AllocateBatchOp being recorded, with the replica's answers: the new block ids of the rows that took
-    blocks, and the rows it refused (NO_SPACE); every other row is OK with no new blocks."""
-
-    op: AllocateBatchOp = field(default_factory=lambda: AllocateBatchOp([], array("I"), []))
-    blocks: dict[int, tuple[list[int], ...]] = field(default_factory=dict)
-    no_space: set[int] = field(default_factory=set)
-
-    def answer(self, row: int, new) -> None:
-        """The replica's allocate_slots result for `row` (None: refused)."""
-        if new is None:
-            self.no_space.add(row)
-        elif any(new.blocks):
-            self.blocks[row] = new.get_block_ids()
-
-
-@dataclass(slots=True)
-class InFlight:
-    """A sent Step: its reply (a future) and what the replica expects of it."""
-
-    future: Future
-    ops: list[Op]
-    expected: list[Expected | Rows]
-    num_free_blocks: int
-    started: threading.Event = field(default_factory=threading.Event)
 
 
 class RemoteKVCacheManager(KVCacheManager):
@@ -191,23 +149,9 @@ class RemoteKVCacheManager(KVCacheManager):
         self._last_barrier = self._position
 
     def _cache_row(self, request, hashes: list[bytes], num_append: int, flags: int, cache_tokens: int) -> None:
-        """Records a cache_blocks call as a row (no barrier: an allocation after it may still fold into it).
-        `_row`, inline: once per running request and step."""
-        rows = self._rows
-        if rows is None:
-            rows = self._rows = Rows()
-            self._ops.append(rows.op)
-            self._expected.append(rows)
-        op = rows.op
-        ids = op.request_ids
-        request_id = request.request_id
-        self._position = position = self._position + 1
-        self._cache_rows[request_id] = (rows, len(ids), position)
-        ids.append(request_id)
-        op.rows.extend((request.num_computed_tokens, 0, 0, num_append, len(hashes), request.num_output_placeholders,
-                        request.num_in_flight_tokens, cache_tokens, 0, flags))
-        if hashes:
-            op.append_block_hashes.extend(hashes)
+        """Records a cache_blocks call as a row (no barrier: an allocation after it may still fold into it)."""
+        rows, i = self._row(request, hashes, num_append, 0, 0, 0, flags, cache_tokens)
+        self._cache_rows[request.request_id] = (rows, i, self._position)
 
     # ---- vLLM's KVCacheManager, answered by the replica, recorded for the pool ----------------------
     def allocate_slots(self, request, num_new_tokens: int, num_new_computed_tokens: int = 0,
@@ -341,7 +285,7 @@ class RemoteKVCacheManager(KVCacheManager):
         sent.started.set()
         result = self.client.step(self.pool_id, sent.ops)
         try:
-            self._check(sent, result)
+            check_step(self.pool_id, sent, result, self.num_kv_cache_groups)
         except PoolDiverged as exc:
             logger.error("%s", exc)
             raise
@@ -350,61 +294,3 @@ class RemoteKVCacheManager(KVCacheManager):
             raise PoolDiverged(f"pool {self.pool_id!r} answered a Step the scheduler cannot read ({exc!r}); "
                                f"restart the engine (a new pool epoch)") from exc
         return result
-
-    def _check(self, sent: InFlight, result: StepResult) -> None:
-        ops = sent.ops
-        if len(result.results) != len(ops):
-            raise PoolDiverged(f"pool {self.pool_id!r} answered {len(result.results)} results for {len(ops)} ops")
-        n = self.num_kv_cache_groups
-        for i, (op, want, got) in enumerate(zip(ops, sent.expected, result.results)):
-            if isinstance(want, Rows):
-                _check_rows(self.pool_id, i, want, got, n)
-            elif got.status != want.status or (want.block_ids is not None
-                                               and _ids(got.new_block_ids, n) != _ids(want.block_ids, n)):
-                what = f"{type(op).__name__} for {getattr(op, 'request_id', '')!r}"
-                raise PoolDiverged(
-                    f"pool {self.pool_id!r} answered op {i} ({what}) with {got.status.name} {got.new_block_ids} "
-                    f"{got.message!r}; the scheduler's replica with {want.status.name} {want.block_ids}. Another "
-                    f"client changed this pool, or the allocator lost state: restart the engine (a new pool epoch)")
-        if result.num_free_blocks != sent.num_free_blocks:
-            raise PoolDiverged(f"pool {self.pool_id!r} has {result.num_free_blocks} free blocks after the step, the "
-                               f"scheduler's replica {sent.num_free_blocks}; restart the engine (a new pool epoch)")
-
-
-def _check_rows(pool_id: str, index: int, want: Rows, got: OpResult, num_groups: int) -> None:
-    """An AllocateBatchOp's packed outcome against the replica's: compared whole (in C), row by row only to
-    name the first difference."""
-    batch, request_ids = got.batch, want.op.request_ids
-    n = len(request_ids)
-    statuses = bytearray(n)
-    for row in want.no_space:
-        statuses[row] = OpStatus.NO_SPACE
-    counts = array("I", bytes(4 * n * num_groups))
-    ids = array("I")
-    for row in sorted(want.blocks):
-        for g, table in enumerate(want.blocks[row]):
-            counts[row * num_groups + g] = len(table)
-            ids.extend(table)
-    if (got.status == OpStatus.OK and batch is not None and batch.statuses == statuses
-            and batch.num_new_blocks == counts and batch.new_block_ids == ids):
-        return
-    if got.status != OpStatus.OK or batch is None or len(batch.statuses) != n:
-        raise PoolDiverged(f"pool {pool_id!r} answered op {index} (AllocateBatchOp of {n} rows) with "
-                           f"{got.status.name} {got.message!r} and {len(batch.statuses) if batch else 'no'} rows")
-    tables, failures = batch.block_ids(), iter(batch.failures)
-    for row, rid in enumerate(request_ids):
-        status, want_status = batch.status(row), OpStatus(statuses[row])
-        failure = next(failures, None) if status else None
-        message = failure.message if failure is not None else ""
-        blocks = want.blocks.get(row)
-        if status != want_status or _ids(tables[row], num_groups) != _ids(blocks, num_groups):
-            raise PoolDiverged(f"pool {pool_id!r} answered op {index} row {row} (allocation for {rid!r}) with "
-                               f"{status.name} {tables[row]} {message!r}; the scheduler's replica with "
-                               f"{want_status.name} {blocks}. Another client changed this pool, or the allocator "
-                               f"lost state: restart the engine (a new pool epoch)")
-    raise PoolDiverged(f"pool {pool_id!r} answered op {index} (AllocateBatchOp) differently from the replica")
-
-
-def _ids(groups, num_groups: int) -> tuple[tuple[int, ...], ...]:
-    """Block ids per group; no groups at all means every group empty (the wire leaves them out)."""
-    return tuple(tuple(g) for g in groups) if groups else ((),) * num_groups
