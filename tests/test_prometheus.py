@@ -27,8 +27,25 @@ def query(port: int, expr: str) -> list:
     return reply["data"]["result"]
 
 
+def wait_ready(prom: subprocess.Popen, port: int, log) -> None:
+    """Prometheus takes a while to open its TSDB and listen (seconds on a busy machine): wait for /-/ready."""
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if prom.poll() is not None:
+            pytest.fail(f"Prometheus exited with {prom.returncode}; its log:\n{log.read_text()}")
+        try:
+            if urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=5).status == 200:
+                return
+        except OSError:  # not listening yet, or 503 while it starts
+            pass
+        time.sleep(0.2)
+    pytest.fail(f"Prometheus was not ready after 90 s; its log:\n{log.read_text()}")
+
+
 def test_a_real_prometheus_scrapes_and_queries_the_metrics(tmp_path):
-    metrics_port, prom_port = free_port(), free_port()
+    metrics_port = prom_port = free_port()
+    while prom_port == metrics_port:
+        prom_port = free_port()
     server = start_server("--metrics-port", str(metrics_port), "--quota", "acme=100", log_dir=tmp_path)
     (tmp_path / "prometheus.yml").write_text(
         f"global: {{scrape_interval: 1s, evaluation_interval: 1s}}\n"
@@ -37,6 +54,7 @@ def test_a_real_prometheus_scrapes_and_queries_the_metrics(tmp_path):
                              f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "w"))
     try:
+        wait_ready(prom, prom_port, tmp_path / "prometheus.log")
         c = server.client()
         c.register_pool("prom", small_config(9, 16), max_model_len=512)  # 8 blocks: evictions come fast
         exposition = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read()
