@@ -198,6 +198,23 @@ class Outcome:
     remote_s: list[float] = field(default_factory=list)
 
 
+def check_pool(scheduler, where: str) -> None:
+    """The pool equals the scheduler's replica once its Steps are in: the free and the cached blocks, and
+    each live request's block table (its token count may lag: calls that changed no block are not sent)."""
+    m = scheduler.kv_cache_manager
+    m.flush()  # what update_from_output recorded since the last schedule()
+    m.wait()
+    client, pool_id = scheduler.kvservice_client, m.pool_id
+    stats = client.get_stats(check_invariants=True).pools[pool_id]
+    assert not stats.invariant_violation, f"{where}: {stats.invariant_violation}"
+    replica = (m.block_pool.get_num_free_blocks(), len(m.block_pool.cached_block_hash_to_block))
+    assert (stats.num_free_blocks, stats.num_cached_blocks) == replica, (where, stats)
+    for request_id in m.coordinator.single_type_managers[0].req_to_blocks:
+        info = client.get_request(pool_id, request_id)
+        assert info.block_ids == m.get_block_ids(request_id), f"{where}: request {request_id!r}"
+        assert info.num_tokens <= scheduler.requests[request_id].num_tokens, f"{where}: request {request_id!r}"
+
+
 def run_pair(workload: Workload, mode: Mode, config: VllmConfig, address: str, pool_id: str) -> Outcome:
     """Runs the stock and the kvservice-backed scheduler through `workload`; raises AssertionError naming
     the step and the difference at the first divergence."""
@@ -221,6 +238,8 @@ def run_pair(workload: Workload, mode: Mode, config: VllmConfig, address: str, p
                 remote.abort(workload.aborts[step])
             a, b = stock.schedule(), remote.schedule()
             assert a == b, f"{mode.name}, seed {workload.seed}, step {step}: stock {a} != kvservice {b}"
+            if step % 10 == 9:
+                check_pool(remote.scheduler, f"{mode.name}, seed {workload.seed}, step {step}")
             outcome.steps += 1
             outcome.preemptions += len(a[4])
             outcome.hits += sum(1 for _, _, computed in a[1] if computed)
@@ -231,6 +250,7 @@ def run_pair(workload: Workload, mode: Mode, config: VllmConfig, address: str, p
             if not stock.scheduler.requests and step >= max(workload.arrivals, default=0):
                 break
         outcome.rpcs = remote.scheduler.kv_cache_manager.num_rpcs
+        check_pool(remote.scheduler, f"{mode.name}, seed {workload.seed}, the end")
         outcome.stock_s, outcome.remote_s = stock.step_s, remote.step_s
     finally:
         remote.scheduler.shutdown()

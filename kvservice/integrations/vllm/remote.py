@@ -6,7 +6,10 @@ vLLM's own KVCacheManager, which it subclasses. Every call the scheduler makes i
 at once — hits, fits, block ids — and recorded as the op the pool takes for it: AddRequestOp with the
 request's own block hashes, an admission's AllocateOp, FreeOp, ResetPrefixCacheOp, and every other
 allocation (running requests, their `cache_blocks`) as a row of an AllocateBatchOp (one packed op for the
-step's runs of them).
+step's runs of them). A running request's call that left the replica's blocks as they were — no block
+allocated or freed, none cached: in steady decode, all but about one in `block_size` — is not sent at all;
+the tokens it covered travel with the request's next row (the pool's token count for a request may lag by
+less than a block; its blocks, cached blocks and free blocks never do).
 
 `flush()` sends the ops of one scheduler step as one Step RPC. Its reply is checked against what the
 replica answered: the same outcome per op and row, the same block ids, the same free-block count. A
@@ -73,6 +76,12 @@ class RemoteKVCacheManager(KVCacheManager):
         self._cache_rows: dict[str, tuple[Rows, int, int]] = {}
         self._position = 0
         self._last_barrier = 0
+        # Eliding: a running request's call that leaves the replica's blocks as they were (no block allocated
+        # or freed, none cached) is not sent; its tokens travel with the request's next row. With one KV cache
+        # group, what the call cached shows in that group's per-request count of cached blocks.
+        managers = self.coordinator.single_type_managers
+        self._num_cached: dict[str, int] | None = managers[0].num_cached_block if len(managers) == 1 else None
+        self._free_queue = self.block_pool.free_block_queue
 
     # ---- recording -----------------------------------------------------------------------------
     def _sync(self, request) -> tuple[list[bytes], int]:
@@ -162,15 +171,15 @@ class RemoteKVCacheManager(KVCacheManager):
         if num_external_computed_tokens or num_encoder_tokens:
             raise NotImplementedError("kvservice: external (connector) and encoder tokens are refused at start-up")
         waiting = request.status in _WAITING
-        if self._known.get(request.request_id) == request.num_tokens:  # _sync's common case, inline
-            hashes, num_append = _NOTHING
-        else:
-            hashes, num_append = self._sync(request)
+        counts = self._num_cached
         if num_new_computed_tokens > 0:  # an admission with a hit: its own op (the pool checks the hit)
+            hashes, num_append = self._sync(request)
             op = AllocateOp(request.request_id, request.num_computed_tokens, num_new_tokens, None, hashes or None,
                             num_append, num_lookahead_tokens, delay_cache_blocks, False, None,
                             request.num_output_placeholders, request.num_in_flight_tokens, waiting, True,
                             num_new_computed_tokens, full_sequence_must_fit, reserved_blocks, has_scheduled_reqs)
+        elif counts is not None and not waiting:
+            cached, free = counts.get(request.request_id, 0), self._free_queue.num_free_blocks
         try:
             new = super().allocate_slots(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
                                          num_lookahead_tokens, 0, delay_cache_blocks, 0, full_sequence_must_fit,
@@ -181,7 +190,11 @@ class RemoteKVCacheManager(KVCacheManager):
         if num_new_computed_tokens > 0:  # an admission's reply is its whole table
             self._record(op, Expected(OpStatus.NO_SPACE) if new is None
                          else Expected(OpStatus.OK, self.get_block_ids(request.request_id)))
-        else:  # row_flags, inline
+        else:
+            if (counts is not None and not waiting and new is self.empty_kv_cache_blocks
+                    and self._free_queue.num_free_blocks == free and counts.get(request.request_id, 0) == cached):
+                return new  # elided: nothing changed
+            hashes, num_append = self._sync(request)
             self._allocation_row(request, hashes, num_append, num_new_tokens, num_lookahead_tokens, reserved_blocks,
                                  waiting | DELAY_CACHE_BLOCKS * delay_cache_blocks
                                  | FULL_SEQUENCE_MUST_FIT * full_sequence_must_fit
@@ -189,7 +202,14 @@ class RemoteKVCacheManager(KVCacheManager):
         return new
 
     def cache_blocks(self, request, num_computed_tokens: int) -> None:
-        super().cache_blocks(request, num_computed_tokens)
+        counts = self._num_cached
+        if counts is not None:
+            cached = counts.get(request.request_id, 0)
+            super().cache_blocks(request, num_computed_tokens)
+            if counts.get(request.request_id, 0) == cached:
+                return  # elided: nothing cached
+        else:
+            super().cache_blocks(request, num_computed_tokens)
         if self.enable_caching and num_computed_tokens > 0:
             hashes, num_append = self._sync(request)
             self._cache_row(request, hashes, num_append, WAITING if request.status in _WAITING else 0,
