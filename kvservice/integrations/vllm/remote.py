@@ -25,7 +25,9 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
 from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.request import RequestStatus
 
 from kvservice.integrations.vllm.expected import Expected, InFlight, PoolDiverged, Rows, check_step
@@ -82,6 +84,14 @@ class RemoteKVCacheManager(KVCacheManager):
         managers = self.coordinator.single_type_managers
         self._num_cached: dict[str, int] | None = managers[0].num_cached_block if len(managers) == 1 else None
         self._free_queue = self.block_pool.free_block_queue
+        # One plain full-attention group: vLLM's cache_blocks does nothing unless the request has a full,
+        # hashed, uncached block below its cacheable tokens, and that is checked here first (parity-tested).
+        first = managers[0]
+        plain = (len(managers) == 1 and type(self.coordinator) is UnitaryKVCacheCoordinator
+                 and type(first) is FullAttentionManager and self.enable_caching and first.enable_caching
+                 and first.kv_cache_spec.prefix_cacheable)
+        self._plain_cache = ((first.block_size, first.block_pool.hash_block_size,
+                              self.coordinator.num_reprefillable_tokens) if plain else None)
 
     # ---- recording -----------------------------------------------------------------------------
     def _sync(self, request) -> tuple[list[bytes], int]:
@@ -205,6 +215,12 @@ class RemoteKVCacheManager(KVCacheManager):
         counts = self._num_cached
         if counts is not None:
             cached = counts.get(request.request_id, 0)
+            plain = self._plain_cache
+            if plain is not None:  # vLLM's own early return, without its calls down to the group's manager
+                block_size, hash_block_size, reprefillable = plain
+                if cached >= min(num_computed_tokens - reprefillable,
+                                 len(request.block_hashes) * hash_block_size) // block_size:
+                    return
             super().cache_blocks(request, num_computed_tokens)
             if counts.get(request.request_id, 0) == cached:
                 return  # elided: nothing cached
