@@ -193,6 +193,34 @@ def test_folding_keeps_every_allocation_in_the_schedulers_order():
     assert record(["c:a", "c:b", "c:a", "a", "b"]) == [("a", 8, 0), ("b", 8, 0), ("a", 8, 1), ("b", 0, 1)]
 
 
+def test_steady_decode_sends_only_the_calls_that_change_blocks(server, model_dir):
+    """16 decoding requests of staggered lengths: each step one of them fills a block, and only its calls
+    travel (a row or two per Step, not 32); the pool still equals the replica, block for block."""
+    from kvservice.ops import AllocateBatchOp
+
+    config = h.make_vllm_config(model_dir, h.DEFAULT)
+    workload = h.Workload(seed=3, num_blocks=400, max_num_batched_tokens=2048, max_num_seqs=16, watermark=0.0,
+                          num_steps=0)
+    config.cache_config.num_gpu_blocks = workload.num_blocks
+    config.additional_config = {"kvservice": {"address": server.target, "pool_id": "steady"}}
+    side = h.Side(h.AsyncScheduler, config, workload)
+    for i in range(16):
+        side.add(f"r{i}", list(range(3, 35 + i)), 10_000)
+    client = side.scheduler.kvservice_client
+    steps, inner = [], client.step
+    client.step = lambda pool_id, ops: steps.append(ops) or inner(pool_id, ops)
+    for step in range(60):
+        side.schedule()
+        if len(side.pending) >= 2:
+            side.update()
+        if step == 19:  # every request decodes from here on
+            steps.clear()
+    rows = [sum(len(op.request_ids) if isinstance(op, AllocateBatchOp) else 1 for op in ops) for ops in steps]
+    assert len(steps) <= 40 and max(rows) <= 2 and sum(rows) >= 30, rows
+    h.check_pool(side.scheduler, "steady decode")
+    side.scheduler.shutdown()
+
+
 def test_the_pipeline_setting(monkeypatch):
     from types import SimpleNamespace
 
