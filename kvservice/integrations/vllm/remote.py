@@ -194,7 +194,7 @@ class RemoteKVCacheManager(KVCacheManager):
             new = super().allocate_slots(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
                                          num_lookahead_tokens, 0, delay_cache_blocks, 0, full_sequence_must_fit,
                                          reserved_blocks, has_scheduled_reqs, skip_zeroing_group_ids)
-        except BaseException as exc:  # the hashes _sync took are not recorded: the pool would fall behind
+        except BaseException as exc:  # the replica may have changed, the pool hears nothing: it would fall behind
             self._failed = f"allocate_slots raised {exc!r}"
             raise
         if num_new_computed_tokens > 0:  # an admission's reply is its whole table
