@@ -6,10 +6,10 @@ vLLM's own KVCacheManager, which it subclasses. Every call the scheduler makes i
 at once — hits, fits, block ids — and recorded as the op the pool takes for it: AddRequestOp with the
 request's own block hashes, an admission's AllocateOp, FreeOp, ResetPrefixCacheOp, and every other
 allocation (running requests, their `cache_blocks`) as a row of an AllocateBatchOp (one packed op for the
-step's runs of them). A running request's call that left the replica's blocks as they were — no block
-allocated or freed, none cached: in steady decode, all but about one in `block_size` — is not sent at all;
-the tokens it covered travel with the request's next row (the pool's token count for a request may lag by
-less than a block; its blocks, cached blocks and free blocks never do).
+step's runs of them). With one full-attention group, a running request's call that left the replica's
+blocks as they were — no block allocated or freed, none cached: in steady decode, all but about one in
+`block_size` — is not sent at all; the tokens it covered travel with the request's next row (the pool's
+token count for a request may lag by up to a block; its blocks, cached blocks and free blocks never do).
 
 `flush()` sends the ops of one scheduler step as one Step RPC. Its reply is checked against what the
 replica answered: the same outcome per op and row, the same block ids, the same free-block count. A
@@ -79,17 +79,20 @@ class RemoteKVCacheManager(KVCacheManager):
         self._position = 0
         self._last_barrier = 0
         # Eliding: a running request's call that leaves the replica's blocks as they were (no block allocated
-        # or freed, none cached) is not sent; its tokens travel with the request's next row. With one KV cache
-        # group, what the call cached shows in that group's per-request count of cached blocks.
+        # or freed, none cached) is not sent; its tokens travel with the request's next row. Only with one
+        # full-attention group: what a call cached shows in its per-request count of cached blocks, and it
+        # never drops blocks (a sliding window's skipped block may only lose a reference, which neither the
+        # free count nor the new blocks show).
         managers = self.coordinator.single_type_managers
-        self._num_cached: dict[str, int] | None = managers[0].num_cached_block if len(managers) == 1 else None
-        self._free_queue = self.block_pool.free_block_queue
-        # One plain full-attention group: vLLM's cache_blocks does nothing unless the request has a full,
-        # hashed, uncached block below its cacheable tokens, and that is checked here first (parity-tested).
         first = managers[0]
-        plain = (len(managers) == 1 and type(self.coordinator) is UnitaryKVCacheCoordinator
-                 and type(first) is FullAttentionManager and self.enable_caching and first.enable_caching
-                 and first.kv_cache_spec.prefix_cacheable)
+        full = len(managers) == 1 and type(first) is FullAttentionManager
+        self._num_cached: dict[str, int] | None = first.num_cached_block if full else None
+        self._free_queue = self.block_pool.free_block_queue
+        # And vLLM's cache_blocks does nothing unless the request has a full, hashed, uncached block below its
+        # cacheable tokens: with caching on, that is checked here first (parity-tested).
+        plain = (full and type(self.coordinator) is UnitaryKVCacheCoordinator and self.enable_caching
+                 and first.enable_caching and first.kv_cache_spec.prefix_cacheable
+                 and first.block_size == first.block_pool.hash_block_size)
         self._plain_cache = ((first.block_size, first.block_pool.hash_block_size,
                               self.coordinator.num_reprefillable_tokens) if plain else None)
 
