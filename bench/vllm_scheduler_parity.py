@@ -1,6 +1,7 @@
 """Parity of vLLM 0.33.0's scheduler on kvservice with the stock one: >= 200 random workloads in each of
-vLLM's default configuration (async scheduling, the full-sequence gate), async scheduling off, and the gate
-off; every step's SchedulerOutput and the prefix-cache stats identical (tests/vllm/scheduler_harness.py;
+vLLM's default configuration (async scheduling, the full-sequence gate), async scheduling off, the gate
+off, and a sliding-window group (window 40) with async scheduling on and off; every step's SchedulerOutput
+and the prefix-cache stats identical, and the pool equal to the replica (tests/vllm/scheduler_harness.py;
 the smaller version is tests/vllm/test_vllm_scheduler.py in make test-vllm).
 
 Runs in the project's vLLM environment:
