@@ -1,7 +1,8 @@
 """vLLM 0.33.0's own schedulers allocating from a real `kvservice serve` (kvservice.integrations.vllm.Scheduler
 and AsyncScheduler): step-for-step the same SchedulerOutputs as the stock schedulers on random workloads in
 vLLM's default configuration, with async scheduling and the full-sequence gate each off, and with a
-sliding-window group (the smaller version of bench/vllm_scheduler_parity.py); at most one Step RPC per scheduler step; vLLM's own KV events;
+sliding-window group (the smaller version of bench/vllm_scheduler_parity.py); at most one Step RPC per
+scheduler step, and in steady decode only the calls that change blocks; vLLM's own KV events;
 `scheduler_cls` resolves them; unsupported settings refused at start-up; a pool changed behind the
 scheduler's back is caught (pipelined: by the next schedule()), and the pipeline setting.
 
