@@ -112,7 +112,7 @@ class ServerSettings:
     shard_id: str = flag("", "--shard", "serve as shard ID of a sharded allocator: pools are spread over the "
                          "shards by a map in Redis (needs --redis-url, the same for every shard)", group="sharding")
     advertise: str = flag("", "--advertise", "HOST:PORT clients reach this shard at, written to the shard map "
-                          "(default: --host and the bound port)", group="sharding")
+                          "(default: --host and the bound port; a PORT of 0: the bound port)", group="sharding")
     standby: bool = flag(False, "--standby", "serve as the hot standby of the allocator (or --shard) in this "
                          "Redis: follow its WAL, answer nothing but GetShardMap, take over when its lease lapses "
                          "(needs --redis-url)", group="sharding", action="store_true")

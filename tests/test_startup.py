@@ -1,5 +1,6 @@
 """What `kvservice serve` refuses before it starts anything (issue 13, points 3, 8, 12), on real processes:
-one allocator per data dir, a port in use, auth beyond loopback, and its help text."""
+one allocator per data dir, a port in use, auth beyond loopback, and its help text; and the address a shard
+advertises."""
 
 import os
 import shutil
@@ -157,3 +158,15 @@ def test_every_subcommand_names_itself_in_its_help(command):
     out = subprocess.run([sys.executable, "-m", "kvservice.cli", command, "--help"], capture_output=True, text=True,
                          timeout=120, cwd=REPO)
     assert out.returncode == 0 and out.stdout.startswith(f"usage: kvservice {command}"), out.stdout[:200]
+
+
+def test_a_shard_advertises_its_bound_port_when_told_port_0():
+    """`--advertise HOST:0` is HOST and the port the server bound (`--port 0`: no port picked beforehand,
+    which another process could take first); no --advertise: --host and the bound port."""
+    from kvservice.server.app import advertised_address
+    from kvservice.settings import ServerSettings
+
+    assert advertised_address(ServerSettings(advertise="10.0.0.7:0"), 41234) == "10.0.0.7:41234"
+    assert advertised_address(ServerSettings(advertise="[::1]:0"), 41234) == "[::1]:41234"
+    assert advertised_address(ServerSettings(advertise="shard-0.svc:50051"), 41234) == "shard-0.svc:50051"
+    assert advertised_address(ServerSettings(host="127.0.0.1"), 41234) == "127.0.0.1:41234"

@@ -275,8 +275,7 @@ async def _serve_standby(config: ServerSettings, ready_line: bool) -> int:
         await server.set_serving(True)
         await server.start_external()  # the old leader's external pools (and --vllm-events): subscribe now
         if server.servicer.sharding is not None:
-            await server.servicer.sharding.announce(config.advertise or f"{advertised_host(config.host)}:{port}",
-                                                    epoch)
+            await server.servicer.sharding.announce(advertised_address(config, port), epoch)
         logger.warning("took over as leader epoch %d, %.3f s after the lease lapsed (%d WAL entries followed)",
                        epoch, time.monotonic() - started, follower.applied)
         await server.stopped.wait()
@@ -284,6 +283,15 @@ async def _serve_standby(config: ServerSettings, ready_line: bool) -> int:
         await server.stop()
         await store.close()
     return server.exit_code
+
+
+def advertised_address(config: ServerSettings, port: int) -> str:
+    """Where clients reach this shard: --advertise (a port of 0 there: the bound one), else --host's address
+    and the bound port."""
+    if not config.advertise:
+        return f"{advertised_host(config.host)}:{port}"
+    host, _, advertised_port = config.advertise.rpartition(":")
+    return f"{host}:{port}" if advertised_port == "0" else config.advertise
 
 
 def advertised_host(host: str) -> str:
@@ -348,8 +356,7 @@ async def _serve(config: ServerSettings, ready_line: bool) -> int:
         port = await server.start()
         server.journal.start()
         if server.servicer.sharding is not None:
-            await server.servicer.sharding.announce(config.advertise or f"{advertised_host(config.host)}:{port}",
-                                                    server.journal.leader_epoch)
+            await server.servicer.sharding.announce(advertised_address(config, port), server.journal.leader_epoch)
         await server.start_external()
         if ready_line:
             print(f"{READY_PREFIX}{config.host}:{port}", flush=True)

@@ -52,10 +52,9 @@ class AllocatorActor:
         host = args[args.index("--host") + 1] if "--host" in args else "127.0.0.1"
         # Bound to every interface: the node's address reaches it from every node; else the bound one.
         self.ip = ray.util.get_node_ip_address() if host in ("0.0.0.0", "::", "[::]") else host
-        if advertise:
-            port = free_port()
-            args[args.index("--port") + 1] = str(port)
-            args += ["--advertise", f"{self.ip}:{port}"]
+        if advertise:  # the port it binds (a port picked here could be taken before the server binds it)
+            args[args.index("--port") + 1] = "0"
+            args += ["--advertise", f"{self.ip}:0"]
             if ray.get_runtime_context().was_current_actor_reconstructed and "--standby" not in args:
                 args.append("--standby")
         if "--data-dir" in args:
