@@ -21,7 +21,7 @@ def cluster_available() -> bool:
 class ClusterNode(RedisServer):
     """One master: Debian's redis-server with cluster mode on (its nodes.conf in its data dir)."""
 
-    max_port = 55535  # its cluster bus listens on port + 10000
+    max_port = 22767  # its cluster bus listens on port + 10000: both below the ephemeral ports
 
     def __init__(self, tmp_dir: Path) -> None:
         super().__init__(tmp_dir, executable=debian_redis())

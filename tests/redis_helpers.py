@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import random
 import shutil
 import socket
 import subprocess
@@ -26,9 +27,27 @@ def debian_redis() -> str | None:
     return shutil.which("redis-server")
 
 
+def _ephemeral_floor() -> int:
+    """Where the kernel's ephemeral ports start (the local ports of outgoing connections)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(max_port: int = 65535) -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago, at most `max_port` (a Redis Cluster node's bus port
-    is its port + 10000: at most 55535 for one)."""
+    is its port + 10000). Drawn below the kernel's ephemeral range where it can: a port the kernel hands
+    out (bind to 0) can go to an outgoing connection before the server that was to listen there binds it."""
+    high = min(max_port, _ephemeral_floor() - 1)
+    for _ in range(200 if high >= 20000 else 0):
+        port = random.randint(20000, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
     for _ in range(1000):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", 0))

@@ -1,7 +1,6 @@
 """Leases, the event stream (order, resume, retention) and Prometheus metrics on a real server."""
 
 import re
-import socket
 import threading
 import time
 import urllib.request
@@ -10,13 +9,8 @@ import pytest
 
 from kvservice.errors import NotFound, OutOfRange
 from kvservice.ops import AddRequestOp, AllocateOp, DecodeBatchOp
+from tests.redis_helpers import free_port
 from tests.service_helpers import small_config, start_server
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
