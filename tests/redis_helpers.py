@@ -35,6 +35,9 @@ def _ephemeral_floor() -> int:
         return 32768
 
 
+_GIVEN: set[int] = set()  # ports this process handed out already
+
+
 def free_port(max_port: int = 65535) -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago, at most `max_port` (a Redis Cluster node's bus port
     is its port + 10000). Drawn below the kernel's ephemeral range where it can: a port the kernel hands
@@ -42,6 +45,9 @@ def free_port(max_port: int = 65535) -> int:
     high = min(max_port, _ephemeral_floor() - 1)
     for _ in range(200 if high >= 20000 else 0):
         port = random.randint(20000, high)
+        if port in _GIVEN:  # two picks in a row are for two servers
+            continue
+        _GIVEN.add(port)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("127.0.0.1", port))
