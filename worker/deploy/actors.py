@@ -32,9 +32,10 @@ class AllocatorActor:
 
     def __init__(self, serve_args: list[str], timeout_s: float = 120.0, advertise: bool = False,
                  token: str | None = None, data_subdir: str = "") -> None:
-        """`advertise`: a shard (or a standby): it listens on a port picked here and writes this node's
-        address into the shard map. After Ray restarted the actor (its server died) it comes back as a
-        standby: the standby that took over meanwhile leads, and must not be fenced by the restart.
+        """`advertise`: a shard (or a standby): it listens on the port its server binds and writes this
+        node's address and that port into the shard map. After Ray restarted the actor (its server died) it
+        comes back as a standby: the standby that took over meanwhile leads, and must not be fenced by the
+        restart.
         `token`: the deployment's one token (every shard takes the same), written into a token file here.
         `data_subdir`: this server's own directory under --data-dir (several may share a node)."""
         import ray
@@ -52,6 +53,8 @@ class AllocatorActor:
         host = args[args.index("--host") + 1] if "--host" in args else "127.0.0.1"
         # Bound to every interface: the node's address reaches it from every node; else the bound one.
         self.ip = ray.util.get_node_ip_address() if host in ("0.0.0.0", "::", "[::]") else host
+        if ":" in self.ip and not self.ip.startswith("["):  # IPv6: [address]:port
+            self.ip = f"[{self.ip}]"
         if advertise:  # the port it binds (a port picked here could be taken before the server binds it)
             args[args.index("--port") + 1] = "0"
             args += ["--advertise", f"{self.ip}:0"]
