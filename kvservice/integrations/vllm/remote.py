@@ -32,9 +32,6 @@ from vllm.v1.request import RequestStatus
 
 from kvservice.integrations.vllm.expected import Expected, InFlight, PoolDiverged, Rows, check_step
 from kvservice.ops import (
-    DELAY_CACHE_BLOCKS,
-    FULL_SEQUENCE_MUST_FIT,
-    HAS_SCHEDULED_REQS,
     ROW_WIDTH,
     WAITING,
     AddRequestOp,
@@ -44,6 +41,7 @@ from kvservice.ops import (
     OpStatus,
     ResetPrefixCacheOp,
     StepResult,
+    row_flags,
 )
 
 __all__ = ["Expected", "InFlight", "PoolDiverged", "RemoteKVCacheManager", "Rows"]
@@ -92,9 +90,9 @@ class RemoteKVCacheManager(KVCacheManager):
         # cacheable tokens: with caching on, that is checked here first (parity-tested).
         plain = (full and type(self.coordinator) is UnitaryKVCacheCoordinator and self.enable_caching
                  and first.enable_caching and first.kv_cache_spec.prefix_cacheable
-                 and first.block_size == first.block_pool.hash_block_size)
-        self._plain_cache = ((first.block_size, first.block_pool.hash_block_size,
-                              self.coordinator.num_reprefillable_tokens) if plain else None)
+                 and first.block_size == hash_block_size)
+        self._plain_cache = ((first.block_size, hash_block_size, self.coordinator.num_reprefillable_tokens)
+                             if plain else None)
 
     # ---- recording -----------------------------------------------------------------------------
     def _sync(self, request) -> tuple[list[bytes], int]:
@@ -185,13 +183,14 @@ class RemoteKVCacheManager(KVCacheManager):
             raise NotImplementedError("kvservice: external (connector) and encoder tokens are refused at start-up")
         waiting = request.status in _WAITING
         counts = self._num_cached
+        elidable = counts is not None and not waiting and num_new_computed_tokens == 0
         if num_new_computed_tokens > 0:  # an admission with a hit: its own op (the pool checks the hit)
             hashes, num_append = self._sync(request)
             op = AllocateOp(request.request_id, request.num_computed_tokens, num_new_tokens, None, hashes or None,
                             num_append, num_lookahead_tokens, delay_cache_blocks, False, None,
                             request.num_output_placeholders, request.num_in_flight_tokens, waiting, True,
                             num_new_computed_tokens, full_sequence_must_fit, reserved_blocks, has_scheduled_reqs)
-        elif counts is not None and not waiting:
+        elif elidable:
             cached, free = counts.get(request.request_id, 0), self._free_queue.num_free_blocks
         try:
             new = super().allocate_slots(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
@@ -204,31 +203,26 @@ class RemoteKVCacheManager(KVCacheManager):
             self._record(op, Expected(OpStatus.NO_SPACE) if new is None
                          else Expected(OpStatus.OK, self.get_block_ids(request.request_id)))
         else:
-            if (counts is not None and not waiting and new is self.empty_kv_cache_blocks
-                    and self._free_queue.num_free_blocks == free and counts.get(request.request_id, 0) == cached):
+            if (elidable and new is self.empty_kv_cache_blocks and self._free_queue.num_free_blocks == free
+                    and counts.get(request.request_id, 0) == cached):
                 return new  # elided: nothing changed
             hashes, num_append = self._sync(request)
             self._allocation_row(request, hashes, num_append, num_new_tokens, num_lookahead_tokens, reserved_blocks,
-                                 waiting | DELAY_CACHE_BLOCKS * delay_cache_blocks
-                                 | FULL_SEQUENCE_MUST_FIT * full_sequence_must_fit
-                                 | HAS_SCHEDULED_REQS * has_scheduled_reqs, new)
+                                 row_flags(waiting, delay_cache_blocks, full_sequence_must_fit, has_scheduled_reqs),
+                                 new)
         return new
 
     def cache_blocks(self, request, num_computed_tokens: int) -> None:
-        counts = self._num_cached
-        if counts is not None:
-            cached = counts.get(request.request_id, 0)
-            plain = self._plain_cache
-            if plain is not None:  # vLLM's own early return, without its calls down to the group's manager
-                block_size, hash_block_size, reprefillable = plain
-                if cached >= min(num_computed_tokens - reprefillable,
-                                 len(request.block_hashes) * hash_block_size) // block_size:
-                    return
-            super().cache_blocks(request, num_computed_tokens)
-            if counts.get(request.request_id, 0) == cached:
-                return  # elided: nothing cached
-        else:
-            super().cache_blocks(request, num_computed_tokens)
+        counts, plain = self._num_cached, self._plain_cache
+        cached = counts.get(request.request_id, 0) if counts is not None else None
+        if plain is not None:  # vLLM's own early return, without its calls down to the group's manager
+            block_size, hash_block_size, reprefillable = plain
+            if cached >= min(num_computed_tokens - reprefillable,
+                             len(request.block_hashes) * hash_block_size) // block_size:
+                return
+        super().cache_blocks(request, num_computed_tokens)
+        if counts is not None and counts.get(request.request_id, 0) == cached:
+            return  # elided: nothing cached
         if self.enable_caching and num_computed_tokens > 0:
             hashes, num_append = self._sync(request)
             self._cache_row(request, hashes, num_append, WAITING if request.status in _WAITING else 0,
