@@ -53,21 +53,24 @@ def free_port(max_port: int = 65535, bus_offset: int = 0) -> int:
     too. Drawn below the kernel's ephemeral range where it can: a port the kernel hands out (bind to 0) can
     go to an outgoing connection before the server that was to listen there binds it."""
     high = min(max_port, _ephemeral_floor() - 1 - bus_offset)
-    for _ in range(200 if high >= 20000 else 0):
-        port = random.randint(20000, high)
-        if port in _GIVEN or port + bus_offset in _GIVEN:
-            continue
-        if _bindable(port) and (not bus_offset or _bindable(port + bus_offset)):
+    num_drawn = 200 if high >= 20000 else 0
+    for port in _candidates(high, num_drawn):
+        if (port <= max_port and port not in _GIVEN and port + bus_offset not in _GIVEN and _bindable(port)
+                and (not bus_offset or _bindable(port + bus_offset))):
             _GIVEN.update((port, port + bus_offset))
             return port
+    raise RuntimeError(f"no free port at most {max_port} in {num_drawn + 1000} tries")
+
+
+def _candidates(high: int, num_drawn: int):
+    """`num_drawn` ports at random from [20000, high], then 1000 the kernel hands out."""
+    for _ in range(num_drawn):
+        yield random.randint(20000, high)
     for _ in range(1000):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        if port <= max_port and port not in _GIVEN and (not bus_offset or _bindable(port + bus_offset)):
-            _GIVEN.update((port, port + bus_offset))
-            return port
-    raise RuntimeError(f"no free port at most {max_port} in 1000 tries")
+        yield port
 
 
 class RedisServer:

@@ -12,6 +12,7 @@ import urllib.request
 import pytest
 
 from kvservice.ops import AddRequestOp, AllocateOp, FreeOp
+from tests.external_helpers import wait_for
 from tests.redis_helpers import free_port
 from tests.service_helpers import small_config, start_server
 
@@ -29,23 +30,22 @@ def query(port: int, expr: str) -> list:
 
 def wait_ready(prom: subprocess.Popen, port: int, log) -> None:
     """Prometheus takes a while to open its TSDB and listen (seconds on a busy machine): wait for /-/ready."""
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
+    def ready() -> bool:
         if prom.poll() is not None:
             pytest.fail(f"Prometheus exited with {prom.returncode}; its log:\n{log.read_text()}")
         try:
-            if urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=5).status == 200:
-                return
+            return urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=5).status == 200
         except OSError:  # not listening yet, or 503 while it starts
-            pass
-        time.sleep(0.2)
-    pytest.fail(f"Prometheus was not ready after 90 s; its log:\n{log.read_text()}")
+            return False
+
+    try:
+        wait_for(ready, timeout_s=90, interval_s=0.2, what="Prometheus ready")
+    except TimeoutError:
+        pytest.fail(f"Prometheus was not ready after 90 s; its log:\n{log.read_text()}")
 
 
 def test_a_real_prometheus_scrapes_and_queries_the_metrics(tmp_path):
-    metrics_port = prom_port = free_port()
-    while prom_port == metrics_port:
-        prom_port = free_port()
+    metrics_port, prom_port = free_port(), free_port()  # never the same port twice
     server = start_server("--metrics-port", str(metrics_port), "--quota", "acme=100", log_dir=tmp_path)
     (tmp_path / "prometheus.yml").write_text(
         f"global: {{scrape_interval: 1s, evaluation_interval: 1s}}\n"
