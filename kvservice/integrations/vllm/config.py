@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 from vllm.v1 import kv_cache_interface as vi
 
+from kvservice.integrations.vllm.version import num_hash_lookahead_tokens
+
 ENV = {"address": "KVSERVICE_ADDRESS", "token": "KVSERVICE_TOKEN", "pool_id": "KVSERVICE_POOL_ID",
        "pipeline": "KVSERVICE_PIPELINE"}
 KEYS = ("address", "token", "pool_id", "timeout_s", "pipeline")
@@ -90,8 +92,8 @@ def unsupported(scheduler, kv_cache_config) -> list[str]:
     if cfg.speculative_config is not None:
         out.append(f"speculative_config (method {cfg.speculative_config.method!r}): draft tokens are appended and "
                    f"rejected (lookahead slots, EAGLE block drop, lookahead hashes)")
-    if scheduler.num_hash_lookahead_tokens:
-        out.append(f"num_hash_lookahead_tokens = {scheduler.num_hash_lookahead_tokens}: lookahead block hashes")
+    if num_hash_lookahead_tokens(scheduler):
+        out.append(f"num_hash_lookahead_tokens = {num_hash_lookahead_tokens(scheduler)}: lookahead block hashes")
     if getattr(scheduler, "num_prefill_lookahead", 0):
         out.append(f"num_prefill_lookahead = {scheduler.num_prefill_lookahead}: MTP prefill lookahead")
     if getattr(cfg, "aux_output_config", None) is not None and cfg.aux_output_config.enabled:
@@ -103,9 +105,10 @@ def unsupported(scheduler, kv_cache_config) -> list[str]:
         out.append(f"prefix_replay_tokens = {scheduler.prefix_replay_tokens}: bounded sliding-window replay")
     if cfg.parallel_config.prefill_context_parallel_size > 1:
         out.append(f"prefill_context_parallel_size = {cfg.parallel_config.prefill_context_parallel_size}")
-    if kv_cache_config.hisparse_host_num_blocks is not None:
+    # Neither is a KVCacheConfig field in 0.32.
+    if getattr(kv_cache_config, "hisparse_host_num_blocks", None) is not None:
         out.append(f"hisparse_host_num_blocks = {kv_cache_config.hisparse_host_num_blocks}: the HiSparse tier")
-    if kv_cache_config.prefix_cache_retention_interval:
+    if getattr(kv_cache_config, "prefix_cache_retention_interval", None):
         out.append(f"prefix_cache_retention_interval = {kv_cache_config.prefix_cache_retention_interval}: sparse "
                    f"prefix-cache retention")
     for i, group in enumerate(kv_cache_config.kv_cache_groups):

@@ -1,4 +1,4 @@
-"""vLLM 0.33.0's schedulers allocating from kvservice: select them with vLLM's `scheduler_cls`
+"""vLLM's schedulers (0.32.x and 0.33.x) allocating from kvservice: select them with vLLM's `scheduler_cls`
 ("kvservice.integrations.vllm.Scheduler", or "...AsyncScheduler" with async scheduling, vLLM's default).
 
 Each is vLLM's own class with its `kv_cache_manager` replaced by a RemoteKVCacheManager on a pool
@@ -20,6 +20,7 @@ from kvservice.hashing import HashSpec
 from kvservice.integrations.vllm.config import KVServiceSettings, UnsupportedConfig, check_supported
 from kvservice.integrations.vllm.remote import RemoteKVCacheManager
 from kvservice.integrations.vllm.specs import core_config
+from kvservice.integrations.vllm.version import manager_kwargs
 
 
 class KVServiceScheduling:
@@ -41,7 +42,7 @@ class KVServiceScheduling:
             scheduler_block_size=self.block_size, hash_block_size=self.hash_block_size,
             max_in_flight_tokens=self.vllm_config.max_in_flight_tokens,
             enable_caching=self.cache_config.enable_prefix_caching, use_eagle=self.use_eagle_block_drop,
-            num_hash_lookahead_tokens=self.num_hash_lookahead_tokens, num_prefill_lookahead=self.num_prefill_lookahead,
+            num_prefill_lookahead=self.num_prefill_lookahead, **manager_kwargs(self),
             log_stats=self.log_stats, enable_kv_cache_events=self.enable_kv_cache_events,
             dcp_world_size=self.dcp_world_size, pcp_world_size=1, metrics_collector=self.kv_metrics_collector,
             watermark=self.scheduler_config.watermark,
