@@ -122,3 +122,14 @@ def error_for(code: Code, message: str) -> KVServiceError:
     exc = KVServiceError(f"{code.name}: {message}")
     exc.code = code
     return exc
+
+
+def pool_id_taken(pool_id: str) -> AlreadyExists:
+    """A pool id held by the other kind of pool (kvservice / external), here or on another shard."""
+    return AlreadyExists(f"pool id {pool_id!r} is taken: kvservice pools and external pools share one namespace "
+                         f"of pool ids across every shard; pick another id (or remove that pool first)")
+
+
+def foreign_pool(pool_id: str) -> PermissionDenied:
+    """Registering a pool id another tenant holds (that reveals the id is taken, nothing more)."""
+    return PermissionDenied(f"pool {pool_id!r} belongs to another tenant; only it or an admin may re-register it")

@@ -167,9 +167,10 @@ class Allocator:
         pool = self.state.mutable_pool(command.pool_id, session.tenant, command.admin)
         ops = command.decode_ops(pool.spec, pool.hash_block_size)  # validated before anything changes
         guard()
-        return self.run_ops(pool, session, command.sequence, ops)
+        return self.run_ops(pool, session, command.sequence, ops, command.admin)
 
-    def run_ops(self, pool: Pool, session: Session, sequence: int, ops: Sequence[Op]) -> StepResult:
+    def run_ops(self, pool: Pool, session: Session, sequence: int, ops: Sequence[Op],
+                admin: bool = False) -> StepResult:
         """Applies validated ops in order; per-op outcomes are statuses."""
         tenant = session.tenant
         results = []
@@ -180,7 +181,7 @@ class Allocator:
             kind = type(op)
             if kind is AllocateOp:
                 key = f"{tenant}{SEP}{op.request_id}" if tenant else op.request_id  # request_key, inline: per op
-                append(allocate(pool, session, key, op))
+                append(allocate(pool, session, key, op, admin))
             elif kind is AddRequestOp:
                 append(self.book.add(pool, session, op))
             elif kind is AllocateBatchOp:
@@ -204,7 +205,7 @@ class Allocator:
         self.state.drain(pool)
         return result
 
-    def _vllm_allocate(self, pool: Pool, session: Session, key: str, op: AllocateOp) -> OpResult:
+    def _vllm_allocate(self, pool: Pool, session: Session, key: str, op: AllocateOp, admin: bool) -> OpResult:
         return self.vllm_slots.allocate_op(pool, key, op)
 
     @staticmethod

@@ -2,19 +2,24 @@
 the destination are on different shards, so the two-phase protocol runs through the client: PinOp here
 (the blocks can be neither evicted nor reallocated), an admission with that external source on the
 destination's shard (a transfer order), the copy, CommitTransfer there, UnpinOp here. A pin belongs to its
-session: when the session's lease lapses it is released, so a client that dies mid-way frees everything."""
+session: when the session's lease lapses it is released, so a client that dies mid-way frees everything.
+
+An admission names its source by the pin (ExternalSource): only a live pin of the caller's tenant (an admin:
+any tenant's), naming exactly its blocks and tokens, is a source; anything else is NOT_FOUND with the one
+message `no_such_pin`, whatever was wrong (it tells a tenant nothing about another tenant's pins)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvservice.allocator.keys import SEP, namespace, request_key
+from kvservice.allocator.keys import SEP, client_request_id, namespace, request_key
 from kvservice.allocator.pools import Pool
 from kvservice.allocator.sessions import Session
 from kvservice.allocator.state import AllocatorState
 from kvservice.allocator.transfers import transferable
 from kvservice.core import KVCacheBlocks
-from kvservice.ops import OpResult, OpStatus, PinOp, UnpinOp
+from kvservice.ops import ExternalSource, OpResult, OpStatus, PinOp, UnpinOp
 
 
 @dataclass(slots=True)
@@ -28,6 +33,30 @@ class Pin:
     def holder(self) -> str:
         """The manager's holder table for the pinned blocks."""
         return f"{SEP}pin{SEP}{self.key}"
+
+
+def pin_matches(key: str, block_ids: Sequence[int], num_tokens: int, source: ExternalSource, tenant: str,
+                admin: bool) -> bool:
+    """Whether the pin `key` (holding `block_ids`, `num_tokens`) is what `source` names, for this caller."""
+    named = key == request_key(tenant, source.pin_id) or (admin and client_request_id(key) == source.pin_id)
+    return named and num_tokens == source.num_tokens and list(block_ids) == list(source.src_block_ids)
+
+
+def live_pin(pool: Pool, source: ExternalSource, tenant: str, admin: bool) -> Pin | None:
+    """The pin of `pool` that `source` names for this caller, if it is live."""
+    if admin:
+        candidates = list(pool.pins.values())
+    else:
+        own = pool.pins.get(request_key(tenant, source.pin_id))
+        candidates = [own] if own is not None else []
+    return next((p for p in candidates if pin_matches(p.key, p.block_ids, p.num_tokens, source, tenant, admin)),
+                None)
+
+
+def no_such_pin(source: ExternalSource) -> str:
+    return (f"external_source: pool {source.src_pool_id!r} holds no live pin {source.pin_id!r} of this tenant with "
+            f"exactly the {len(source.src_block_ids)} blocks and {source.num_tokens} tokens named; pin the prefix "
+            f"there (PinOp) and name what its result names")
 
 
 class PinBook:

@@ -12,7 +12,7 @@ from kvservice.allocator.sessions import Session
 from kvservice.allocator.state import AllocatorState
 from kvservice.commands import RegisterPool
 from kvservice.core import AllBlocksCleared
-from kvservice.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from kvservice.errors import FailedPrecondition, InvalidArgument, foreign_pool, pool_id_taken
 from kvservice.hashing import HashSpec
 from kvservice.results import RegisterResult
 
@@ -38,14 +38,12 @@ class PoolRegistry:
                                   f"exceeds this allocator's limit of {limit} blocks per pool "
                                   f"(kvservice serve --max-pool-blocks)")
         if spec.pool_id in state.external:
-            raise FailedPrecondition(f"pool {spec.pool_id!r} is an external pool (RegisterExternalPool); pick "
-                                     f"another id or remove it first")
+            raise pool_id_taken(spec.pool_id)
         current = state.pools.get(spec.pool_id)
         if current is not None and current.moving_to:
             state.mutable_pool(spec.pool_id)  # raises: it is moving
         if current is not None and not command.admin and current.owner_tenant != session.tenant:
-            raise PermissionDenied(f"pool {spec.pool_id!r} belongs to another tenant; only it or an admin may "
-                                   f"re-register it")
+            raise foreign_pool(spec.pool_id)
         declared = state.hash_spec_of(spec)
         if command.fingerprint != declared.fingerprint():
             raise FailedPrecondition(

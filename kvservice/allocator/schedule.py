@@ -14,6 +14,7 @@ from array import array
 from dataclasses import dataclass
 
 from kvservice.allocator.keys import client_request_id
+from kvservice.allocator.pins import live_pin, no_such_pin
 from kvservice.allocator.pools import Pool
 from kvservice.allocator.requests import RequestBook
 from kvservice.allocator.sessions import Session
@@ -111,11 +112,15 @@ class Scheduler:
         self.book = book
 
     # ---- the AllocateOp ------------------------------------------------------------------------
-    def allocate_op(self, pool: Pool, session: Session, key: str, op: AllocateOp) -> OpResult:
+    def allocate_op(self, pool: Pool, session: Session, key: str, op: AllocateOp, admin: bool = False) -> OpResult:
         request_id = op.request_id
         req = pool.requests.get(key)
         if req is None:
             return self.book.missing(pool, key, request_id)
+        source = op.external_source
+        if source is not None and not self._source_is_live(source, session.tenant, admin):
+            return OpResult(request_id, OpStatus.NOT_FOUND, no_such_pin(source), (), req.num_computed_tokens, 0,
+                            req.num_tokens)
         a = Allocation.of(op)
         if (a.num_new_tokens and (a.append_tokens is None or type(a.append_tokens) is int)
                 and a.append_hashes is None and not a.num_append and not a.delay_cache_blocks
@@ -137,6 +142,12 @@ class Scheduler:
             ids = tuple([b.block_id for b in g] for g in groups)
         return OpResult(request_id, OpStatus.OK, "", ids, s.start, s.num_scheduled, req.num_tokens,
                         s.transfer.order() if s.transfer is not None else None, replaced=s.blocks.replaced)
+
+    def _source_is_live(self, source: ExternalSource, tenant: str, admin: bool) -> bool:
+        src = self.state.pools.get(source.src_pool_id)
+        # A pool not held here is another shard's: the server checked the pin there before this command
+        # (kvservice.server.sources), and a replay applies what was checked then.
+        return src is None or live_pin(src, source, tenant, admin) is not None
 
     def _fast_path(self, pool: Pool, tenant: str, key: str):
         """The core's fast paths, unless the service's own rules apply: a tenant quota needs per-allocation

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvservice.commands import IngestEvents, RegisterExternalPool, RemoveExternalPool
-from kvservice.errors import FailedPrecondition, NotFound, PermissionDenied
+from kvservice.errors import NotFound, PermissionDenied, pool_id_taken
 from kvservice.external.nodes import TIERS
 from kvservice.external.pool import ExternalPool, ResetKind
 from kvservice.hashing import hash_prompt
@@ -65,8 +65,7 @@ class ExternalRegistry:
     def _register(self, command: RegisterExternalPool, guard) -> tuple[ExternalRegistered, bool]:
         spec = command.spec
         if spec.pool_id in self.state.pools:
-            raise FailedPrecondition(f"pool {spec.pool_id!r} is a kvservice pool (RegisterPool); external pools "
-                                     f"share its namespace: pick another id")
+            raise pool_id_taken(spec.pool_id)
         current = self.external.get(spec.pool_id)
         if current is not None and not command.admin and current.owner_tenant != command.tenant:
             raise PermissionDenied(f"external pool {spec.pool_id!r} belongs to another tenant")

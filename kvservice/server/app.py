@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 from kvservice._proto import allocator_pb2 as pb
 from kvservice.allocator import Allocator
 from kvservice.commands import RegisterExternalPool
+from kvservice.errors import KVServiceError
 from kvservice.external.metrics import ExternalCollector
 from kvservice.external.spec import SpecError, parse_flag
 from kvservice.external.subscriber import Feeds
@@ -148,7 +149,10 @@ class AllocatorServer:
         same spec is left as it is) and starts a subscription per external pool. After the journal started."""
         for text in self.config.vllm_events or []:
             spec, tenant = parse_flag(text)
-            await self.servicer._apply(RegisterExternalPool(tenant, spec, admin=True))
+            try:
+                await self.servicer.register_external(RegisterExternalPool(tenant, spec, admin=True))
+            except KVServiceError as exc:  # e.g. its id taken by a kvservice pool or another shard's
+                logger.error("--vllm-events %s: not registered: %s", spec.pool_id, exc.message)
         self.feeds = Feeds(lambda: self.allocator.state.external.pools, self.servicer._apply)
         self.servicer.feeds = self.feeds
         self.feeds.sync()

@@ -2,6 +2,10 @@
 counter (`_total`), ratios say `_ratio`, every state has its own series (exactly one at 1). Pool, tenant and
 journal figures are read from the allocator and the journal at scrape time; RPC latency, outcomes and
 Redis write latency are observed as they happen.
+
+A hot standby holds a copy of its leader's state: it exports its role and how far it follows the WAL, never
+that copy's pool, tenant, session or journal figures (a fleet-wide sum would count each pool twice, and its
+unused in-memory journal would read as "persistence off").
 """
 
 from __future__ import annotations
@@ -23,15 +27,29 @@ from kvservice.store.base import Journal, PersistenceState
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
 
 
+ROLES = ("leader", "standby")
+
+
 class _StateCollector:
     """Figures read at scrape time."""
 
-    def __init__(self, allocator: Allocator, journal: Callable[[], Journal], watchers: Callable[[], int]) -> None:
+    def __init__(self, allocator: Allocator, journal: Callable[[], Journal], watchers: Callable[[], int],
+                 standby: Callable[[], object | None]) -> None:
         self.allocator = allocator
         self.journal = journal
         self.watchers = watchers
+        self.standby = standby
 
     def collect(self):
+        follower = self.standby()
+        role = GaugeMetricFamily("kvservice_role", "1 for this allocator's role, 0 for the other (a standby "
+                                 "exports only kvservice_standby_* of the state it follows)", labels=["role"])
+        for each in ROLES:
+            role.add_metric([each], 1.0 if (each == "standby") == (follower is not None) else 0.0)
+        yield role
+        if follower is not None:
+            yield from _standby(follower)
+            return
         yield from self._pools()
         state = self.allocator.state
         yield GaugeMetricFamily("kvservice_sessions", "Open client sessions", value=len(state.sessions.sessions))
@@ -106,9 +124,37 @@ class _StateCollector:
                                   value=js.redis_data_losses)
 
 
+def _standby(follower):
+    """How far a standby (kvservice.store.follower.Follower) follows its leader's WAL."""
+    yield CounterMetricFamily("kvservice_standby_applied_entries", "Leader WAL entries this standby applied",
+                              value=follower.applied)
+    yield GaugeMetricFamily("kvservice_standby_lag_entries", "WAL entries the standby's last poll found not yet "
+                            "applied (polled every 0.1 s; at most 10,000 per poll)", value=follower.lag_entries)
+    at = follower.caught_up_at
+    yield GaugeMetricFamily("kvservice_standby_lag_seconds", "Seconds since the standby last had applied every "
+                            "WAL entry in Redis (grows while Redis is away or a resync waits for a snapshot; NaN: "
+                            "never yet)", value=time.monotonic() - at if at is not None else float("nan"))
+    yield GaugeMetricFamily("kvservice_standby_consistent", "1 while the standby's state equals the leader's as "
+                            "of the last entry applied; 0 while it waits for a snapshot covering a resync",
+                            value=1.0 if follower.consistent else 0.0)
+
+
+class LeaderOnly:
+    """A collector exported only while this allocator leads (a standby's copy of the state is its leader's)."""
+
+    def __init__(self, collector, standby: Callable[[], object | None]) -> None:
+        self.collector = collector
+        self.standby = standby
+
+    def collect(self):
+        return [] if self.standby() is not None else self.collector.collect()
+
+
 class Metrics:
     def __init__(self, allocator: Allocator, journal: Callable[[], Journal] = Journal,
-                 watchers: Callable[[], int] = lambda: 0) -> None:
+                 watchers: Callable[[], int] = lambda: 0, standby: Callable[[], object | None] = lambda: None) -> None:
+        """`standby`: the Follower while this allocator is a hot standby, else None."""
+        self.standby = standby
         self.registry = CollectorRegistry()
         self.rpc_latency = Histogram("kvservice_rpc_latency_seconds", "RPC latency by method", ["method"],
                                      buckets=LATENCY_BUCKETS, registry=self.registry)
@@ -121,7 +167,7 @@ class Metrics:
         self.redis_write = Histogram("kvservice_redis_write_seconds", "Round-trip time of one WAL append to "
                                      "Redis (one per group-committed batch)", buckets=LATENCY_BUCKETS,
                                      registry=self.registry)
-        self.registry.register(_StateCollector(allocator, journal, watchers))
+        self.registry.register(_StateCollector(allocator, journal, watchers, standby))
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)

@@ -20,12 +20,20 @@ import grpc
 
 from kvservice._proto import allocator_pb2 as pb
 from kvservice.allocator import Allocator
-from kvservice.commands import ExpireSessions, RegisterExternalPool, RemoveExternalPool, ResetPrefixCache, StepRpc
+from kvservice.commands import (
+    ExpireSessions,
+    IngestEvents,
+    RegisterExternalPool,
+    RemoveExternalPool,
+    ResetPrefixCache,
+    StepRpc,
+)
 from kvservice.errors import FailedPrecondition, InvalidArgument, KVServiceError, Unavailable
 from kvservice.external import wire as external_wire
 from kvservice.hashing import HASH_BYTES
 from kvservice.server.auth import Authenticator
 from kvservice.server.metrics import Metrics
+from kvservice.server.sources import check_sources, external_sources
 from kvservice.store.base import Journal, NullJournal
 from kvservice.wire import decode, replies
 from kvservice.wire.fields import check_id, check_name, decode_hashes, decode_u32
@@ -102,19 +110,32 @@ class AllocatorServicer:
         allocator.state.events.listeners.append(self._event_signal.set)
         self.num_watchers = 0
         self.feeds = None  # kvservice.external.subscriber.Feeds, once the server runs them
-        self.sharding = None  # a ShardRouter when this allocator is one shard of several
+        self._sharding = None  # a ShardRouter when this allocator is one shard of several
         self.standby = ""  # a hot standby's refusal message (it serves nothing until it takes over)
 
-    async def _here(self, pool_id: str) -> None:
-        """Redirects (raises Moved) a call naming a pool another shard serves."""
+    @property
+    def sharding(self):
+        return self._sharding
+
+    @sharding.setter
+    def sharding(self, router) -> None:
+        self._sharding = router
+        if router is not None:
+            router.state_of = lambda: self.allocator.state
+
+    async def _here(self, pool_id: str, principal) -> None:
+        """Redirects (raises Moved) a call naming a pool another shard serves, if the caller may see it."""
         if self.sharding is not None and pool_id not in self.allocator.state.pools:
-            await self.sharding.redirect(pool_id)
+            await self.sharding.redirect(pool_id, principal.tenant, principal.admin)
 
     async def _apply(self, command):
         """The one path of a mutation: apply (guarded by the journal's writability), then journal."""
         applied = self.allocator.apply(command, self.clock(), self.journal.check_writable)
         if applied.mutated:
             await self.journal.record(command)
+            if self.sharding is not None and type(command) is not IngestEvents:
+                pool_id = getattr(command, "pool_id", None)  # a command of one pool changes only its pins
+                await self.sharding.publish_pins(None if pool_id is None else (pool_id,))
         return applied.reply
 
     # ---- sessions ------------------------------------------------------------------------------
@@ -137,7 +158,7 @@ class AllocatorServicer:
         command = decode.register_command(request, raw, principal.tenant, principal.admin,
                                           self.allocator.settings.hash_block_size)
         if self.sharding is not None and command.spec.pool_id not in self.allocator.state.pools:
-            await self.sharding.claim(command.spec.pool_id, principal.tenant)
+            await self.sharding.claim(command.spec.pool_id, principal.tenant, principal.admin)
         reply = await self._apply(command)
         if reply.new_epoch:
             freeze_long_lived()
@@ -146,7 +167,10 @@ class AllocatorServicer:
     async def _step(self, context, request, raw: bytes, rpc_kind: StepRpc) -> pb.StepResponse:
         principal = self.auth.of(context)
         command = decode.step_command(rpc_kind, request, raw, principal.tenant, principal.admin)
-        await self._here(command.pool_id)
+        await self._here(command.pool_id, principal)
+        sources = external_sources(rpc_kind, request)
+        if sources:
+            await check_sources(sources, self.allocator.state, self.sharding, principal.tenant, principal.admin)
         result = await self._apply(command)
         self.metrics.count_outcomes(result.results)
         return replies.encode_step_result(result, pb.StepResponse())
@@ -171,7 +195,7 @@ class AllocatorServicer:
     async def CommitTransfer(self, request: pb.CommitTransferRequest, context, raw: bytes) -> pb.StepResponse:
         principal = self.auth.of(context)
         command = decode.commit_transfer_command(request, raw, principal.tenant, principal.admin)
-        await self._here(command.pool_id)
+        await self._here(command.pool_id, principal)
         return replies.encode_step_result(await self._apply(command), pb.StepResponse())
 
     @rpc
@@ -192,7 +216,7 @@ class AllocatorServicer:
     @rpc
     async def GetRequest(self, request: pb.GetRequestRequest, context) -> pb.RequestInfo:
         principal = self.auth.of(context)
-        await self._here(check_id("pool_id", request.pool_id))
+        await self._here(check_id("pool_id", request.pool_id), principal)
         info = self.allocator.request_info(principal.tenant, check_id("pool_id", request.pool_id),
                                            check_id("request_id", request.request_id), principal.admin)
         return replies.encode_request_info(info)
@@ -202,7 +226,7 @@ class AllocatorServicer:
         principal = self.auth.of(context)
         pool_ids = [check_id(f"pool_ids[{i}]", p) for i, p in enumerate(request.pool_ids)]
         for pool_id in pool_ids:
-            await self._here(pool_id)
+            await self._here(pool_id, principal)
         if request.block_hashes:
             if request.token_ids:
                 raise InvalidArgument("token_ids", f"<{len(request.token_ids)} bytes>",
@@ -249,7 +273,7 @@ class AllocatorServicer:
             -> pb.RegisterExternalPoolResponse:
         principal = self.auth.of(context)
         command = RegisterExternalPool(principal.tenant, external_wire.spec_from_proto(request.spec), principal.admin)
-        reply = await self._apply(command)
+        reply = await self.register_external(command)
         if self.feeds is not None:
             self.feeds.sync()
         return pb.RegisterExternalPoolResponse(pool_id=reply.pool_id, registration=reply.registration,
@@ -259,10 +283,27 @@ class AllocatorServicer:
     async def RemoveExternalPool(self, request: pb.RemoveExternalPoolRequest, context) \
             -> pb.RemoveExternalPoolResponse:
         principal = self.auth.of(context)
-        await self._apply(RemoveExternalPool(principal.tenant, check_id("pool_id", request.pool_id), principal.admin))
+        pool_id = check_id("pool_id", request.pool_id)
+        await self._apply(RemoveExternalPool(principal.tenant, pool_id, principal.admin))
+        if self.sharding is not None:
+            await self.sharding.release_external(pool_id)
         if self.feeds is not None:
             self.feeds.sync()
         return pb.RemoveExternalPoolResponse()
+
+    async def register_external(self, command: RegisterExternalPool):
+        """Registers an external pool; on a shard its id is first taken in the shard map (refused when a
+        kvservice pool anywhere, or another shard's external pool, holds it)."""
+        pool_id = command.spec.pool_id
+        if self.sharding is None or pool_id in self.allocator.state.pools:
+            return await self._apply(command)  # (a kvservice pool here: the registry refuses it)
+        await self.sharding.claim_external(pool_id, command.tenant)
+        try:
+            return await self._apply(command)
+        except KVServiceError:
+            if pool_id not in self.allocator.state.external:
+                await self.sharding.release_external(pool_id)
+            raise
 
     def external_stats(self, tenant: str, admin: bool) -> list:
         out = []
@@ -306,7 +347,7 @@ class AllocatorServicer:
             pool_ids = {check_id(f"pool_ids[{i}]", p) for i, p in enumerate(request.pool_ids)}
             state = self.allocator.state
             for pool_id in pool_ids:
-                await self._here(pool_id)
+                await self._here(pool_id, principal)
                 state.pool(pool_id, principal.tenant, principal.admin)  # NOT_FOUND for another tenant's
             log = state.events
             if request.include_state and request.HasField("start_sequence"):

@@ -4,18 +4,30 @@ the shard map gives it and redirects calls for the others (`errors.Moved`, which
 A pool is this shard's when it is in the allocator's state: the state machine itself knows nothing of shards
 (the same commands replay the same way). Only a pool it does not hold makes it read the map: a new pool is
 assigned to the least-loaded shard (atomically, first registration wins), a pool another shard serves is a
-redirect, and an unknown one is NOT_FOUND as on any allocator.
+redirect, and an unknown one is NOT_FOUND as on any allocator. The redirect is only for whom the pool's tenant
+(recorded in the map) lets see it: for any other tenant the call goes on here, and answers as for a pool that
+does not exist (never naming its shard or address).
+
+The leader also publishes its pools' live pins beside the map, so that a shard admitting a prefix pinned on
+another shard's pool (a cross-shard transfer) checks the pin instead of taking the caller's word for it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections.abc import Callable, Iterable
 
+from redis.exceptions import RedisError
+
+from kvservice import errors
 from kvservice._proto import allocator_pb2 as pb
+from kvservice.allocator.pins import pin_matches
 from kvservice.commands import DropPool, FreezePool, ImportPool, ThawPool
 from kvservice.errors import FailedPrecondition, InvalidArgument, Moved, NotFound, Unavailable
-from kvservice.shards.shardmap import ShardMap, ShardMapStore
+from kvservice.ops import ExternalSource
+from kvservice.shards.shardmap import TAKEN, ShardMap, ShardMapStore
 from kvservice.wire.fields import check_id
 
 Phase = pb.MovePoolRequest.Phase
@@ -30,6 +42,9 @@ class ShardRouter:
         self.address = ""
         self.map = ShardMap()
         self._loaded_at = 0.0
+        self.state_of: Callable | None = None  # the allocator's state (set by the servicer)
+        self._published: dict[str, tuple] = {}  # pool id -> the pins last published (see publish_pins)
+        self._publishing = asyncio.Lock()
 
     async def announce(self, address: str, epoch: int) -> None:
         """Records this shard's leader address (after it took leadership and bound its port)."""
@@ -37,6 +52,7 @@ class ShardRouter:
         if not await self.store.announce(self.shard_id, address, epoch):
             logger.warning("shard %s: a newer leader is announced in the shard map", self.shard_id)
         await self.refresh(0.0)
+        await self.publish_pins(force=True)  # what a previous leader published may be behind its journal
 
     async def refresh(self, max_age_s: float = 1.0) -> ShardMap:
         if time.monotonic() - self._loaded_at >= max_age_s:
@@ -50,27 +66,88 @@ class ShardRouter:
             raise Unavailable(f"pool {pool_id!r} is assigned to shard {owner!r}, which has no leader yet; retry")
         return Moved(pool_id, owner, info.address)
 
-    async def claim(self, pool_id: str, tenant: str) -> None:
+    async def claim(self, pool_id: str, tenant: str, admin: bool = True) -> None:
         """For a RegisterPool of a pool this shard does not hold: returns when it is (or becomes) this shard's;
-        raises Moved when another shard serves it (or was chosen for it)."""
+        raises Moved when another shard serves the caller's pool (or was chosen for it), PERMISSION_DENIED
+        for another tenant's (as one server answers), ALREADY_EXISTS when an external pool holds the id."""
         current = await self.refresh(0.0)
         owner = current.shard_of(pool_id)
         if owner is None:
             chosen = current.least_loaded() if current.shards else self.shard_id
             owner = await self.store.assign(pool_id, chosen, tenant)
-            await self.refresh(0.0)
+            if owner == TAKEN:
+                raise errors.pool_id_taken(pool_id)
+            current = await self.refresh(0.0)
             logger.info("pool %s assigned to shard %s", pool_id, owner)
         if owner != self.shard_id:
+            if not (admin or current.pools.get(pool_id, (owner, tenant))[1] == tenant):
+                raise errors.foreign_pool(pool_id)
             raise self._moved(pool_id, owner)
 
-    async def redirect(self, pool_id: str) -> None:
-        """For a call naming a pool this shard does not hold: raises Moved when another shard serves it."""
+    async def redirect(self, pool_id: str, tenant: str = "", admin: bool = True) -> None:
+        """For a call naming a pool this shard does not hold: raises Moved when another shard serves it and
+        the caller may see it (its tenant's, or any for an admin); else returns (the call answers NOT_FOUND
+        here, as for a pool that does not exist)."""
         current = await self.refresh(0.5)
-        owner = current.shard_of(pool_id)
-        if owner is not None and owner != self.shard_id:
-            if owner not in current.shards:
+        entry = current.pools.get(pool_id)
+        if entry is not None and entry[0] != self.shard_id and (admin or entry[1] == tenant):
+            if entry[0] not in current.shards:
                 current = await self.refresh(0.0)
-            raise self._moved(pool_id, owner)
+            raise self._moved(pool_id, entry[0])
+
+    # ---- external pools: ids shared with kvservice pools ---------------------------------------
+    async def claim_external(self, pool_id: str, tenant: str) -> None:
+        """For a RegisterExternalPool: records the id for this shard, or raises ALREADY_EXISTS when a
+        kvservice pool (on any shard) or an external pool of another shard holds it."""
+        shard, _ = await self.store.assign_external(pool_id, self.shard_id, tenant)
+        if shard != self.shard_id:
+            raise errors.pool_id_taken(pool_id)
+
+    async def release_external(self, pool_id: str) -> None:
+        """The external pool is not (or no longer) here: its id is free again."""
+        await self.store.release_external(pool_id, self.shard_id)
+
+    # ---- pins, for other shards' transfer sources ----------------------------------------------
+    async def publish_pins(self, pool_ids: Iterable[str] | None = None, force: bool = False) -> None:
+        """Publishes the live pins of the pools held here (`pool_ids`; None: all) whose pins changed since
+        last published (`force`: all of them). A pool not held here (moved away) is its new shard's to
+        publish. A Redis error leaves the pool to be published on its next change (and logs it)."""
+        if self.state_of is None:
+            return
+        pools = self.state_of().pools
+        names = list(pools) if pool_ids is None else [p for p in pool_ids if p in pools]
+        if not force:
+            names = [p for p in names if (pools[p].pins or p in self._published) and
+                     self._published.get(p) != pin_signature(pools[p])]
+        if not names:
+            return
+        async with self._publishing:  # serialized, each reading the pins as they are when it writes
+            for pool_id in names:
+                pool = pools.get(pool_id)
+                if pool is None:
+                    continue
+                signature = pin_signature(pool)
+                try:
+                    await self.store.publish_pins(pool_id, {k: f"{p.num_tokens} {','.join(map(str, p.block_ids))}"
+                                                            for k, p in pool.pins.items()})
+                except (RedisError, OSError) as exc:
+                    logger.warning("shard %s: could not publish the pins of pool %s (%r); retried on its next "
+                                   "change", self.shard_id, pool_id, exc)
+                    self._published.pop(pool_id, None)
+                    continue
+                self._published[pool_id] = signature
+
+    async def pin_is_live(self, source: ExternalSource, tenant: str, admin: bool) -> bool:
+        """Whether another shard's pool holds a live pin that `source` names for this caller."""
+        try:
+            owner = (await self.refresh(0.5)).shard_of(source.src_pool_id)
+            if owner is None or owner == self.shard_id:
+                return False
+            pins = await self.store.pins(source.src_pool_id)
+        except (RedisError, OSError) as exc:
+            raise Unavailable(f"could not read the pins of pool {source.src_pool_id!r} in Redis ({exc!r}); "
+                              f"retry") from None
+        return any(pin_matches(key, blocks, tokens, source, tenant, admin) for key, (tokens, blocks) in pins.items())
 
     # ---- moving a pool (rebalance) -------------------------------------------------------------
     async def move(self, request: pb.MovePoolRequest, allocator, apply) -> pb.MovePoolResponse:
@@ -117,3 +194,7 @@ class ShardRouter:
         await apply(ThawPool(pool_id))
         await self.store.redis.delete(key)
         return pb.MovePoolResponse(num_requests=len(state.pools[pool_id].requests))
+
+
+def pin_signature(pool) -> tuple:
+    return tuple(sorted((k, p.num_tokens, tuple(p.block_ids)) for k, p in pool.pins.items()))

@@ -3,9 +3,13 @@
 
     s:<shard id>  ->  "<epoch> <address>"      the shard's leader (written when it takes leadership)
     p:<pool id>   ->  "<shard id> <tenant>"    set once when the pool is first registered; moved by rebalance
-    v             ->  version, incremented by every change
+    x:<pool id>   ->  "<shard id> <tenant>"    an external pool (RegisterExternalPool), on the shard it feeds
+    v             ->  version, incremented by every change (of s: and p:)
 
 A pool's assignment is decided by whoever registers it first (HSETNX: two shards can never both claim it).
+Pool ids are one namespace across both kinds: an id held as one kind is refused as the other.
+Beside the map, `{NS}:shards:pins:<pool id>` (a hash: pin key -> "<tokens> <block ids>") is what the shard
+serving the pool published of its live pins, for other shards to check a transfer source against.
 """
 
 from __future__ import annotations
@@ -25,11 +29,28 @@ redis.call('HSET', KEYS[1], 's:' .. ARGV[1], ARGV[2] .. ' ' .. ARGV[3])
 redis.call('HINCRBY', KEYS[1], 'v', 1)
 return 1
 """
+TAKEN = "!"  # what the assignment scripts answer for an id the other kind of pool holds
 ASSIGN = """
+if redis.call('HEXISTS', KEYS[1], 'x:' .. ARGV[1]) == 1 then return '!' end
 if redis.call('HSETNX', KEYS[1], 'p:' .. ARGV[1], ARGV[2] .. ' ' .. ARGV[3]) == 1 then
   redis.call('HINCRBY', KEYS[1], 'v', 1)
 end
 return redis.call('HGET', KEYS[1], 'p:' .. ARGV[1])
+"""
+ASSIGN_EXTERNAL = """
+if redis.call('HEXISTS', KEYS[1], 'p:' .. ARGV[1]) == 1 then return '!' end
+redis.call('HSETNX', KEYS[1], 'x:' .. ARGV[1], ARGV[2] .. ' ' .. ARGV[3])
+return redis.call('HGET', KEYS[1], 'x:' .. ARGV[1])
+"""
+RELEASE_EXTERNAL = """
+local current = redis.call('HGET', KEYS[1], 'x:' .. ARGV[1])
+if current and string.match(current, '^(%S+)') == ARGV[2] then redis.call('HDEL', KEYS[1], 'x:' .. ARGV[1]) end
+return 1
+"""
+PUBLISH_PINS = """
+redis.call('DEL', KEYS[1])
+for i = 1, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+return 1
 """
 MOVE = """
 local current = redis.call('HGET', KEYS[1], 'p:' .. ARGV[1])
@@ -73,6 +94,9 @@ class ShardMapStore:
         self._announce = self.redis.register_script(ANNOUNCE)
         self._assign = self.redis.register_script(ASSIGN)
         self._move = self.redis.register_script(MOVE)
+        self._assign_external = self.redis.register_script(ASSIGN_EXTERNAL)
+        self._release_external = self.redis.register_script(RELEASE_EXTERNAL)
+        self._publish_pins = self.redis.register_script(PUBLISH_PINS)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -96,9 +120,36 @@ class ShardMapStore:
         return bool(await self._announce(keys=[self.key], args=[shard_id, epoch, address]))
 
     async def assign(self, pool_id: str, shard_id: str, tenant: str) -> str:
-        """Assigns an unassigned pool to `shard_id`; returns the shard that serves it (maybe another)."""
+        """Assigns an unassigned pool to `shard_id`; returns the shard that serves it (maybe another), or
+        TAKEN when an external pool holds the id."""
         current = await self._assign(keys=[self.key], args=[pool_id, shard_id, tenant])
         return current.decode().partition(" ")[0]
+
+    async def assign_external(self, pool_id: str, shard_id: str, tenant: str) -> tuple[str, str]:
+        """Records an external pool's id for `shard_id` unless held; returns (its shard, tenant), or
+        (TAKEN, "") when a kvservice pool holds the id."""
+        current = (await self._assign_external(keys=[self.key], args=[pool_id, shard_id, tenant])).decode()
+        shard, _, owner = current.partition(" ")
+        return shard, owner
+
+    async def release_external(self, pool_id: str, shard_id: str) -> None:
+        """Frees an external pool's id, if `shard_id` holds it."""
+        await self._release_external(keys=[self.key], args=[pool_id, shard_id])
+
+    def pins_key(self, pool_id: str) -> str:
+        return f"{self.key}:pins:{pool_id}"
+
+    async def publish_pins(self, pool_id: str, pins: dict[str, str]) -> None:
+        """Replaces what is published of the pool's live pins (pin key -> "<tokens> <block ids>")."""
+        await self._publish_pins(keys=[self.pins_key(pool_id)], args=[x for kv in sorted(pins.items()) for x in kv])
+
+    async def pins(self, pool_id: str) -> dict[str, tuple[int, list[int]]]:
+        """The pool's published live pins: pin key -> (tokens, block ids)."""
+        out = {}
+        for key, value in (await self.redis.hgetall(self.pins_key(pool_id))).items():
+            tokens, _, blocks = value.decode().partition(" ")
+            out[key.decode()] = (int(tokens), [int(b) for b in blocks.split(",") if b])
+        return out
 
     async def move(self, pool_id: str, from_shard: str, to_shard: str) -> bool:
         """Reassigns the pool, only if `from_shard` serves it."""

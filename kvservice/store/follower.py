@@ -20,6 +20,7 @@ from kvservice.store.recovery import recover
 from kvservice.store.redis_store import RedisStore
 
 logger = logging.getLogger(__name__)
+CHUNK = 10_000  # WAL entries one read applies at most
 
 
 def _id(entry_id: bytes) -> tuple[int, int]:
@@ -34,6 +35,8 @@ class Follower:
         self.last_id: bytes | None = None  # the last WAL entry applied
         self.consistent = False  # the state equals the leader's as of last_id
         self.applied = 0
+        self.lag_entries = 0  # WAL entries the last poll found unapplied (at most one read's CHUNK)
+        self.caught_up_at: float | None = None  # monotonic time it last had applied every entry it found
         self._snapshots_seen = -1
 
     async def load(self) -> bool:
@@ -58,13 +61,16 @@ class Follower:
             if not await self.load():
                 return 0
         start = b"(" + self.last_id if self.last_id else b"-"
-        chunk = await self.store.redis.xrange(self.store.k_wal, min=start, max="+", count=10_000)
+        chunk = await self.store.redis.xrange(self.store.k_wal, min=start, max="+", count=CHUNK)
+        self.lag_entries = len(chunk)
         if not chunk:
             newest = await self.store.redis.xrevrange(self.store.k_wal, count=1)
             if self.last_id and (not newest or _id(newest[0][0]) < _id(self.last_id)):
                 # The entry a snapshot covers stays in the stream: an emptier one means Redis lost its data.
                 logger.warning("the WAL went back (Redis lost its data): reloading from the next snapshot")
                 self.consistent = False
+            else:
+                self.caught_up_at = time.monotonic()
             return 0
         now = time.monotonic()
         settings = self.allocator.settings
@@ -77,6 +83,8 @@ class Follower:
             self.allocator.apply(wal.decode(raw, settings.hash_block_size), now)
             self.last_id = entry_id
             self.applied += 1
+        if len(chunk) < CHUNK:
+            self.caught_up_at = time.monotonic()
         return len(chunk)
 
     async def follow_until_lapse(self, lease_s: float, poll_s: float = 0.1) -> None:
