@@ -11,6 +11,9 @@ from pathlib import Path
 
 from kvservice.settings import AllocatorSettings, ServerSettings, add_arguments, from_args
 
+STATUS_FAILED = 1  # `kvservice status`: nothing answered
+STATUS_DEGRADED = 3  # `kvservice status`: some shards answered, others are down
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvservice", description="Distributed KV-cache service for LLM serving")
@@ -21,7 +24,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(serve, ServerSettings)
     add_arguments(serve, AllocatorSettings)
 
-    status = sub.add_parser("status", help="print pools, usage and hit rate")
+    status = sub.add_parser("status", help="print pools, usage and hit rate",
+                            description="Pools, usage and hit rate of an allocator (sharded: of every shard, and "
+                                        "each shard's state).",
+                            epilog=f"exit status: 0 every shard answered; {STATUS_DEGRADED} degraded: some shards "
+                                   f"did not answer (listed as down; the others' pools are shown); {STATUS_FAILED} "
+                                   "nothing answered (or the call was refused); 2 bad usage")
     status.add_argument("--target", default="127.0.0.1:50051", help="the allocator (default: %(default)s)")
     status.add_argument("--token", help="bearer token (a line of the server's --token-file)")
     status.add_argument("--token-file", help="read the bearer token from this file (its first token)")
@@ -67,6 +75,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from kvservice.client import KVServiceClient
+    from kvservice.client.base import merge_stats
     from kvservice.errors import Code, KVServiceError
     token = args.token
     if token is None and args.token_file:
@@ -74,14 +83,17 @@ def cmd_status(args: argparse.Namespace) -> int:
     try:
         with KVServiceClient(args.target, token, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
                              retries=1, timeout_s=5) as client:
-            stats = client.get_stats(check_invariants=args.check_invariants)
+            per_shard = client.shard_stats(check_invariants=args.check_invariants, missing_ok=True)
+            addresses = {c.shard_id: c.address for c in client.shards.all()}
     except KVServiceError as exc:
         hint = ""
         if exc.code is Code.UNAVAILABLE:
             hint = (" (unavailable: is it listening there, and does it want TLS? --tls-ca for TLS, plus "
                     "--tls-cert/--tls-key when the server has --tls-ca)")
         print(f"kvservice at {args.target}: {exc.code.name}: {exc}{hint}", file=sys.stderr)
-        return 1
+        return STATUS_FAILED
+    down = {s: e for s, e in per_shard.items() if isinstance(e, KVServiceError)}
+    stats = merge_stats([s for s in per_shard.values() if not isinstance(s, KVServiceError)])
     print(f"kvservice at {args.target}: {len(stats.pools)} pools, {stats.num_sessions} sessions, "
           f"persistence {stats.persistence}, hash spec {stats.hash_fingerprint} (block {stats.hash_block_size})")
     rows = [("pool", "epoch", "blocks", "free", "usage", "requests", "cached", "hit rate", "evictions", "invariants")]
@@ -92,6 +104,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    if len(per_shard) > 1 or down:
+        for shard_id, s in per_shard.items():
+            state = (f"down ({s.code.name}: {s}); its pools are not listed" if shard_id in down
+                     else f"up, {len(s.pools)} pools, persistence {s.persistence}")
+            print(f"shard {shard_id} at {addresses.get(shard_id, '?')}: {state}")
+    if down:
+        print(f"kvservice at {args.target}: degraded: {len(down)} of {len(per_shard)} shards did not answer "
+              f"({', '.join(sorted(down))})", file=sys.stderr)
+        return STATUS_DEGRADED
     return 0
 
 

@@ -61,6 +61,9 @@ def best_pool(hits: list[PoolHit], first_block_hash: bytes | None) -> str:
 class LookupResult:
     hits: list[PoolHit]
     best_pool_id: str
+    # Sharded fan-out: the shards that did not answer (down, or slower than the client's fan_out_grace_s):
+    # their pools are not in `hits`, and best_pool_id is the best of the pools that answered.
+    missing_shards: list[str] = field(default_factory=list)
 
     def tokens(self, pool_id: str) -> int:
         return next((h.num_cached_tokens for h in self.hits if h.pool_id == pool_id), 0)
@@ -100,6 +103,7 @@ class PoolStats:
     invariant_violation: str
     num_pending_transfers: int = 0
     plain_prefix: bool = False  # a replica of the index answers its Lookup exactly (kvservice.client.index)
+    moving_to: str = ""  # frozen by a pool move on its way to this shard
 
 
 @dataclass(slots=True)

@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
+from typing import Any
 
 import grpc
 
@@ -20,8 +22,8 @@ from kvservice.client.base import (
     ConnectionReplaced,
     replaced_under,
 )
-from kvservice.client.routing import Conn
-from kvservice.errors import Moved, NotFound, Unavailable
+from kvservice.client.routing import Conn, make_stub
+from kvservice.errors import DeadlineExceeded, KVServiceError, Moved, NotFound, Unavailable
 from kvservice.results import Event
 from kvservice.wire import replies
 from kvservice.wire.status import from_rpc_error
@@ -35,6 +37,7 @@ class AsyncKVServiceClient(ClientBase):
         self._setup(grpc.aio, target, token, **options)
         self._lock = asyncio.Lock()
         self._renewer: asyncio.Task | None = None
+        self._refresher: asyncio.Task | None = None  # a background map refresh (after a partial fan-out)
 
     async def __aenter__(self) -> AsyncKVServiceClient:
         return self
@@ -43,10 +46,11 @@ class AsyncKVServiceClient(ClientBase):
         await self.close()
 
     async def close(self) -> None:
-        if self._renewer is not None:
-            self._renewer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._renewer
+        for task in (self._renewer, self._refresher):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
         for channel in self.shards.channels():
             await channel.close()
 
@@ -104,14 +108,21 @@ class AsyncKVServiceClient(ClientBase):
     async def _run(self, call: Call):
         shards = self.shards
         if not shards.known and call.method != "GetShardMap":
-            await self._refresh_map(shards.seed)
+            await self._first_map()
+        if call.locate and shards.unplaced(call.locate):
+            await self.shard_stats(missing_ok=True)  # where the external pools among them live
+        if call.merge is not None and call.partial and not shards.sharded and call.conn is None:
+            value = await self._run(replace(call, merge=None, partial=False, always_merge=False))
+            return self._merge(call, [(shards.seed, value)])  # one allocator: its retries and failover
         if call.merge is not None and (shards.sharded or call.always_merge) and call.conn is None:
-            calls = []
-            for conn in shards.all():
-                request = call.per_shard(conn) if call.per_shard is not None else call.request
-                if request is not None:
-                    calls.append(self._run(Call(call.method, request, call.decode, conn=conn)))
-            return call.merge(list(await asyncio.gather(*calls)))
+            parts = [(conn, call.per_shard(conn) if call.per_shard is not None else call.request)
+                     for conn in shards.all()]
+            parts = [(conn, request) for conn, request in parts if request is not None]
+            if call.partial:
+                return self._merge(call, await self._fan_out_partial(call, parts))
+            results = await asyncio.gather(*(self._run(Call(call.method, request, call.decode, conn=conn))
+                                             for conn, request in parts))
+            return self._merge(call, [(conn, r) for (conn, _), r in zip(parts, results)])
         hops, deadline = 0, None
         while True:
             conn = call.conn or shards.conn_for(call.pool_id)
@@ -132,6 +143,65 @@ class AsyncKVServiceClient(ClientBase):
                 deadline = deadline or time.monotonic() + self.failover_timeout_s
                 if not self._may_fail_over(exc) or not await self._failed_over(conn, deadline):
                     raise
+
+    async def _fan_out_partial(self, call: Call, parts: list) -> list[tuple[Conn, Any]]:
+        """As the blocking client's partial fan-out: every shard at once, one attempt each; a shard down, or
+        silent `fan_out_grace_s` past the latest answer (timeout_s at most), gets its error as its result."""
+        async def one(conn: Conn, request):
+            try:
+                return call.decode(await self._call(conn, call.method, request, retries=0))
+            except grpc.RpcError as err:
+                if err.code() not in RETRYABLE:
+                    raise from_rpc_error(err) from None  # the shard refused it: that is the answer
+                return from_rpc_error(err)
+
+        tasks = [asyncio.ensure_future(one(conn, request)) for conn, request in parts]
+        deadline, last = time.monotonic() + self.timeout_s, None
+        pending = set(tasks)
+        while pending:
+            limit = min(deadline, last + self.fan_out_grace_s) if last is not None else deadline
+            if time.monotonic() >= limit:
+                break
+            done, pending = await asyncio.wait(pending, timeout=limit - time.monotonic(),
+                                               return_when=asyncio.FIRST_COMPLETED)
+            if any(not t.exception() and not isinstance(t.result(), KVServiceError) for t in done):
+                last = time.monotonic()
+        for t in pending:
+            t.cancel()
+        out = []
+        for (conn, _), t in zip(parts, tasks):
+            if t in pending:
+                out.append((conn, Unavailable(f"shard {conn.shard_id!r} at {conn.address} did not answer "
+                                              f"{call.method} within {self.fan_out_grace_s} s of the other shards "
+                                              f"(fan_out_grace_s)")))
+            else:
+                out.append((conn, t.result()))  # a refusal raises here
+        if any(isinstance(v, KVServiceError) for _, v in out) and (self._refresher is None or self._refresher.done()):
+            self._refresher = asyncio.get_running_loop().create_task(self.refresh_shard_map())
+        return out
+
+    async def _first_map(self) -> None:
+        """The map from the first seed or, failing it, from any other address of the target."""
+        if await self._refresh_map(self.shards.seed) or self.shards.known:
+            return
+        spares = self.shards.spare_seeds()
+        try:
+            for conn in spares:
+                if await self._refresh_map(conn, retries=0):
+                    return
+        finally:
+            await self._close([c.channel for c in spares])
+
+    async def refresh_shard_map(self) -> bool:
+        """Reads the shard map again (from any shard, or any address known); False if none answered."""
+        spares = self.shards.spare_seeds()
+        try:
+            for conn in [*self.shards.all(), *spares]:
+                if await self._refresh_map(conn, retries=0):
+                    return True
+            return False
+        finally:
+            await self._close([c.channel for c in spares])
 
     async def _refresh_map(self, conn: Conn, retries: int | None = None) -> bool:
         try:
@@ -179,18 +249,47 @@ class AsyncKVServiceClient(ClientBase):
             self._renewer = asyncio.get_running_loop().create_task(self._renew())
 
     async def _renew(self) -> None:
+        """As the blocking client's: a shard whose leader is gone is looked for, and renewed there at once."""
         lapsed: set[tuple[str, str]] = set()
         while True:
             await asyncio.sleep(max(self.ttl_s / 3, 0.05))
             for conn in self.shards.all():
                 if not conn.attached or (conn.shard_id, self.session_id) in lapsed:
                     continue
-                try:
-                    await conn.stub.Heartbeat(pb.HeartbeatRequest(session_id=self.session_id),
-                                              timeout=self.timeout_s, metadata=self.metadata)
-                except grpc.RpcError as err:
-                    if isinstance(from_rpc_error(err), NotFound):
-                        lapsed.add((conn.shard_id, self.session_id))
+                with contextlib.suppress(ValueError, grpc.aio.UsageError):  # a channel closed under it
+                    if not await self._heartbeat(conn, lapsed):
+                        await self._find_leader(conn)
+                        await self._heartbeat(conn, lapsed)
+
+    async def _heartbeat(self, conn: Conn, lapsed: set) -> bool:
+        try:
+            await conn.stub.Heartbeat(pb.HeartbeatRequest(session_id=self.session_id), timeout=self.timeout_s,
+                                      metadata=self.metadata)
+        except grpc.RpcError as err:
+            error = from_rpc_error(err)
+            if isinstance(error, NotFound):
+                lapsed.add((conn.shard_id, self.session_id))
+            return not isinstance(error, (Unavailable, DeadlineExceeded))
+        return True
+
+    async def _find_leader(self, conn: Conn) -> None:
+        """As the blocking client's."""
+        if self.shards.sharded:
+            await self.refresh_shard_map()
+            return
+        for address in list(self.shards.alternates):
+            channel = self.shards.make_channel(address)
+            try:
+                await make_stub(channel).Heartbeat(pb.HeartbeatRequest(session_id=self.session_id),
+                                                   timeout=min(self.timeout_s, 5), metadata=self.metadata)
+            except grpc.RpcError as err:
+                if not isinstance(from_rpc_error(err), NotFound):
+                    continue
+            finally:
+                await channel.close()
+            if address in self.shards.alternates:
+                await self._close([self.shards.switch(conn, address)])
+            return
 
     async def watch_events(self, pool_ids: Sequence[str] = (), start_sequence: int | None = None, *,
                            shard_id: str | None = None, include_state: bool = False) -> AsyncIterator[Event]:

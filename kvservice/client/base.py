@@ -5,11 +5,14 @@ Each API method builds a `Call` (the RPC's name, its request, how to decode the 
 mutation, the pool it is about) and hands it to `_run`, which the blocking client runs to the result and
 the asyncio client returns as a coroutine. So `client.step(...)` and `await aclient.step(...)` are the same
 method. Against a sharded allocator a call goes to the shard serving its pool (`routing.Shards`); calls
-about no pool in particular (GetStats, Lookup, ResetPrefixCache) go to every shard and are merged.
+about no pool in particular (GetStats, Lookup, ResetPrefixCache) go to every shard and are merged. A
+`partial` one (Lookup) answers from the shards that answered: a shard down or silent for `fan_out_grace_s`
+past the others' answers is named in the result (`missing_shards`) and counted (`unanswered_lookups`).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,7 +24,7 @@ from kvservice._proto import allocator_pb2 as pb
 from kvservice.client.routing import SERVICE_NAME, Conn, Shards
 from kvservice.commands import VllmOptions
 from kvservice.core import KVCacheConfig
-from kvservice.errors import InvalidArgument
+from kvservice.errors import InvalidArgument, KVServiceError
 from kvservice.hashing import DEFAULT_HASH_BLOCK_SIZE, DEFAULT_HASH_SEED, HashSpec, hash_prompt, spec_fingerprint
 from kvservice.ops import AddRequestOp, AllocateOp, Op
 from kvservice.results import LookupResult, SessionOpened, Stats, best_pool
@@ -67,6 +70,10 @@ class Call:
     merge: Callable[[list], Any] | None = None  # about no pool: run on every shard, merge the results
     per_shard: Callable[[Conn], Any] | None = None  # with merge: the request for one shard (None: skip it)
     always_merge: bool = False  # merge an unsharded allocator's one result too
+    # with merge, sharded: a shard that is down, or silent for fan_out_grace_s past the others' answers, is
+    # left out instead of waited for; merge(answers, missing) gets {shard: result}, {shard: KVServiceError}
+    partial: bool = False
+    locate: tuple[str, ...] = ()  # pools to find first when no map names them (external pools: GetStats)
 
 
 def channel_credentials(tls_ca: str | None, tls_cert: str | None, tls_key: str | None):
@@ -80,9 +87,10 @@ _SEVERITY = ["ok", "off", "resyncing", "degraded", "down", "fenced"]
 def merge_stats(parts: list[Stats]) -> Stats:
     """GetStats over every shard: their pools, sessions and counters together, the worst persistence state."""
     first = parts[0]
-    out = replace(first, pools={}, num_sessions=0, lease_expiries=0)
+    out = replace(first, pools={}, num_sessions=0, lease_expiries=0, external_pools={})
     for s in parts:
         out.pools.update(s.pools)
+        out.external_pools.update(s.external_pools)
         out.num_sessions += s.num_sessions
         out.lease_expiries += s.lease_expiries
         if _SEVERITY.index(s.persistence if s.persistence in _SEVERITY else "down") > _SEVERITY.index(
@@ -95,13 +103,15 @@ class ClientBase:
     """Options: client_name, tls_ca / tls_cert / tls_key (TLS, mutual with a cert), timeout_s (10),
     retries (4), hash_seed, hash_block_size (the server's hash spec), max_message_bytes, heartbeat
     (True: renew the session's lease in the background while the client is open), failover_timeout_s (15:
-    how long a call waits for a failed shard's standby to take over)."""
+    how long a call waits for a failed shard's standby to take over), fan_out_grace_s (0.5: how long a
+    Lookup over the shards waits for those that have not answered once the others have; they are then
+    named in `LookupResult.missing_shards` and counted in `unanswered_lookups`)."""
 
     def _setup(self, grpc_module, target: str, token: str | None, *, client_name: str = "",
                tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
                timeout_s: float = 10.0, retries: int = 4, hash_seed: str = DEFAULT_HASH_SEED,
                hash_block_size: int = DEFAULT_HASH_BLOCK_SIZE, max_message_bytes: int = 64 * 1024 * 1024,
-               heartbeat: bool = True, failover_timeout_s: float = 15.0) -> None:
+               heartbeat: bool = True, failover_timeout_s: float = 15.0, fan_out_grace_s: float = 0.5) -> None:
         """`grpc_module` is grpc (blocking) or grpc.aio; `target` any shard (or the only allocator), or several
         comma-separated addresses (an allocator and its standbys)."""
         options = [("grpc.max_receive_message_length", max_message_bytes),
@@ -121,6 +131,8 @@ class ClientBase:
         self.hash_block_size = hash_block_size
         self.heartbeat_enabled = heartbeat
         self.failover_timeout_s = failover_timeout_s
+        self.fan_out_grace_s = fan_out_grace_s
+        self.unanswered_lookups: Counter[str] = Counter()  # shard id -> Lookups answered without it
         self.session_id = ""
         self.tenant = ""
         self.ttl_s = 0.0
@@ -148,6 +160,22 @@ class ClientBase:
 
     def _run(self, call: Call):  # pragma: no cover - each client defines it
         raise NotImplementedError
+
+    def _merge(self, call: Call, outcomes: list[tuple[Conn, Any]]):
+        """A fan-out's results (a partial call's failed shards: their KVServiceError) merged. GetStats replies
+        also say where each external pool lives (the shard map does not)."""
+        for conn, value in outcomes:
+            if isinstance(value, Stats) and self.shards.sharded:
+                self.shards.external.update(dict.fromkeys(value.external_pools, conn.shard_id))
+        if not call.partial:
+            return call.merge([value for _, value in outcomes])
+        answers = {c.shard_id: v for c, v in outcomes if not isinstance(v, KVServiceError)}
+        missing = {c.shard_id: v for c, v in outcomes if isinstance(v, KVServiceError)}
+        if missing and not answers:
+            raise next(iter(missing.values()))
+        if call.method == "Lookup":
+            self.unanswered_lookups.update(list(missing))
+        return call.merge(answers, missing)
 
     # ---- session bookkeeping -------------------------------------------------------------------
     def _session_call(self, conn: Conn, fresh: bool = False) -> Call:
@@ -257,7 +285,9 @@ class ClientBase:
                num_tokens: int = 0, cache_salt: str | None = None, lora_name: str | None = None,
                pool_ids: Sequence[str] = ()):
         """Per pool (this tenant's; `pool_ids`: these), the prefix tokens cached, and where a KV-aware router
-        sends the prompt. Sharded: every shard answers for its pools, the best pool is chosen over all."""
+        sends the prompt. Sharded: every shard answers for its pools, the best pool is chosen over all; a
+        shard down (or `fan_out_grace_s` slower than the others) is left out and named in `missing_shards`
+        (UNAVAILABLE only when no shard answered)."""
         msg = encode.lookup_request(token_ids, block_hashes, num_tokens, cache_salt, lora_name, pool_ids)
 
         def per_shard(conn: Conn):
@@ -267,13 +297,14 @@ class ClientBase:
             return encode.lookup_request(token_ids, block_hashes, num_tokens, cache_salt, lora_name, mine) \
                 if mine else None
 
-        def merge(parts: list[LookupResult]) -> LookupResult:
-            hits = [h for part in parts for h in part.hits]
+        def merge(answers: dict[str, LookupResult], missing: dict) -> LookupResult:
+            hits = [h for part in answers.values() for h in part.hits]
             first = block_hashes[0] if block_hashes else (self.hash_prompt(token_ids[:self.hash_block_size],
                                                                            cache_salt, lora_name) or [None])[0]
-            return LookupResult(hits, best_pool(hits, first))
+            return LookupResult(hits, best_pool(hits, first), sorted(missing))
 
-        return self._run(Call("Lookup", msg, replies.decode_lookup, merge=merge, per_shard=per_shard))
+        return self._run(Call("Lookup", msg, replies.decode_lookup, merge=merge, per_shard=per_shard, partial=True,
+                              locate=tuple(pool_ids)))
 
     def heartbeat(self):
         """Renews the session's lease (the client does this in the background while it is open)."""
@@ -286,9 +317,16 @@ class ClientBase:
         msg = pb.GetStatsRequest(check_invariants=check_invariants, include_state_digest=include_state_digest)
         return self._run(Call("GetStats", msg, replies.decode_stats, merge=merge_stats))
 
-    def shard_stats(self):
-        """GetStats of each shard on its own: shard id -> Stats ("" for an unsharded allocator)."""
-        return self._run(Call("GetStats", pb.GetStatsRequest(), replies.decode_stats, always_merge=True,
+    def shard_stats(self, check_invariants: bool = False, missing_ok: bool = False):
+        """GetStats of each shard on its own: shard id -> Stats ("" for an unsharded allocator). `missing_ok`:
+        a shard that did not answer maps to its error (a KVServiceError) instead of failing the call."""
+        msg = pb.GetStatsRequest(check_invariants=check_invariants)
+        if missing_ok:
+            return self._run(Call("GetStats", msg, replies.decode_stats, always_merge=True, partial=True,
+                                  merge=lambda answers, missing: {c.shard_id: answers.get(c.shard_id,
+                                                                                         missing.get(c.shard_id))
+                                                                  for c in self.shards.all()}))
+        return self._run(Call("GetStats", msg, replies.decode_stats, always_merge=True,
                               merge=lambda parts: dict(zip((c.shard_id for c in self.shards.all()), parts))))
 
     def reset_prefix_cache(self, pool_ids: Sequence[str] = ()):
@@ -300,7 +338,7 @@ class ClientBase:
 
         return self._run(Call("ResetPrefixCache", msg, lambda r: (list(r.reset_pool_ids), list(r.refused_pool_ids)),
                               merge=lambda parts: ([p for d, _ in parts for p in d], [p for _, r in parts for p in r]),
-                              per_shard=per_shard))
+                              per_shard=per_shard, locate=tuple(pool_ids)))
 
     def shard_map(self) -> pb.ShardMapResponse:
         """The shard map (unsharded: one unnamed shard), from the first shard (or, failing it, another)."""
@@ -311,15 +349,19 @@ class ClientBase:
                                hash_algo: str = "sha256", hash_seed: str | None = None, bind: bool = False,
                                topic: str = "", max_blocks: int = 0):
         """Subscribes the allocator to a vLLM engine's KV events (its --kv-events-config `endpoint` and
-        `replay_endpoint`); its blocks then answer Lookup as pool `pool_id`. Returns (registration, new)."""
+        `replay_endpoint`); its blocks then answer Lookup as pool `pool_id`. Returns (registration, new).
+        Sharded: on the shard already subscribed to `pool_id` (a re-registration), else the first shard."""
         spec = pb.ExternalPoolSpec(pool_id=pool_id, endpoint=endpoint, replay_endpoint=replay_endpoint,
                                    block_size=block_size, hash_algo=hash_algo, hash_seed=hash_seed or "",
                                    has_hash_seed=hash_seed is not None, bind=bind, topic=topic, max_blocks=max_blocks)
         return self._run(Call("RegisterExternalPool", pb.RegisterExternalPoolRequest(spec=spec),
-                              lambda r: (r.registration, r.new_registration)))
+                              lambda r: (r.registration, r.new_registration), pool_id=pool_id, locate=(pool_id,)))
 
     def remove_external_pool(self, pool_id: str):
-        return self._run(Call("RemoveExternalPool", pb.RemoveExternalPoolRequest(pool_id=pool_id), lambda r: None))
+        """Sharded: on the shard subscribed to it (GetStats over the shards says which)."""
+        return self._run(Call("RemoveExternalPool", pb.RemoveExternalPoolRequest(pool_id=pool_id),
+                              lambda r: self.shards.external.pop(pool_id, None) and None, pool_id=pool_id,
+                              locate=(pool_id,)))
 
     def hash_prompt(self, token_ids: Sequence[int], cache_salt: str | None = None,
                     lora_name: str | None = None) -> list[bytes]:

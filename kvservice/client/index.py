@@ -104,10 +104,12 @@ class PrefixIndex:
                     n += 1
                 stats = self._stats[pool_id]
                 hits.append(PoolHit(pool_id, n * bs, stats.num_free_blocks, len(held)))
+        missing = []
         if remote:
             self.remote_lookups += 1
-            hits += self.client.lookup(token_ids, block_hashes, num_tokens, cache_salt, lora_name, remote).hits
-        return LookupResult(hits, best_pool(hits, raw[0] if raw else None))
+            answer = self.client.lookup(token_ids, block_hashes, num_tokens, cache_salt, lora_name, remote)
+            hits, missing = hits + answer.hits, answer.missing_shards
+        return LookupResult(hits, best_pool(hits, raw[0] if raw else None), missing)
 
     def _local(self, pool_id: str) -> dict[bytes, int] | None:
         """The pool's replicated hashes, or None when this replica cannot answer for it now."""

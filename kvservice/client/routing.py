@@ -53,19 +53,34 @@ class Shards:
     conns: dict[str, Conn] = field(default_factory=dict)  # shard id -> connection
     pools: dict[str, str] = field(default_factory=dict)  # pool id -> shard id
     alternates: list[str] = field(default_factory=list)  # more addresses of an unsharded allocator (standbys)
+    # Every address this client may find a leader at: the target's (the first seed too: a leader restarted
+    # there after its standby took over), then each one a map or a redirect named. Never forgotten.
+    addresses: list[str] = field(default_factory=list)
+    external: dict[str, str] = field(default_factory=dict)  # external pool id -> shard id (GetStats says)
 
     @classmethod
     def start(cls, target: str, make_channel: Callable[[str], Any]) -> Shards:
         """`target`: an address, or several comma-separated (a leader and its standbys; any shard)."""
         addresses = [a.strip() for a in target.split(",") if a.strip()]
         channel = make_channel(addresses[0])
-        return cls(make_channel, Conn("", addresses[0], channel, make_stub(channel)), alternates=addresses[1:])
+        return cls(make_channel, Conn("", addresses[0], channel, make_stub(channel)), alternates=addresses[1:],
+                   addresses=list(dict.fromkeys(addresses)))
+
+    def learn(self, address: str) -> None:
+        if address and address not in self.addresses:
+            self.addresses.append(address)
 
     def rotate(self, conn: Conn) -> Any:
         """An unsharded allocator's next address (its standby may lead now); returns the retired channel."""
+        return self.switch(conn, self.alternates[0])
+
+    def switch(self, conn: Conn, address: str) -> Any:
+        """An unsharded allocator's connection to `address` (one of its alternates, found leading); returns
+        the retired channel."""
+        self.alternates.remove(address)
         self.alternates.append(conn.address)
         retired = conn.channel
-        conn.address = self.alternates.pop(0)
+        conn.address = address
         conn.channel = self.make_channel(conn.address)
         conn.stub, conn.stale = make_stub(conn.channel), conn.attached
         return retired
@@ -73,8 +88,12 @@ class Shards:
     def conn_for(self, pool_id: str | None) -> Conn:
         if not self.sharded or pool_id is None:
             return self.seed
-        shard = self.pools.get(pool_id)
+        shard = self.pools.get(pool_id, self.external.get(pool_id))
         return self.conns.get(shard, self.seed) if shard is not None else self.seed
+
+    def unplaced(self, pool_ids) -> bool:
+        """Whether some of `pool_ids` are in neither the map nor the external pools seen (sharded)."""
+        return self.sharded and any(p not in self.pools and p not in self.external for p in pool_ids)
 
     def all(self) -> list[Conn]:
         return list(self.conns.values()) if self.sharded else [self.seed]
@@ -93,6 +112,7 @@ class Shards:
             self.conns[reply.shard_id] = self.seed
         retired = []
         for info in reply.shards:
+            self.learn(info.address)
             conn = self.conns.get(info.shard_id)
             if conn is None:
                 channel = self.make_channel(info.address)
@@ -107,6 +127,7 @@ class Shards:
 
     def moved(self, pool_id: str, shard_id: str, address: str) -> list[Any]:
         """A redirect: `pool_id` is served by `shard_id` at `address`."""
+        self.learn(address)
         self.pools[pool_id] = shard_id
         conn = self.conns.get(shard_id)
         if conn is None:
@@ -120,12 +141,12 @@ class Shards:
         return []
 
     def spare_seeds(self) -> list[Conn]:
-        """Fresh connections to the seed addresses no shard is reached at now (e.g. a single shard's standby,
-        named only in the target): whom to ask for the map when every known shard is down. The caller
-        closes their channels."""
+        """Fresh connections to every address (the target's, and each one learned) no shard is reached at now:
+        a single shard's standby named only in the target, its old leader restarted at the first seed. Whom
+        to ask for the map when every known shard is down. The caller closes their channels."""
         used = {c.address for c in self.all()}
         out = []
-        for address in dict.fromkeys(self.alternates):
+        for address in list(self.addresses):
             if address not in used:
                 channel = self.make_channel(address)
                 out.append(Conn("", address, channel, make_stub(channel)))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from typing import Any
 
 import grpc
 
@@ -19,8 +21,8 @@ from kvservice.client.base import (
     ConnectionReplaced,
     replaced_under,
 )
-from kvservice.client.routing import Conn
-from kvservice.errors import Moved, NotFound, Unavailable
+from kvservice.client.routing import Conn, make_stub
+from kvservice.errors import DeadlineExceeded, Moved, NotFound, Unavailable
 from kvservice.results import Event
 from kvservice.wire import replies
 from kvservice.wire.status import from_rpc_error
@@ -35,6 +37,7 @@ class KVServiceClient(ClientBase):
         self._closed = threading.Event()
         self._map_lock = threading.Lock()  # the map changes from any thread (a PrefixIndex's, the lease's)
         self._renewer: threading.Thread | None = None
+        self._refreshing = threading.Lock()  # one background map refresh at a time
 
     def __enter__(self) -> KVServiceClient:
         return self
@@ -96,9 +99,14 @@ class KVServiceClient(ClientBase):
     def _run(self, call: Call):
         shards = self.shards
         if not shards.known and call.method != "GetShardMap":
-            self._refresh_map(shards.seed)
+            self._first_map()
+        if call.locate and shards.unplaced(call.locate):
+            self.shard_stats(missing_ok=True)  # where the external pools among them live
+        if call.merge is not None and call.partial and not shards.sharded and call.conn is None:
+            value = self._run(replace(call, merge=None, partial=False, always_merge=False))
+            return self._merge(call, [(shards.seed, value)])  # one allocator: its retries and failover
         if call.merge is not None and (shards.sharded or call.always_merge) and call.conn is None:
-            return call.merge(self._fan_out(call))
+            return self._merge(call, self._fan_out(call))
         hops, deadline = 0, None
         while True:
             conn = call.conn or shards.conn_for(call.pool_id)
@@ -121,30 +129,102 @@ class KVServiceClient(ClientBase):
                 if not self._may_fail_over(exc) or not self._failed_over(conn, deadline):
                     raise
 
-    def _fan_out(self, call: Call) -> list:
-        """`call` on every shard. A read goes to all of them at once (one round trip, not one per shard); a
-        part that fails is run again on its own, through the retries and failover of `_run`."""
+    def _fan_out(self, call: Call) -> list[tuple[Conn, Any]]:
+        """`call` on every shard: (shard, result) each. A read goes to all of them at once (one round trip,
+        not one per shard); a part that fails is run again on its own, through the retries and failover of
+        `_run`, unless the call is partial: then its error is its result (and the map is read again in the
+        background, so that the next call finds a failed-over shard's new leader)."""
         parts = [(conn, call.per_shard(conn) if call.per_shard is not None else call.request)
                  for conn in self.shards.all()]
         parts = [(conn, request) for conn, request in parts if request is not None]
         if call.mutating:
-            return [self._run(Call(call.method, request, call.decode, conn=conn)) for conn, request in parts]
-        futures = []
-        for conn, request in parts:
-            try:
-                futures.append(getattr(conn.stub, call.method).future(request, timeout=self.timeout_s,
-                                                                      metadata=self.metadata))
-            except ValueError:  # its channel was closed just now (a new leader): the retry below uses the new one
-                futures.append(None)
+            return [(conn, self._run(Call(call.method, request, call.decode, conn=conn))) for conn, request in parts]
+        futures = [self._send(conn, call.method, request) for conn, request in parts]
+        if call.partial:
+            return [(conn, self._partial_part(call, conn, request, future))
+                    for (conn, request), future in zip(parts, self._await_partial(call.method, parts, futures))]
         out = []
         for (conn, request), future in zip(parts, futures):
             try:
                 if future is None:
                     raise ConnectionReplaced()
-                out.append(call.decode(future.result()))
+                out.append((conn, call.decode(future.result())))
             except grpc.RpcError:
-                out.append(self._run(Call(call.method, request, call.decode, conn=conn)))
+                out.append((conn, self._run(Call(call.method, request, call.decode, conn=conn))))
         return out
+
+    def _send(self, conn: Conn, method: str, request):
+        try:
+            return getattr(conn.stub, method).future(request, timeout=self.timeout_s, metadata=self.metadata)
+        except ValueError:  # its channel was closed just now (a new leader): the caller retries on the new one
+            return None
+
+    def _await_partial(self, method: str, parts: list, futures: list) -> list:
+        """Waits for the futures until each is done, or `fan_out_grace_s` after the latest success (at most
+        timeout_s in all). A channel closed under its call (a new leader) gets one resend."""
+        futures = [f if f is not None else self._send(conn, method, request)
+                   for (conn, request), f in zip(parts, futures)]
+        woke, answered = threading.Event(), []
+
+        def done(future) -> None:
+            if not future.cancelled() and future.exception() is None:
+                answered.append(time.monotonic())
+            woke.set()
+
+        live = [f for f in futures if f is not None]
+        for f in live:
+            f.add_done_callback(done)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            woke.clear()
+            if all(f.done() for f in live):
+                return futures
+            limit = min(deadline, max(answered) + self.fan_out_grace_s) if answered else deadline
+            if time.monotonic() >= limit:
+                return futures
+            woke.wait(limit - time.monotonic())
+
+    def _partial_part(self, call: Call, conn: Conn, request, future):
+        """A partial fan-out's part: its result, or (the shard down or silent) its error as a value."""
+        if future is None or not future.done():
+            if future is not None:
+                future.cancel()
+            self._refresh_later()
+            return Unavailable(f"shard {conn.shard_id!r} at {conn.address} did not answer {call.method} within "
+                               f"{self.fan_out_grace_s} s of the other shards (fan_out_grace_s)")
+        err = future.exception()
+        if err is None:
+            return call.decode(future.result())
+        if err.code() not in RETRYABLE:
+            raise from_rpc_error(err) from None  # the shard refused it: that is the answer
+        self._refresh_later()
+        return from_rpc_error(err)
+
+    def _refresh_later(self) -> None:
+        """Reads the map again in a thread of its own (a failed-over shard's new leader for the next call)."""
+        if not self._refreshing.acquire(blocking=False):
+            return
+
+        def refresh() -> None:
+            try:
+                if not self._closed.is_set():
+                    self.refresh_shard_map()
+            except Exception:  # the client was closed meanwhile: nothing to refresh
+                pass
+            finally:
+                self._refreshing.release()
+
+        threading.Thread(target=refresh, name="kvservice-map", daemon=True).start()
+
+    def _first_map(self) -> None:
+        """The map from the first seed or, failing it, from any other address of the target."""
+        if self._refresh_map(self.shards.seed) or self.shards.known:
+            return
+        spares = self.shards.spare_seeds()
+        try:
+            any(self._refresh_map(conn, retries=0) for conn in spares)
+        finally:
+            self._close(c.channel for c in spares)
 
     def _refresh_map(self, conn: Conn, retries: int | None = None) -> bool:
         try:
@@ -203,21 +283,54 @@ class KVServiceClient(ClientBase):
 
     def _renew(self) -> None:
         """Heartbeats every shard holding the session, every third of the lease, until closed. A shard that
-        no longer knows the session (it lapsed anyway) is left alone: the next call there says so."""
+        no longer knows the session (it lapsed anyway) is left alone: the next call there says so. One whose
+        leader is gone is looked for at every address known (an idle client's lease must follow a failover
+        as its calls would), and renewed there at once."""
         lapsed: set[tuple[str, str]] = set()
         while not self._closed.wait(max(self.ttl_s / 3, 0.05)):
             for conn in self.shards.all():
                 if not conn.attached or (conn.shard_id, self.session_id) in lapsed:
                     continue
                 try:
-                    conn.stub.Heartbeat(pb.HeartbeatRequest(session_id=self.session_id), timeout=self.timeout_s,
-                                        metadata=self.metadata)
-                except grpc.RpcError as err:
-                    if isinstance(from_rpc_error(err), NotFound):
-                        lapsed.add((conn.shard_id, self.session_id))
+                    if not self._heartbeat(conn, lapsed):
+                        self._find_leader(conn)
+                        self._heartbeat(conn, lapsed)
                 except ValueError:  # the channel was closed under it
                     if self._closed.is_set():
                         return
+
+    def _heartbeat(self, conn: Conn, lapsed: set) -> bool:
+        """False if the shard's leader did not answer (down, a standby, fenced)."""
+        try:
+            conn.stub.Heartbeat(pb.HeartbeatRequest(session_id=self.session_id), timeout=self.timeout_s,
+                                metadata=self.metadata)
+        except grpc.RpcError as err:
+            error = from_rpc_error(err)
+            if isinstance(error, NotFound):
+                lapsed.add((conn.shard_id, self.session_id))
+            return not isinstance(error, (Unavailable, DeadlineExceeded))
+        return True
+
+    def _find_leader(self, conn: Conn) -> None:
+        """Points `conn` at its shard's leader now: from the map (sharded; every address known is asked), or
+        the first of an unsharded allocator's other addresses that takes a heartbeat."""
+        if self.shards.sharded:
+            self.refresh_shard_map()
+            return
+        for address in list(self.shards.alternates):
+            channel = self.shards.make_channel(address)
+            try:
+                make_stub(channel).Heartbeat(pb.HeartbeatRequest(session_id=self.session_id),
+                                             timeout=min(self.timeout_s, 5), metadata=self.metadata)
+            except grpc.RpcError as err:
+                if not isinstance(from_rpc_error(err), NotFound):
+                    continue  # down, or a standby: not the leader
+            finally:
+                channel.close()
+            with self._map_lock:
+                retired = [self.shards.switch(conn, address)] if address in self.shards.alternates else []
+            self._close(retired)
+            return
 
     def watch_events(self, pool_ids: Sequence[str] = (), start_sequence: int | None = None,
                      timeout_s: float | None = None, *, shard_id: str | None = None,

@@ -22,7 +22,7 @@ from kvservice.external.spec import SpecError, parse_flag
 from kvservice.external.subscriber import Feeds
 from kvservice.launch import READY_PREFIX
 from kvservice.server.auth import Authenticator, AuthInterceptor, load_token_file
-from kvservice.server.metrics import Metrics
+from kvservice.server.metrics import LeaderOnly, Metrics
 from kvservice.server.servicer import AllocatorServicer, freeze_long_lived, method_handlers
 from kvservice.server.startup import DataDirLock, StartupError, check_port_free, is_loopback, token_file_for
 from kvservice.settings import ServerSettings
@@ -43,9 +43,12 @@ class AllocatorServer:
         tokens = load_token_file(config.token_file) if config.token_file else None
         self.auth = Authenticator(tokens)
         self.journal = journal or Journal()
-        self.metrics = Metrics(self.allocator, lambda: self.journal, lambda: self.servicer.num_watchers)
+        self.follower = None  # kvservice.store.follower.Follower while this server is a hot standby
+        self.metrics = Metrics(self.allocator, lambda: self.journal, lambda: self.servicer.num_watchers,
+                               lambda: self.follower)
         self.servicer = AllocatorServicer(self.allocator, self.auth, self.metrics, self.journal)
-        self.metrics.registry.register(ExternalCollector(self.allocator, lambda: self.servicer.feeds))
+        self.metrics.registry.register(LeaderOnly(ExternalCollector(self.allocator, lambda: self.servicer.feeds),
+                                                  self.metrics.standby))
         self.journal.write_observer = self.metrics.redis_write.observe
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
@@ -246,6 +249,7 @@ async def _serve_standby(config: ServerSettings, ready_line: bool) -> int:
     follower = Follower(store, config.allocator)
     await follower.load()
     server = AllocatorServer(config, follower.allocator)
+    server.follower = follower
     attach_sharding(server, url)
     who = f"shard {config.shard_id}" if config.shard_id else "the allocator"
     server.servicer.standby = (f"this is the hot standby of {who} (Redis namespace {config.store_namespace}); it "
@@ -275,6 +279,7 @@ async def _serve_standby(config: ServerSettings, ready_line: bool) -> int:
         freeze_long_lived()
         server.lead(store)
         server.servicer.standby = ""
+        server.follower = None
         server.journal.start()
         await server.set_serving(True)
         await server.start_external()  # the old leader's external pools (and --vllm-events): subscribe now
