@@ -162,6 +162,49 @@ def test_dcp_scales_block_size():
         manager(20, SlidingWindowSpec(4, 8), dcp_world_size=2)
 
 
+def test_dcp_shards_full_attention_and_replicates_the_window():
+    """vLLM 0.33.0's per-group `dcp_sharded` (run on vLLM itself: the same ids): under DCP 2 a full-attention
+    block spans 8 tokens, a replicated window's block 4; hashed every 4 tokens, hits on the 8-token LCM."""
+    m = manager(30, FullAttentionSpec(4), SlidingWindowSpec(4, 8, dcp_sharded=False), dcp_world_size=2)
+    assert (m.hash_block_size, m.scheduler_block_size, m.coordinator.group_block_sizes) == (4, 8, (8, 4))
+    a = Request("a", tokens(0, 20), 4)
+    new, _ = admit(m, a)
+    assert new.get_block_ids() == ([1, 2, 3], [4, 5, 6, 7, 8])
+    assert decode(m, a).get_block_ids() == ([], [9])  # 21 tokens: the window's 6th block
+    assert m.get_block_ids("a") == ([1, 2, 3], [0, 0, 0, 7, 8, 9])  # blocks before position 13 freed
+    for _ in range(3):
+        decode(m, a)
+    assert m.get_block_ids("a") == ([1, 2, 3], [0, 0, 0, 0, 8, 9])
+    assert decode(m, a).get_block_ids() == ([10], [11])  # 25 tokens: a new block in each group
+    assert free_ids(m)[:3] == [12, 13, 14]
+    b = Request("b", tokens(0, 20), 4)
+    hits, n = m.get_computed_blocks(b)
+    assert n == 16 and hits.get_block_ids() == ([1, 2], [0, 0, 6, 7])  # the window's freed blocks, still cached
+    assert m.allocate_slots(b, 4, n, hits).get_block_ids() == ([12], [13])
+    c = Request("c", tokens(0, 14), 4)
+    assert m.get_computed_blocks(c)[0].get_block_ids() == ([1], [4, 5])  # 8 tokens: the LCM boundary
+    check_invariants(m)
+    m.free(a)
+    m.free(b)
+    assert free_ids(m)[:5] == [13, 12, 11, 10, 14]
+    check_invariants(m)
+
+
+def test_dcp_window_only_pool_is_not_scaled():
+    """Every layer windowed (Mistral): the one group is replicated, so DCP leaves its blocks at 4 tokens."""
+    m = manager(12, SlidingWindowSpec(4, 8, dcp_sharded=False), dcp_world_size=2)
+    assert (m.hash_block_size, m.scheduler_block_size) == (4, 4)
+    a = Request("a", tokens(0, 14), 4)
+    assert admit(m, a)[0].get_block_ids() == ([1, 2, 3, 4],)
+    for _ in range(4):
+        decode(m, a)
+    assert m.get_block_ids("a") == ([0, 0, 3, 4, 5],)
+    assert free_ids(m) == [6, 7, 8, 9, 10, 11, 1, 2]
+    hits, n = m.get_computed_blocks(Request("b", tokens(0, 14), 4))
+    assert n == 12 and hits.get_block_ids() == ([0, 2, 3],)
+    check_invariants(m)
+
+
 def test_hash_block_size_must_divide_every_group():
     with pytest.raises(ValueError, match="must be a multiple of hash_block_size 16"):
         KVCacheManager(KVCacheConfig(10, [FullAttentionSpec(8)]), 100, hash_block_size=16)

@@ -55,11 +55,6 @@ def test_unsupported_config_fields_are_refused(llama, tmp_path, fields, message)
         LLM(edited_config(base, tmp_path, **fields))
 
 
-def test_dcp_with_a_sliding_window_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="dcp=2: decode-context parallelism shards full-attention groups only"):
-        LLM(save_model("mistral", tmp_path), dcp=2)
-
-
 def test_bad_prompts_name_the_prompt(llama, server):
     with LLM(llama, allocator=server.target, num_blocks=16, max_model_len=256) as llm:
         with pytest.raises(ValueError, match=r"prompts\[1\] must be a non-empty list of token ids in \[0, vocab_size"):

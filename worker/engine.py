@@ -344,7 +344,7 @@ class Engine:
 
     @property
     def _tokens_per_block(self) -> int:
-        return self.config.block_size * self.config.dcp_world_size
+        return self.config.tokens_per_block(0)
 
     def _emit(self, req: EngineRequest, token: int) -> None:
         if not req.first_token_at:

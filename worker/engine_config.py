@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvservice.core import FullAttentionSpec, SlidingWindowSpec
+from kvservice.core.specs import effective_block_size
 
 KVCacheSpec = FullAttentionSpec | SlidingWindowSpec
 
@@ -16,7 +17,7 @@ KVCacheSpec = FullAttentionSpec | SlidingWindowSpec
 class EngineConfig:
     pool_id: str = "engine-0"
     num_blocks: int = 512  # includes the null block
-    block_size: int = 16  # per rank; an allocator block spans block_size * dcp_world_size tokens
+    block_size: int = 16  # per rank; see tokens_per_block
     dcp_world_size: int = 1
     max_model_len: int = 2048
     max_num_batched_tokens: int = 512
@@ -36,6 +37,11 @@ class EngineConfig:
     def max_num_rows(self) -> int:
         """Block-table rows the workers need (running requests plus those being freed or forked)."""
         return 2 * self.max_num_seqs + 8
+
+    def tokens_per_block(self, group: int = 0) -> int:
+        """Tokens one allocator block of `group` spans: block_size * dcp_world_size for a DCP-sharded
+        group (full attention), block_size for a replicated one (a sliding window)."""
+        return effective_block_size(self.groups[group], self.dcp_world_size)
 
     @property
     def max_num_blocks_per_req(self) -> int:

@@ -65,7 +65,8 @@ class LLM:
         num_blocks: the pool's blocks, the null block included (default: what `max_num_seqs` sequences
             of `max_model_len` need, within `kv_cache_memory_bytes` per rank).
         block_size: tokens per block and rank.
-        dcp: decode-context-parallel ranks (full-attention models only).
+        dcp: decode-context-parallel ranks: full-attention layers' KV is sharded across them, sliding-window
+            layers' KV is kept whole on each (vLLM's layout).
         backend: "triton" or "torch" attention (default: Triton with CUDA, the torch twin on CPU).
         allocator: "host:port" of a running allocator (default: start `kvservice serve` here).
         max_model_len: default the config's max_position_embeddings.
@@ -84,9 +85,6 @@ class LLM:
         if max_model_len > spec.max_position_embeddings:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
                              f"{spec.max_position_embeddings}")
-        if dcp > 1 and any(w is not None for w in spec.sliding_windows):
-            raise ValueError(f"dcp={dcp}: decode-context parallelism shards full-attention groups only, and "
-                             f"{spec.model_type} has sliding-window layers (windows {spec.sliding_windows})")
         executor = distributed_executor_backend or ("uni" if dcp == 1 else "ray")
         if executor not in ("uni", "ray"):
             raise ValueError(f"distributed_executor_backend must be 'uni' or 'ray', got {executor!r}")

@@ -5,6 +5,10 @@ tensors, and the per-layer attention over them.
       -> subclass._forward (TinyTransformer or a Hugging Face module) -> attention(step, layer, q, k, v)
 Block ids are the pool's: a block belongs to one group at a time, so the layers of different groups share
 cache tensors (tensor j holds the j-th layer of every group, as vLLM lays out hybrid models).
+Under DCP (vLLM's `dcp_sharded`, per group): a full-attention group is sharded (an allocator block spans
+`block_size * W` tokens, each rank stores its `block_size` of them, partial attention merged by LSE); a
+sliding-window group is replicated (a block spans `block_size` tokens, every rank stores all of them and
+attends over the whole window itself, nothing merged).
 """
 
 from __future__ import annotations
@@ -48,6 +52,12 @@ class KVLayout:
         return len(self.sliding_windows)
 
     @property
+    def dcp_sharded(self) -> tuple[bool, ...]:
+        """group -> whether DCP shards its tokens across ranks (full attention) or every rank keeps them
+        all (a sliding window: vLLM's layout, the window is short)."""
+        return tuple(w is None for w in self.sliding_windows)
+
+    @property
     def layer_tensors(self) -> tuple[int, ...]:
         """layer -> cache tensor: its position among its group's layers."""
         seen = [0] * self.num_groups
@@ -76,8 +86,10 @@ class PagedRunner:
     """Executes scheduler steps on this rank's shard of a paged KV cache; subclasses run the model.
 
     Args:
-        block_size: per-rank block size; an allocator block spans `block_size * dcp_world_size` tokens.
-        max_num_blocks_per_req: block-table row width in allocator blocks.
+        block_size: per-rank block size; an allocator block of a DCP-sharded group spans
+            `block_size * dcp_world_size` tokens, of a replicated group `block_size`.
+        max_num_blocks_per_req: block-table row width in allocator blocks of a sharded group (a
+            replicated group's rows are `dcp_world_size` times wider).
         backend: "triton" (`worker.kernels`; on CPU the Triton interpreter) or "torch" (their twins in
             `worker.kernels.torch_batched`: the reference twins, attention batched).
         all_gather: with `dcp_world_size > 1`, called twice per layer (partial out, then its LSE) in the
@@ -94,9 +106,6 @@ class PagedRunner:
             raise ValueError(f"unknown attention backend {backend!r}; choose one of {sorted(BACKENDS)}")
         if dcp_world_size > 1 and all_gather is None:
             raise ValueError(f"dcp_world_size {dcp_world_size} needs an all_gather callable to merge attention")
-        if dcp_world_size > 1 and any(w is not None for w in kv.sliding_windows):
-            raise ValueError(f"dcp_world_size {dcp_world_size}: decode-context parallelism shards full-attention "
-                             f"groups only, and this model has sliding-window groups {kv.sliding_windows}")
         if not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
         if num_threads is not None:
@@ -115,10 +124,14 @@ class PagedRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self._all_gather = all_gather
         self._layer_tensors = kv.layer_tensors
+        # group -> (world, rank, interleave) its tokens are spread over: a replicated group is one "rank".
+        self._group_dcp = [(dcp_world_size, dcp_rank, interleave) if sharded else (1, 0, 1)
+                           for sharded in kv.dcp_sharded]
         self.block_tables = [
-            BlockTable(block_size, max_num_reqs, max_num_blocks_per_req, max_num_batched_tokens, device=self.device,
-                       dcp_world_size=dcp_world_size, dcp_rank=dcp_rank, interleave=interleave)
-            for _ in range(kv.num_groups)
+            BlockTable(block_size, max_num_reqs, max_num_blocks_per_req * (dcp_world_size // world),
+                       max_num_batched_tokens, device=self.device, dcp_world_size=world, dcp_rank=rank,
+                       interleave=inter)
+            for world, rank, inter in self._group_dcp
         ]
         shape = (num_blocks, block_size, kv.num_kv_heads, kv.head_size)
         self.key_caches = [torch.zeros(shape, dtype=kv.dtype, device=self.device) for _ in range(kv.num_tensors)]
@@ -155,13 +168,13 @@ class PagedRunner:
         query_start_loc = torch.tensor(batch.query_start_loc, dtype=torch.int32, device=dev)
         rows = torch.tensor(batch.rows, dtype=torch.int64, device=dev)
         tables, slot_mappings = [], []
-        for table in self.block_tables:
+        for table, (world, rank, inter) in zip(self.block_tables, self._group_dcp):
             table.commit(max(batch.rows) + 1)
             step_table = table.get_device_tensor()[rows]  # kernel row i is request i, wherever its row sits
             tables.append(step_table)
             slot_mappings.append(self._ops.compute_slot_mapping(
-                step_table, query_start_loc, positions, self.block_size, dcp_world_size=self.dcp_world_size,
-                dcp_rank=self.dcp_rank, interleave=self.interleave, out=table.slot_mapping))
+                step_table, query_start_loc, positions, self.block_size, dcp_world_size=world, dcp_rank=rank,
+                interleave=inter, out=table.slot_mapping))
         step = PagedStep(tables, slot_mappings, query_start_loc,
                          torch.tensor(batch.seq_lens, dtype=torch.int32, device=dev))
         input_ids = torch.tensor(batch.input_ids, dtype=torch.int64, device=dev)
@@ -171,16 +184,18 @@ class PagedRunner:
     def attention(self, step: PagedStep, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   scale: float) -> torch.Tensor:
         """Writes the step's K/V `[T, Hkv, D]` of `layer_idx` into its cache, attends q `[T, Hq, D]` over the
-        layer's group (its sliding window), merges the DCP ranks' partials; out `[T, Hq, D]`."""
+        layer's group (its sliding window), merges the DCP ranks' partials of a sharded group (a replicated
+        group's output is already whole on every rank); out `[T, Hq, D]`."""
         group = self.kv.layer_groups[layer_idx]
         key_cache = self.key_caches[self._layer_tensors[layer_idx]]
         value_cache = self.value_caches[self._layer_tensors[layer_idx]]
         self._ops.reshape_and_cache(k, v, key_cache, value_cache, step.slot_mappings[group])
-        merge = self.dcp_world_size > 1
+        world, rank, inter = self._group_dcp[group]
+        merge = world > 1
         result = self._ops.paged_attention(
             q, key_cache, value_cache, step.tables[group], step.query_start_loc, step.seq_lens, scale,
-            sliding_window=self.kv.sliding_windows[group], return_lse=merge, dcp_world_size=self.dcp_world_size,
-            dcp_rank=self.dcp_rank, interleave=self.interleave)
+            sliding_window=self.kv.sliding_windows[group], return_lse=merge, dcp_world_size=world,
+            dcp_rank=rank, interleave=inter)
         if not merge:
             return result
         out, lse = result
@@ -255,10 +270,9 @@ class PagedRunner:
 
     def _check_rows_cover(self, batch: StepBatch) -> None:
         """Every sequence must fit the blocks its rows hold (else attention would read block 0's slots)."""
-        tokens_per_block = self.block_size * self.dcp_world_size
         rows = np.asarray(batch.rows, dtype=np.int64)
         for g, table in enumerate(self.block_tables):
-            have = table.num_blocks_per_row[rows] * tokens_per_block
+            have = table.num_blocks_per_row[rows] * (self.block_size * self._group_dcp[g][0])
             short = [(row, n, int(h)) for row, n, h in zip(batch.rows, batch.seq_lens, have, strict=True) if n > h]
             if short:
                 row, seq_len, capacity = short[0]

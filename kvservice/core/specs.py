@@ -1,7 +1,8 @@
 """KV-cache group specs and the pool configuration (vLLM 0.33.0's semantic fields; no tensor layout).
 
 `dcp_sharded`: decode context parallelism shards the group's token positions across W ranks, so one
-allocator block spans block_size * W tokens (attention); a Mamba state is replicated (never scaled).
+allocator block spans block_size * W tokens (full attention); a replicated group (a Mamba state, a
+sliding window every rank keeps whole) spans block_size tokens.
 `tag` only distinguishes specs that look alike here (the vLLM drop-in puts vLLM's spec in it, so
 groups batch together exactly when vLLM's would).
 """
@@ -203,14 +204,15 @@ class KVCacheConfig:
 
 
 def effective_block_size(spec: KVCacheSpec, dcp_world_size: int = 1) -> int:
-    """Tokens one allocator block spans: DCP shards attention blocks across W ranks. Sharded groups
-    other than full attention do not support DCP."""
+    """Tokens one allocator block spans: DCP shards full-attention blocks across W ranks; a replicated
+    group (`dcp_sharded=False`: Mamba, or a sliding window every rank keeps whole, as vLLM 0.33 lays
+    windows out under DCP) spans its block size. Other sharded groups do not support DCP."""
     if not spec.dcp_sharded or dcp_world_size == 1:
         return spec.block_size
     if not isinstance(spec, FullAttentionSpec):
-        raise ValueError(f"{type(spec).__name__} does not support decode context parallelism "
-                         f"(dcp_world_size={dcp_world_size}); only full attention and replicated "
-                         f"groups (Mamba) do")
+        raise ValueError(f"{type(spec).__name__} does not support decode context parallelism sharding its "
+                         f"tokens (dcp_world_size={dcp_world_size}); only full attention is sharded, give other "
+                         f"groups dcp_sharded=False (replicated on every rank)")
     return spec.block_size * dcp_world_size
 
 

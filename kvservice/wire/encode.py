@@ -33,6 +33,10 @@ def encode_config(config: KVCacheConfig, max_model_len: int, dcp_world_size: int
         if isinstance(spec, FullAttentionSpec):
             g.full_attention.block_size = spec.block_size
         elif isinstance(spec, SlidingWindowSpec):
+            if dcp_world_size > 1 and spec.dcp_sharded:
+                raise ValueError(f"groups[{len(msg.groups) - 1}]: a sliding window under dcp_world_size "
+                                 f"{dcp_world_size} is replicated on every rank (the allocator shards full "
+                                 f"attention only); build it with SlidingWindowSpec(..., dcp_sharded=False)")
             g.sliding_window.block_size = spec.block_size
             g.sliding_window.sliding_window = spec.sliding_window
         elif isinstance(spec, ChunkedLocalAttentionSpec):

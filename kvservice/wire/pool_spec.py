@@ -12,6 +12,7 @@ from kvservice.core import (
     MambaSpec,
     SlidingWindowSpec,
 )
+from kvservice.core.specs import effective_block_size
 from kvservice.errors import InvalidArgument
 from kvservice.hashing import HashSpec, vllm_spec
 from kvservice.hashing.spec import KVSERVICE
@@ -45,15 +46,18 @@ def decode_config(msg: pb.KVCacheConfig, field: str = "config") -> tuple[KVCache
         elif kind == "sliding_window":
             if sub.sliding_window == 0:
                 raise InvalidArgument(f"{g}.sliding_window.sliding_window", 0, "must be positive")
-            specs.append(SlidingWindowSpec(sub.block_size, sub.sliding_window))
+            # Under DCP a window is replicated on every rank (vLLM's dcp_sharded=False): only full
+            # attention is sharded.
+            specs.append(SlidingWindowSpec(sub.block_size, sub.sliding_window, dcp_sharded=dcp == 1))
         elif kind == "chunked_local":
             if sub.attention_chunk_size == 0:
                 raise InvalidArgument(f"{g}.chunked_local.attention_chunk_size", 0, "must be positive")
             specs.append(ChunkedLocalAttentionSpec(sub.block_size, sub.attention_chunk_size))
         else:
             specs.append(MambaSpec(sub.block_size))
-        if dcp > 1 and kind != "full_attention":
+        if dcp > 1 and kind not in ("full_attention", "sliding_window"):
             raise InvalidArgument(f"{field}.dcp_world_size", dcp, f"decode context parallelism needs full attention "
+                                                                  f"(sharded) and sliding-window (replicated) groups "
                                                                   f"only; groups[{i}] is {kind}")
     return KVCacheConfig(int(msg.num_blocks), specs), msg.max_model_len, dcp
 
@@ -64,7 +68,7 @@ def decode_pool_spec(msg: pb.RegisterPoolRequest, hash_block_size: int) -> PoolS
         raise InvalidArgument("epoch", msg.epoch, f"exceeds the limit {MAX_EPOCH}; count engine restarts from 0")
     config, max_model_len, dcp = decode_config(msg.config)
     for i, spec in enumerate(config.groups):
-        size = spec.block_size * (dcp if isinstance(spec, FullAttentionSpec) else 1)
+        size = effective_block_size(spec, dcp)
         if size % hash_block_size:
             raise InvalidArgument(f"config.groups[{i}].block_size", spec.block_size,
                                   f"the block ({size} tokens) must be a multiple of the service's hash block "

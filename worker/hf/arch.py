@@ -44,7 +44,9 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
 
     def kv_cache_groups(self, block_size: int) -> tuple[FullAttentionSpec | SlidingWindowSpec, ...]:
-        return tuple(FullAttentionSpec(block_size) if w is None else SlidingWindowSpec(block_size, w)
+        """Under DCP full attention is sharded across the ranks and a sliding window is replicated on
+        each (vLLM's `dcp_sharded`); with one rank the two are the same."""
+        return tuple(FullAttentionSpec(block_size) if w is None else SlidingWindowSpec(block_size, w, dcp_sharded=False)
                      for w in self.sliding_windows)
 
     @property
