@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from kvservice.allocator.batches import Batches
 from kvservice.allocator.keys import SEP, client_request_id, request_key
 from kvservice.allocator.moves import PoolMoves
-from kvservice.allocator.pins import PinBook
+from kvservice.allocator.pins import PinBook, check_sources
 from kvservice.allocator.placement import Placement
 from kvservice.allocator.pools import Pool
 from kvservice.allocator.registry import PoolRegistry
@@ -166,6 +166,7 @@ class Allocator:
     def _step(self, session: Session, command: Step, guard: Guard) -> StepResult:
         pool = self.state.mutable_pool(command.pool_id, session.tenant, command.admin)
         ops = command.decode_ops(pool.spec, pool.hash_block_size)  # validated before anything changes
+        check_sources(self.state.pools, ops, session.tenant, command.admin, command.remote_sources_checked)
         guard()
         return self.run_ops(pool, session, command.sequence, ops, command.admin)
 

@@ -19,7 +19,8 @@ from kvservice.allocator.sessions import Session
 from kvservice.allocator.state import AllocatorState
 from kvservice.allocator.transfers import transferable
 from kvservice.core import KVCacheBlocks
-from kvservice.ops import ExternalSource, OpResult, OpStatus, PinOp, UnpinOp
+from kvservice.errors import NotFound
+from kvservice.ops import AllocateOp, ExternalSource, OpResult, OpStatus, PinOp, UnpinOp
 
 
 @dataclass(slots=True)
@@ -51,6 +52,32 @@ def live_pin(pool: Pool, source: ExternalSource, tenant: str, admin: bool) -> Pi
         candidates = [own] if own is not None else []
     return next((p for p in candidates if pin_matches(p.key, p.block_ids, p.num_tokens, source, tenant, admin)),
                 None)
+
+
+class RemoteSources(Exception):
+    """A Step names transfer sources on pools this allocator does not hold (another shard's): the server
+    checks them there, then applies the Step as checked. Raised before anything changed."""
+
+    def __init__(self, sources: list[ExternalSource]) -> None:
+        super().__init__(f"{len(sources)} transfer sources on other shards' pools to check")
+        self.sources = sources
+
+
+def check_sources(pools: dict[str, Pool], ops: Sequence, tenant: str, admin: bool, remote_checked: bool) -> None:
+    """Before a Step changes anything: NOT_FOUND for a source that is no live pin of a pool held here (the
+    whole call: as for another shard's, so the answer never tells which pools are here), RemoteSources
+    for sources on other pools unless the server checked them already."""
+    remote = []
+    for op in ops:
+        if type(op) is AllocateOp and op.external_source is not None:
+            source = op.external_source
+            pool = pools.get(source.src_pool_id)
+            if pool is None:
+                remote.append(source)
+            elif live_pin(pool, source, tenant, admin) is None:
+                raise NotFound(no_such_pin(source))
+    if remote and not remote_checked:
+        raise RemoteSources(remote)
 
 
 def no_such_pin(source: ExternalSource) -> str:

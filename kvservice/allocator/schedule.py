@@ -146,7 +146,7 @@ class Scheduler:
     def _source_is_live(self, source: ExternalSource, tenant: str, admin: bool) -> bool:
         src = self.state.pools.get(source.src_pool_id)
         # A pool not held here is another shard's: the server checked the pin there before this command
-        # (kvservice.server.sources), and a replay applies what was checked then.
+        # (pins.check_sources, then ShardRouter.pin_is_live), and a replay applies what was checked then.
         return src is None or live_pin(src, source, tenant, admin) is not None
 
     def _fast_path(self, pool: Pool, tenant: str, key: str):

@@ -20,6 +20,7 @@ import grpc
 
 from kvservice._proto import allocator_pb2 as pb
 from kvservice.allocator import Allocator
+from kvservice.allocator.pins import RemoteSources, no_such_pin
 from kvservice.commands import (
     ExpireSessions,
     IngestEvents,
@@ -28,12 +29,11 @@ from kvservice.commands import (
     ResetPrefixCache,
     StepRpc,
 )
-from kvservice.errors import FailedPrecondition, InvalidArgument, KVServiceError, Unavailable
+from kvservice.errors import FailedPrecondition, InvalidArgument, KVServiceError, NotFound, Unavailable
 from kvservice.external import wire as external_wire
 from kvservice.hashing import HASH_BYTES
 from kvservice.server.auth import Authenticator
 from kvservice.server.metrics import Metrics
-from kvservice.server.sources import check_sources, external_sources
 from kvservice.store.base import Journal, NullJournal
 from kvservice.wire import decode, replies
 from kvservice.wire.fields import check_id, check_name, decode_hashes, decode_u32
@@ -128,6 +128,14 @@ class AllocatorServicer:
         if self.sharding is not None and pool_id not in self.allocator.state.pools:
             await self.sharding.redirect(pool_id, principal.tenant, principal.admin)
 
+    def _retried_here(self, command) -> bool:
+        """Whether `command` resends its session's last mutation applied here (its reply was lost): then the
+        stored reply answers it, even if its pool has moved to another shard since. Redirected, it would be
+        applied again there (a move carries the pool, not the session's replies; the client numbers each
+        shard's calls apart)."""
+        session = self.allocator.state.sessions.sessions.get(command.session_id)
+        return session is not None and session.last_reply is not None and command.sequence == session.last_sequence
+
     async def _apply(self, command):
         """The one path of a mutation: apply (guarded by the journal's writability), then journal."""
         applied = self.allocator.apply(command, self.clock(), self.journal.check_writable)
@@ -167,11 +175,18 @@ class AllocatorServicer:
     async def _step(self, context, request, raw: bytes, rpc_kind: StepRpc) -> pb.StepResponse:
         principal = self.auth.of(context)
         command = decode.step_command(rpc_kind, request, raw, principal.tenant, principal.admin)
-        await self._here(command.pool_id, principal)
-        sources = external_sources(rpc_kind, request)
-        if sources:
-            await check_sources(sources, self.allocator.state, self.sharding, principal.tenant, principal.admin)
-        result = await self._apply(command)
+        if not self._retried_here(command):  # a retry is answered as it was the first time
+            await self._here(command.pool_id, principal)
+        command.remote_sources_checked = False
+        try:
+            result = await self._apply(command)
+        except RemoteSources as remote:  # pins on other shards' pools: checked there, then applied as checked
+            for source in remote.sources:
+                if self.sharding is None or not await self.sharding.pin_is_live(source, principal.tenant,
+                                                                                principal.admin):
+                    raise NotFound(no_such_pin(source)) from None
+            command.remote_sources_checked = True
+            result = await self._apply(command)
         self.metrics.count_outcomes(result.results)
         return replies.encode_step_result(result, pb.StepResponse())
 
@@ -195,7 +210,8 @@ class AllocatorServicer:
     async def CommitTransfer(self, request: pb.CommitTransferRequest, context, raw: bytes) -> pb.StepResponse:
         principal = self.auth.of(context)
         command = decode.commit_transfer_command(request, raw, principal.tenant, principal.admin)
-        await self._here(command.pool_id, principal)
+        if not self._retried_here(command):
+            await self._here(command.pool_id, principal)
         return replies.encode_step_result(await self._apply(command), pb.StepResponse())
 
     @rpc
