@@ -102,7 +102,7 @@ class KVServiceClient(ClientBase):
             self._first_map()
         if call.locate and shards.unplaced(call.locate):
             self.shard_stats(missing_ok=True)  # where the external pools among them live
-        if call.merge is not None and call.partial and not shards.sharded and call.conn is None:
+        if call.merge is not None and call.partial and call.always_merge and not shards.sharded and call.conn is None:
             value = self._run(replace(call, merge=None, partial=False, always_merge=False))
             return self._merge(call, [(shards.seed, value)])  # one allocator: its retries and failover
         if call.merge is not None and (shards.sharded or call.always_merge) and call.conn is None:
