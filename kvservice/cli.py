@@ -139,21 +139,24 @@ def cmd_shards(args: argparse.Namespace) -> int:
                 if not args.pool or not args.to:
                     print("kvservice shards move: give --pool and --to", file=sys.stderr)
                     return 2
-                src = shard_map.pools.get(args.pool)
-                if src is None:
+                if args.pool not in shard_map.pools:
                     print(f"kvservice shards move: no pool {args.pool!r} in the shard map", file=sys.stderr)
                     return 2
-                addresses = {s.shard_id: s.address for s in shard_map.shards}
-                results = [rebalancer.move(args.pool, src, args.to, addresses)]
+                moved = rebalancer.move_to(args.pool, args.to)  # finishes interrupted moves first
+                results = [moved] if moved is not None else []
+                if moved is None:
+                    print(f"{args.pool} is on {args.to} already")
             else:
                 results = rebalancer.rebalance(args.dry_run)
+            for line in rebalancer.finished:
+                print(line)
             for r in results:
                 if isinstance(r, tuple):
                     print(f"would move {r[0]}: {r[1]} -> {r[2]}")
                 else:
                     print(f"moved {r.pool_id}: {r.from_shard} -> {r.to_shard} ({r.num_requests} requests, "
                           f"{r.export_bytes:,} bytes, {r.seconds * 1000:.0f} ms)")
-            if not results:
+            if not results and args.action == "rebalance":
                 print("kvservice shards: balanced, nothing to move")
         except KVServiceError as exc:
             print(f"kvservice shards: {exc.code.name}: {exc}", file=sys.stderr)

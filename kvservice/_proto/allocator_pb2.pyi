@@ -673,7 +673,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, check_invariants: _Optional[bool] = ..., include_state_digest: _Optional[bool] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("pool_id", "epoch", "num_blocks", "num_free_blocks", "usage", "num_requests", "prefix_hit_rate", "prefix_queries", "prefix_hits", "evictions", "num_cached_blocks", "invariant_violation", "num_pending_transfers", "plain_prefix")
+    __slots__ = ("pool_id", "epoch", "num_blocks", "num_free_blocks", "usage", "num_requests", "prefix_hit_rate", "prefix_queries", "prefix_hits", "evictions", "num_cached_blocks", "invariant_violation", "num_pending_transfers", "plain_prefix", "moving_to")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -688,6 +688,7 @@ class PoolStats(_message.Message):
     INVARIANT_VIOLATION_FIELD_NUMBER: _ClassVar[int]
     NUM_PENDING_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     PLAIN_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    MOVING_TO_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     epoch: int
     num_blocks: int
@@ -702,7 +703,8 @@ class PoolStats(_message.Message):
     invariant_violation: str
     num_pending_transfers: int
     plain_prefix: bool
-    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., evictions: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., invariant_violation: _Optional[str] = ..., num_pending_transfers: _Optional[int] = ..., plain_prefix: _Optional[bool] = ...) -> None: ...
+    moving_to: str
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., evictions: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., invariant_violation: _Optional[str] = ..., num_pending_transfers: _Optional[int] = ..., plain_prefix: _Optional[bool] = ..., moving_to: _Optional[str] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
     __slots__ = ("pools", "num_sessions", "persistence", "event_sequence", "lease_expiries", "hash_fingerprint", "hash_block_size", "state_digest", "wal_entries_written", "wal_bytes_written", "snapshots_written", "last_snapshot_bytes", "wal_lag", "leader_epoch", "external_pools")

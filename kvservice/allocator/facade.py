@@ -329,7 +329,7 @@ class Allocator:
                                  len(bp.cached_block_hash_to_block),
                                  self.invariant_violation(pool) if check_invariants else "",
                                  sum(1 for t in transfers if pool.pool_id in (t.src_pool, t.dst_pool)),
-                                 pool.plain_prefix))
+                                 pool.plain_prefix, pool.moving_to))
         return out
 
     def lookup(self, tenant: str, token_ids=None, block_hashes: Sequence[bytes] | None = None, num_tokens: int = 0,

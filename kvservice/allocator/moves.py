@@ -25,12 +25,15 @@ class PoolMoves:
         if kind is ImportPool:
             current = state.pools.get(command.pool_id)
             guard()
-            if current is None or current.moving_to:  # idempotent: a retried import changes nothing
-                if current is not None:
-                    state.pools.pop(command.pool_id)
-                command.importer(state, command.export)
-                logger.info("pool %s imported (%d requests)", command.pool_id,
-                            len(state.pools[command.pool_id].requests))
+            # The export replaces any copy held here. The servicer never imports a pool this shard already
+            # serves (an IMPORT of a finished move answers at once), so a copy here is stale: one frozen when
+            # the pool moved away earlier, or an earlier import of this move whose takeover never happened
+            # (the destination died before the shard map switched); the source was thawed and served on
+            # since, and keeping that copy would lose what it acknowledged meanwhile.
+            if current is not None:
+                self._forget(current)
+            command.importer(state, command.export)
+            logger.info("pool %s imported (%d requests)", command.pool_id, len(state.pools[command.pool_id].requests))
             return
         pool = state.pool(command.pool_id)
         guard()
@@ -42,9 +45,15 @@ class PoolMoves:
         elif kind is ThawPool:
             pool.moving_to = ""
         elif kind is DropPool:
-            state.drain(pool)
-            del state.pools[pool.pool_id]
-            for session in state.sessions.sessions.values():
-                session.requests.pop(pool.pool_id, None)
-            state.usage.drop_pool(pool.pool_id)
+            self._forget(pool)
             logger.info("pool %s dropped: served by shard %s now", pool.pool_id, pool.moving_to or "?")
+
+    def _forget(self, pool) -> None:
+        state = self.state
+        for transfer in state.transfers.involving(pool.pool_id):
+            self.book.abort_transfer(transfer, reason=f"pool {pool.pool_id!r} is served by another shard")
+        state.drain(pool)
+        del state.pools[pool.pool_id]
+        for session in state.sessions.sessions.values():
+            session.requests.pop(pool.pool_id, None)
+        state.usage.drop_pool(pool.pool_id)

@@ -172,14 +172,19 @@ class ShardRouter:
         if request.phase == Phase.IMPORT:
             if owner == self.shard_id and pool_id in state.pools and not state.pools[pool_id].moving_to:
                 return pb.MovePoolResponse(num_requests=len(state.pools[pool_id].requests))  # done already
+            source = check_id("from_shard", request.from_shard)
+            if owner not in (source, self.shard_id):  # checked before anything is installed here
+                raise FailedPrecondition(f"the shard map gives pool {pool_id!r} to shard {owner!r}, not to "
+                                         f"from_shard {source!r}; nothing was imported")
             data = await self.store.redis.get(key)
             if data is None:
                 raise FailedPrecondition(f"pool {pool_id!r} has no export waiting: FREEZE it on its shard first")
             await apply(ImportPool(pool_id, data, import_pool))
-            if not await self.store.move(pool_id, check_id("from_shard", request.from_shard), self.shard_id) \
+            if not await self.store.move(pool_id, source, self.shard_id) \
                     and (await self.refresh(0.0)).shard_of(pool_id) != self.shard_id:
-                raise FailedPrecondition(f"the shard map does not give pool {pool_id!r} to shard "
-                                         f"{request.from_shard!r}; nothing was taken over")
+                await apply(DropPool(pool_id))  # the map changed meanwhile: this copy must not serve
+                raise FailedPrecondition(f"the shard map does not give pool {pool_id!r} to shard {source!r}; "
+                                         f"nothing was taken over")
             await self.refresh(0.0)
             return pb.MovePoolResponse(num_requests=len(state.pools[pool_id].requests), export_bytes=len(data))
         if request.phase == Phase.DROP:
