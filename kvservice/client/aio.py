@@ -98,7 +98,7 @@ class AsyncKVServiceClient(ClientBase):
             try:
                 reply = await self._call(conn, call.method, call.request, stub=stub)
             except grpc.RpcError as err:
-                self._unacked(conn, err)
+                self._unacked(conn, err, call.pool_id)
                 raise
             self._acked(conn)
             return call.decode(reply)
@@ -125,7 +125,8 @@ class AsyncKVServiceClient(ClientBase):
             return self._merge(call, [(conn, r) for (conn, _), r in zip(parts, results)])
         hops, deadline = 0, None
         while True:
-            conn = call.conn or shards.conn_for(call.pool_id)
+            conn = call.conn or (shards.conn_for_mutation(call.pool_id) if call.mutating
+                                 else shards.conn_for(call.pool_id))
             stub = conn.stub
             try:
                 if not call.mutating:
@@ -133,6 +134,8 @@ class AsyncKVServiceClient(ClientBase):
                 async with self._lock:  # one sequence at a time per session
                     return await self._run_on(conn, call)
             except Moved as exc:
+                if call.mutating:
+                    self._redirected(conn, call.pool_id)
                 hops += 1
                 if hops > MAX_HOPS or call.conn is not None:
                     raise

@@ -209,13 +209,20 @@ class ClientBase:
     @staticmethod
     def _acked(conn: Conn) -> None:
         conn.next_sequence += 1
-        conn.unacked_sequence = 0
+        conn.unacked_sequence, conn.unacked_pool = 0, ""
 
     @staticmethod
-    def _unacked(conn: Conn, err: grpc.RpcError) -> None:
+    def _unacked(conn: Conn, err: grpc.RpcError, pool_id: str | None = None) -> None:
         """A mutation failed: if the transport failed (not the server refusing it), it may have been applied."""
         if err.code() in RETRYABLE:
-            conn.unacked_sequence = conn.next_sequence
+            conn.unacked_sequence, conn.unacked_pool = conn.next_sequence, pool_id or ""
+
+    @staticmethod
+    def _redirected(conn: Conn, pool_id: str | None) -> None:
+        """`conn` answered a mutation of `pool_id` with a redirect: its unacknowledged one was not applied there
+        (a retry of the last one applied is answered from its stored reply, never redirected)."""
+        if conn.unacked_pool and conn.unacked_pool == pool_id:
+            conn.unacked_sequence, conn.unacked_pool = 0, ""
 
     @staticmethod
     def _may_fail_over(exc: Exception) -> bool:

@@ -41,6 +41,7 @@ class Conn:
     # A mutation sent but never acknowledged (the reply was lost): its sequence survives a resume, so
     # sending it again gets the stored reply instead of applying it twice.
     unacked_sequence: int = 0
+    unacked_pool: str = ""  # its pool: resent here first even if the pool moved meanwhile (conn_for_mutation)
 
 
 @dataclass(slots=True)
@@ -90,6 +91,16 @@ class Shards:
             return self.seed
         shard = self.pools.get(pool_id, self.external.get(pool_id))
         return self.conns.get(shard, self.seed) if shard is not None else self.seed
+
+    def conn_for_mutation(self, pool_id: str | None) -> Conn:
+        """`conn_for`, but a pool whose last mutation may have been applied without its reply goes back to that
+        shard first: it answers from the stored reply even if the pool has moved since (redirected at once,
+        the mutation would be applied a second time on the new shard)."""
+        if self.sharded and pool_id is not None:
+            for conn in self.conns.values():
+                if conn.unacked_sequence and conn.unacked_pool == pool_id:
+                    return conn
+        return self.conn_for(pool_id)
 
     def unplaced(self, pool_ids) -> bool:
         """Whether some of `pool_ids` are in neither the map nor the external pools seen (sharded)."""

@@ -89,7 +89,7 @@ class KVServiceClient(ClientBase):
             try:
                 reply = self._call(conn, call.method, call.request, stub=stub)
             except grpc.RpcError as err:
-                self._unacked(conn, err)
+                self._unacked(conn, err, call.pool_id)
                 raise
             self._acked(conn)
             return call.decode(reply)
@@ -109,11 +109,14 @@ class KVServiceClient(ClientBase):
             return self._merge(call, self._fan_out(call))
         hops, deadline = 0, None
         while True:
-            conn = call.conn or shards.conn_for(call.pool_id)
+            conn = call.conn or (shards.conn_for_mutation(call.pool_id) if call.mutating
+                                 else shards.conn_for(call.pool_id))
             stub = conn.stub
             try:
                 return self._run_on(conn, call)
             except Moved as exc:
+                if call.mutating:
+                    self._redirected(conn, call.pool_id)
                 hops += 1
                 if hops > MAX_HOPS or call.conn is not None:
                     raise
