@@ -52,7 +52,9 @@ def payload(*events: dict, ts: float = 1.0) -> bytes:
 class Publisher:
     """vLLM's ZmqEventPublisher protocol on loopback: PUB binds `port` (0: a free one), ROUTER replays the
     last `buffer` batches. `drop(n)` skips sending the next n batches on PUB (they stay replayable), so a
-    test makes a gap; a new Publisher on the same ports is a restarted engine (sequence from 0)."""
+    test makes a gap; `stall_replays(s)` leaves replay requests unanswered for s seconds (a busy engine: vLLM's
+    publisher thread serves its ROUTER between sends), then answers them; a new Publisher on the same ports is
+    a restarted engine (sequence from 0)."""
 
     def __init__(self, port: int = 0, replay_port: int | None = 0, buffer: int = 10_000, topic: bytes = b"") -> None:
         self.context = zmq.Context()
@@ -69,6 +71,7 @@ class Publisher:
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer)
         self.next_seq = 0
         self._drop = 0
+        self._replays_from = 0.0  # monotonic time before which replay requests wait
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve_replays, daemon=True)
@@ -93,6 +96,9 @@ class Publisher:
     def drop(self, n: int) -> None:
         self._drop = n
 
+    def stall_replays(self, seconds: float) -> None:
+        self._replays_from = time.monotonic() + seconds
+
     def publish(self, *events: dict) -> int:
         with self._lock:
             seq = self.next_seq
@@ -107,7 +113,10 @@ class Publisher:
 
     def _serve_replays(self) -> None:
         while not self._stop.is_set():
-            if not self.replay.poll(50):
+            if time.monotonic() < self._replays_from:
+                time.sleep(0.02)
+                continue
+            if not self.replay.poll(50) or time.monotonic() < self._replays_from:  # (stalled while it polled)
                 continue
             with self._lock:
                 client, _, start = self.replay.recv_multipart()

@@ -9,6 +9,7 @@ import math
 import shutil
 import signal
 import subprocess
+import time
 import urllib.request
 
 import pytest
@@ -16,12 +17,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvservice.core import FullAttentionSpec, KVCacheConfig
 from kvservice.ops import AddRequestOp, AllocateOp
-from tests.external_helpers import Publisher, chain, stored, wait_for
+from tests.external_helpers import Publisher, chain, removed, stored, wait_for
 from tests.redis_helpers import RedisServer, free_port
 from tests.service_helpers import start_server
 
 CONFIG = KVCacheConfig(65, [FullAttentionSpec(16)])  # 64 blocks
 PROMTOOL = shutil.which("promtool")
+B = 4  # the external pools' block size (and the allocator's hash block size)
 
 
 def scrape(port: int) -> tuple[bytes, dict[str, dict[tuple, float]]]:
@@ -116,3 +118,110 @@ def test_a_standby_exports_its_role_and_lag_and_none_of_the_leaders_figures(redi
         publisher.close()
         leader.stop()
         standby.stop()
+
+
+class Engine:
+    """The engine side of an external pool, as vLLM's events describe it: which blocks it holds (a count per
+    block hash, as vLLM caches a block twice when two requests computed it), published through `publisher`;
+    `computed(prompt)` is what its get_computed_blocks answers (whole blocks, never the last token)."""
+
+    def __init__(self, publisher: Publisher) -> None:
+        self.publisher = publisher
+        self.held: dict[bytes, int] = {}
+
+    def store(self, prompt: list[int]) -> int:
+        hashes = chain(prompt)
+        for h in hashes:
+            self.held[h] = self.held.get(h, 0) + 1
+        return self.publisher.publish(stored(hashes, None, prompt[:len(hashes) * B]))
+
+    def remove(self, block_hash: bytes) -> int:
+        self.held[block_hash] -= 1
+        if not self.held[block_hash]:
+            del self.held[block_hash]
+        return self.publisher.publish(removed([block_hash]))
+
+    def computed(self, prompt: list[int]) -> int:
+        n = 0
+        for h in chain(prompt)[:(len(prompt) - 1) // B]:
+            if h not in self.held:
+                break
+            n += 1
+        return n * B
+
+
+def test_a_run_of_lost_batches_is_repaired_from_the_replay_socket(tmp_path):
+    """Several consecutive batches lost on the wire (still in the engine's replay buffer), the run ending with a
+    delivered batch that removes a block stored during it: the index equals the engine again, also when the
+    replay answers only after the subscription's replay timeout (before: the index was dropped, and Lookup
+    answered 0 for every prompt of the engine, also for blocks stored long before the run, for good)."""
+    publisher = Publisher()
+    flag = f"vllm-0={publisher.endpoint},replay={publisher.replay_endpoint},block-size={B},hash=sha256_cbor"
+    server = start_server("--hash-block-size", str(B), "--vllm-events", flag, log_dir=tmp_path)
+    engine = Engine(publisher)
+    old = [[1000 * i + t for t in range(4 * (i + 2) + 1)] for i in range(4)]  # 8..20 tokens cached
+    try:
+        with server.client(hash_block_size=B) as client:
+            ext = lambda: client.get_stats().external_pools["vllm-0"]  # noqa: E731
+            wait_for(lambda: ext().connected, what="subscribed")
+
+            def lookups(prompts):
+                return [client.lookup(p).tokens("vllm-0") for p in prompts]
+
+            def settled(prompts):
+                last = publisher.next_seq - 1
+                wait_for(lambda: ext().last_sequence == last, timeout_s=30, what=f"batch {last} applied")
+                return lookups(prompts), [engine.computed(p) for p in prompts]
+
+            for prompt in old:
+                engine.store(prompt)
+            ours, theirs = settled(old)
+            assert ours == theirs == [8, 12, 16, 20]
+
+            for run, stall_s in enumerate((0.0, 4.5)):  # the subscription waits 3 s for a replay
+                new = [[50_000 + 1000 * (10 * run + i) + t for t in range(9)] for i in range(4)]
+                publisher.drop(4)  # the run: 4 batches lost, each storing a new prompt's blocks
+                for prompt in new:
+                    engine.store(prompt)
+                publisher.stall_replays(stall_s)
+                engine.remove(chain(new[2])[1])  # delivered: removes a block stored during the run
+                if stall_s:
+                    time.sleep(3.5)  # the first replay request went unanswered: the index is kept meanwhile
+                    assert lookups(old) == [engine.computed(p) for p in old]
+                ours, theirs = settled(old + new)
+                assert ours == theirs, (run, ours, theirs)
+                assert theirs[len(old):] == [8, 8, 4, 8]
+            s = ext()
+            assert s.resyncs == 0 and s.restarts == 0 and s.gaps >= 2
+    finally:
+        server.stop()
+        publisher.close()
+
+
+def test_a_gap_whose_replay_never_answers_resyncs_within_the_bound(tmp_path):
+    """The bound's other side: a replay socket that never answers leaves the index as of the gap (never
+    emptied) until `resync_after_s` (10 s) has passed, then resyncs from what arrived."""
+    publisher = Publisher()
+    flag = f"vllm-0={publisher.endpoint},replay={publisher.replay_endpoint},block-size={B},hash=sha256_cbor"
+    server = start_server("--hash-block-size", str(B), "--vllm-events", flag, log_dir=tmp_path)
+    engine = Engine(publisher)
+    old, new = list(range(13)), list(range(100, 109))
+    try:
+        with server.client(hash_block_size=B) as client:
+            ext = lambda: client.get_stats().external_pools["vllm-0"]  # noqa: E731
+            wait_for(lambda: ext().connected, what="subscribed")
+            seq = engine.store(old)
+            wait_for(lambda: ext().last_sequence == seq, what="batch applied")
+            publisher.stall_replays(600)
+            publisher.drop(1)
+            engine.store(list(range(200, 209)))
+            seq = engine.store(new)  # delivered, past the gap
+            time.sleep(4)
+            assert client.lookup(old).tokens("vllm-0") == 12 and ext().resyncs == 0  # held, not dropped
+            wait_for(lambda: ext().resyncs == 1, timeout_s=40, what="the resync")
+            assert ext().last_sequence == seq
+            assert client.lookup(new).tokens("vllm-0") == 8  # what arrived after the gap
+            assert client.lookup(old).tokens("vllm-0") == 0  # unknown after a resync: never reported
+    finally:
+        server.stop()
+        publisher.close()

@@ -9,6 +9,9 @@ kvservice.external with sockets and clocks; every decision it takes is a command
     frame seq <= last               -> the publisher restarted (vLLM counts from 0 again): a new epoch,
                                        then a replay from 0 brings its batches
     (re)connected, or idle a while  -> the same replay check, so what was published meanwhile arrives
+A replay that does not answer (a busy engine services its ROUTER between sends) settles nothing: the index
+stays as of `last`, live frames are held behind the gap in order, and the replay is asked again every
+`retry_s`; only after `resync_after_s` without an answer (or MAX_HELD held frames) does the gap resync.
 Without a replay endpoint a gap resyncs and a restart starts a new epoch from the frame at hand.
 """
 
@@ -32,6 +35,7 @@ from kvservice.external.spec import ExternalSpec
 
 logger = logging.getLogger(__name__)
 MAX_FRAMES_PER_COMMAND = 256
+MAX_HELD = 100_000  # live frames held behind an unsettled gap before it resyncs anyway
 _CONNECT_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED
 _MONITORED = _CONNECT_EVENTS | zmq.EVENT_DISCONNECTED
 
@@ -42,7 +46,8 @@ class Feed:
 
     def __init__(self, spec: ExternalSpec, registration: int, view: Callable[[], ExternalPool | None],
                  submit: Callable[[IngestEvents], Awaitable], context: zmq.asyncio.Context,
-                 replay_timeout_s: float = 3.0, idle_sync_s: float = 1.0) -> None:
+                 replay_timeout_s: float = 3.0, idle_sync_s: float = 1.0, retry_s: float = 0.5,
+                 resync_after_s: float = 10.0) -> None:
         self.spec = spec
         self.registration = registration
         self.view = view
@@ -50,6 +55,8 @@ class Feed:
         self.context = context
         self.replay_timeout_s = replay_timeout_s
         self.idle_sync_s = idle_sync_s
+        self.retry_s = retry_s
+        self.resync_after_s = resync_after_s
         self.connected = False
         self.gaps = 0
         self.replays = 0
@@ -59,6 +66,9 @@ class Feed:
         self._counting_gap = False
         self._live_last: int | None = None  # the last sequence of the current connection's live stream
         self._last_activity = time.monotonic()
+        self._held: list[tuple[int, bytes, bool]] = []  # (seq, payload, went back) behind an unsettled gap
+        self._stalled_since: float | None = None  # when the first held frame's gap found no replay
+        self._next_retry = 0.0
 
     # ---- the loop --------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -78,14 +88,21 @@ class Feed:
             need_sync = True
             while True:
                 try:
+                    if self._held and (need_sync or time.monotonic() >= self._next_retry):
+                        need_sync = False
+                        await self._retry()
                     if need_sync:
                         need_sync = False
                         await self._flush()
                         await self._sync()
-                    ready = dict(await poller.poll(timeout=int(self.idle_sync_s * 1000)))
+                    wait_s = self.retry_s if self._held else self.idle_sync_s
+                    ready = dict(await poller.poll(timeout=int(wait_s * 1000)))
                     if monitor in ready and await self._monitor(monitor):
-                        await self._flush()
-                        await self._sync()  # before this connection's frames: a restart shows here first
+                        if self._held:
+                            await self._retry()
+                        else:
+                            await self._flush()
+                            await self._sync()  # before this connection's frames: a restart shows here first
                     frames = await self._drain(sub) if sub in ready else []
                     if frames:
                         self._last_activity = time.monotonic()
@@ -99,6 +116,7 @@ class Feed:
                     logger.warning("external pool %s: ingest refused (%s); catching up by replay later",
                                    self.spec.pool_id, exc)
                     self._pending, self._pending_reset = [], ResetKind.NONE
+                    self._held, self._stalled_since = [], None
                     await asyncio.sleep(1.0)
                     need_sync = True
         finally:
@@ -149,6 +167,14 @@ class Feed:
         # batch at or before the applied position otherwise is a late copy of one a replay brought.
         went_back = self._live_last is not None and seq <= self._live_last
         self._live_last = seq
+        await self._order(seq, payload, went_back)
+
+    async def _order(self, seq: int, payload: bytes, went_back: bool, replay: bool = True) -> None:
+        if self._held:  # behind a gap that waits for the replay: keep the live order
+            self._held.append((seq, payload, went_back))
+            if len(self._held) > MAX_HELD:
+                await self._give_up()
+            return
         last = self._position()
         if last < 0 or seq == last + 1:
             self._accept(seq, payload)
@@ -158,12 +184,12 @@ class Feed:
         if seq <= last and not went_back:
             return
         restarted = seq <= last
-        if not restarted:
+        if not restarted and replay:
             self.gaps += 1
         await self._flush()
         self._counting_gap = True
         try:
-            synced = bool(self.spec.replay_endpoint) and await self._sync()
+            synced = replay and bool(self.spec.replay_endpoint) and await self._sync()
         finally:
             self._counting_gap = False
         if synced:
@@ -173,6 +199,11 @@ class Feed:
             if seq == last + 1:
                 self._accept(seq, payload)
                 return
+        if replay and self.spec.replay_endpoint:
+            # The replay did not settle it (no answer in time, or it stopped short): dropping the index now
+            # would lose every block the engine still holds while its buffer may well have the batches.
+            self._hold(seq, payload, went_back)
+            return
         logger.warning("external pool %s: %s at batch %d (last applied %d) and no replay settled it", self.spec.pool_id,
                        "the publisher restarted" if restarted else "a sequence gap", seq, last)
         self._pending_reset = ResetKind.RESTART if restarted else ResetKind.RESYNC
@@ -180,6 +211,46 @@ class Feed:
 
     def _accept(self, seq: int, payload: bytes) -> None:
         self._pending.append((seq, payload))
+
+    # ---- gaps waiting for the replay -------------------------------------------------------------
+    def _hold(self, seq: int, payload: bytes, went_back: bool) -> None:
+        now = time.monotonic()
+        if self._stalled_since is None:
+            self._stalled_since = now
+            logger.warning("external pool %s: batch %d is past a gap (last applied %d) the replay has not filled "
+                           "yet; holding the stream and asking again", self.spec.pool_id, seq, self._position())
+        self._held.append((seq, payload, went_back))
+        self._next_retry = now + self.retry_s
+
+    async def _retry(self) -> None:
+        """Asks the replay again for the gap before the held frames; gives up after `resync_after_s`."""
+        held, self._held = self._held, []
+        before = self._position()
+        self._counting_gap = True  # counted when it was found
+        try:
+            synced = await self._sync()
+        finally:
+            self._counting_gap = False
+        if synced:
+            for seq, payload, went_back in held:
+                await self._order(seq, payload, went_back)
+            await self._flush()
+            if not self._held:
+                self._stalled_since = None
+            elif self._position() > before:
+                self._stalled_since = time.monotonic()  # progress: what is still held starts a new wait
+            return
+        self._held = held
+        self._next_retry = time.monotonic() + self.retry_s
+        if time.monotonic() - (self._stalled_since or 0.0) >= self.resync_after_s:
+            await self._give_up()
+
+    async def _give_up(self) -> None:
+        """The replay never filled the gap: what follows it applies as a gap without replay would (a resync)."""
+        held, self._held, self._stalled_since = self._held, [], None
+        for seq, payload, went_back in held:
+            await self._order(seq, payload, went_back, replay=False)
+        await self._flush()
 
     async def _flush(self) -> None:
         if not self._pending and self._pending_reset is ResetKind.NONE:

@@ -186,3 +186,83 @@ def test_allocator_kill_9_restart_catches_up(tmp_path):
         server.stop()
         engine.shutdown()
         proxy.close()
+
+
+class _Dropping:
+    """vLLM's own PUB socket, losing the next `drop` frames it is asked to send (they stay in its replay
+    buffer: the publisher thread buffers each batch after sending it)."""
+
+    def __init__(self, sock) -> None:
+        self.sock = sock
+        self.drop = 0
+
+    def send_multipart(self, parts, *args, **kwargs):
+        if self.drop:
+            self.drop -= 1
+            return None
+        return self.sock.send_multipart(parts, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.sock, name)
+
+
+class _Stalling:
+    """vLLM's own replay ROUTER, left unserved until `until` (a publisher thread busy with a long queue)."""
+
+    def __init__(self, sock) -> None:
+        self.sock = sock
+        self.until = 0.0
+
+    def poll(self, *args, **kwargs):
+        return 0 if time.monotonic() < self.until else self.sock.poll(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.sock, name)
+
+
+def test_a_run_of_lost_batches_is_repaired(tmp_path):
+    """Runs of consecutive batches lost by vLLM's PUB socket (kept in its replay buffer), each ending with a
+    delivered batch that evicts blocks stored during the run: Lookup equals get_computed_blocks again, for the
+    run's prompts and for those cached long before it, also when the replay answers after the subscription's
+    3 s replay timeout (it is asked again; the index is never dropped meanwhile)."""
+    rng = random.Random(41)
+    sub, replay = free_port(), free_port()
+    engine = VllmEngine(f"tcp://*:{sub}", loopback(replay), num_blocks=24)
+    pub = engine.publisher._pub = _Dropping(engine.publisher._pub)
+    router = engine.publisher._replay = _Stalling(engine.publisher._replay)
+    flag = f"{POOL}={loopback(sub)},replay={loopback(replay)},block-size={BLOCK},hash=sha256"
+    server = start_server("--hash-block-size", str(BLOCK), "--vllm-events", flag, log_dir=tmp_path)
+    try:
+        with server.client(hash_block_size=BLOCK) as client:
+            wait_for(lambda: client.get_stats().external_pools[POOL].connected, what="subscribed")
+            old = [[rng.randrange(1000) for _ in range(65)] for _ in range(2)]  # held by running requests
+            for prompt in old:
+                assert engine.admit(prompt)
+            engine.step()
+            checker = Checker(client, engine, old)
+            checker.check()
+            assert [engine.computed_tokens(p) for p in old] == [64, 64]
+            for stall_s in (0.0, 4.5):
+                run = [[rng.randrange(1000) for _ in range(33)] for _ in range(4)]
+                pub.drop = len(run)
+                for prompt in run:  # each step stores a prompt's 2 blocks, freed at once (evictable)
+                    assert engine.admit(prompt)
+                    engine.free(engine.running[-1])
+                    engine.step()
+                wait_for(lambda: pub.drop == 0, what="the run sent")  # vLLM's publisher thread sends
+                cached = [engine.computed_tokens(p) for p in run]
+                router.until = time.monotonic() + stall_s
+                assert engine.admit([rng.randrange(1000) for _ in range(16 * 9)])  # evicts blocks of the run
+                engine.step()  # delivered
+                assert [engine.computed_tokens(p) for p in run] != cached  # it removed some of the run's blocks
+                if stall_s:
+                    time.sleep(3.5)  # the first replay went unanswered: the index as of the gap is kept
+                    assert [client.lookup(p).tokens(POOL) for p in old] == [64, 64]
+                engine.free(engine.running[-1])
+                engine.step()
+                checker.check(run)
+            s = checker.stats()
+            assert s.gaps >= 2 and s.resyncs == 0 and s.restarts == 0 and s.removed_blocks > 0
+    finally:
+        server.stop()
+        engine.shutdown()
