@@ -190,14 +190,17 @@ class ShardRouter:
         if request.phase == Phase.DROP:
             if owner == self.shard_id:
                 raise FailedPrecondition(f"pool {pool_id!r} is still this shard's in the map: IMPORT it first")
+            # The export first (the map has switched: nothing reads it again), then the pool: killed between the
+            # two, the frozen copy is what `Rebalancer.finish()` drops; the other way round the export would
+            # stay in Redis with nothing left to delete it.
+            await self.store.redis.delete(key)
             if pool_id in state.pools:
                 await apply(DropPool(pool_id))
-            await self.store.redis.delete(key)
             return pb.MovePoolResponse()
         if owner != self.shard_id or pool_id not in state.pools:
             raise FailedPrecondition(f"pool {pool_id!r} is not this shard's any more: its move cannot be undone")
+        await self.store.redis.delete(key)  # first, as in DROP: killed before the thaw, finish() moves it on
         await apply(ThawPool(pool_id))
-        await self.store.redis.delete(key)
         return pb.MovePoolResponse(num_requests=len(state.pools[pool_id].requests))
 
 
