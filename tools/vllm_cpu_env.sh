@@ -39,7 +39,7 @@ if [ ! -f "$D/.deps-$recipe" ]; then
   mapfile -t own < <("$D/venv/bin/python" - "$REPO/pyproject.toml" <<'PY'
 import sys, tomllib
 p = tomllib.load(open(sys.argv[1], "rb"))["project"]
-print("\n".join(p["dependencies"] + ["pytest>=8", "pytest-timeout>=2.2"]))
+print("\n".join(p["dependencies"] + ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.100"]))
 PY
 )
   "$D/venv/bin/pip" install -q "${own[@]}"

@@ -105,7 +105,7 @@ class KVCacheGroup(_message.Message):
     def __init__(self, full_attention: _Optional[_Union[FullAttention, _Mapping]] = ..., sliding_window: _Optional[_Union[SlidingWindow, _Mapping]] = ..., chunked_local: _Optional[_Union[ChunkedLocalAttention, _Mapping]] = ..., mamba: _Optional[_Union[Mamba, _Mapping]] = ...) -> None: ...
 
 class KVCacheConfig(_message.Message):
-    __slots__ = ("num_blocks", "groups", "max_model_len", "dcp_world_size", "disable_prefix_caching", "vocab_size", "kv_layout")
+    __slots__ = ("num_blocks", "groups", "max_model_len", "dcp_world_size", "disable_prefix_caching", "vocab_size", "kv_layout", "prefix_cache_retention_interval", "has_prefix_cache_retention_interval")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,8 @@ class KVCacheConfig(_message.Message):
     DISABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_RETENTION_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    HAS_PREFIX_CACHE_RETENTION_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     groups: _containers.RepeatedCompositeFieldContainer[KVCacheGroup]
     max_model_len: int
@@ -120,7 +122,9 @@ class KVCacheConfig(_message.Message):
     disable_prefix_caching: bool
     vocab_size: int
     kv_layout: str
-    def __init__(self, num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., max_model_len: _Optional[int] = ..., dcp_world_size: _Optional[int] = ..., disable_prefix_caching: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., kv_layout: _Optional[str] = ...) -> None: ...
+    prefix_cache_retention_interval: int
+    has_prefix_cache_retention_interval: bool
+    def __init__(self, num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., max_model_len: _Optional[int] = ..., dcp_world_size: _Optional[int] = ..., disable_prefix_caching: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., kv_layout: _Optional[str] = ..., prefix_cache_retention_interval: _Optional[int] = ..., has_prefix_cache_retention_interval: _Optional[bool] = ...) -> None: ...
 
 class HashSpec(_message.Message):
     __slots__ = ("algorithm", "seed", "has_seed")

@@ -71,8 +71,10 @@ class Pool:
                             namespace: bytes = b"", num_prompt_tokens: int = 0) -> Request:
         """A request of this pool whose client hashed it (in the pool's hash spec); `num_prompt_tokens` when
         `num_tokens` counts output tokens too (0: num_tokens)."""
+        # Without prefix caching vLLM hashes nothing, and nothing here would read a hash.
+        unhashed = not self.manager.enable_caching and not block_hashes
         req = Request.from_block_hashes(key, block_hashes, num_tokens, self.hash_block_size, lora_name=lora_name,
-                                        namespace=namespace, hash_spec=self.hash_spec)
+                                        namespace=namespace, hash_spec=self.hash_spec, unhashed=unhashed)
         if num_prompt_tokens:
             req.num_prompt_tokens = num_prompt_tokens
         return req

@@ -95,6 +95,9 @@ def hash_append_refusal(req: Request, hashes: list[bytes] | None, num_append: in
     """Why `req.append_block_hashes(hashes, num_append)` would refuse (None: it would not)."""
     hashes = hashes or []
     num_tokens = req.num_tokens + num_append
+    if req.unhashed:
+        return (f"request {client_request_id(req.request_id)!r} was added without block hashes (its pool does not "
+                f"cache prefixes): append none") if hashes else None
     expected = num_tokens // req.block_size - len(req.block_hashes)
     if len(hashes) != expected:
         return (f"request {client_request_id(req.request_id)!r}: {num_tokens} tokens need {expected} new block "

@@ -25,7 +25,7 @@ from kvservice.hashing import (
 
 class Request:
     """Hashes its own tokens at `block_size` (the manager's hash block size) as they arrive, with
-    kvservice's chain (DESIGN §4, seeded by `hash_seed`) or the pool's `hash_spec` (e.g. vLLM's).
+    kvservice's chain (README, "Hash specs"; seeded by `hash_seed`) or the pool's `hash_spec` (e.g. vLLM's).
 
     `namespace` (e.g. a tenant id) is appended to every block hash the core sees, so requests in
     different namespaces never share a prefix; the chain itself stays namespace-free so that clients
@@ -41,6 +41,7 @@ class Request:
     lora_id: int | None = None
     lora_path: str | None = None
     hash_spec: HashSpec | None = None  # None: kvservice's chain with `hash_seed`
+    unhashed: bool = False  # added by hashes, of which its client computes none (a pool without prefix caching)
 
     def __init__(
         self,
@@ -93,10 +94,14 @@ class Request:
         lora_name: str | None = None,
         namespace: bytes = b"",
         hash_spec: HashSpec | None = None,
+        unhashed: bool = False,
     ) -> Request:
         """A request whose client hashed its tokens (with `hash_spec`, kvservice's by default): one
-        hash per full block of `num_tokens`."""
+        hash per full block of `num_tokens`. `unhashed`: the client hashes nothing (a pool without prefix
+        caching, whose hashes nothing reads: vLLM then computes none); appends then carry no hashes either."""
         req = cls.__new__(cls)
+        if unhashed:
+            req.unhashed = True
         if hash_spec is not None and not hash_spec.is_kvservice:
             req.hash_spec = hash_spec
         req.request_id = request_id
@@ -202,6 +207,12 @@ class Request:
         if not isinstance(num_new_tokens, int) or num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be a non-negative int, got {num_new_tokens!r}")
         num_tokens = self.num_tokens + num_new_tokens
+        if self.unhashed:
+            if block_hashes:
+                raise ValueError(f"request {self.request_id!r} was added without block hashes (its pool does not "
+                                 f"cache prefixes): append none")
+            self.num_tokens = num_tokens
+            return
         expected = num_tokens // self.block_size - len(self.block_hashes)
         if len(block_hashes) != expected:
             raise ValueError(f"request {self.request_id!r}: {num_tokens} tokens need {expected} new block hashes "
@@ -233,7 +244,7 @@ class Request:
         for name in ("block_size", "cache_salt", "lora_name", "hash_seed", "mm_items", "namespace",
                      "num_prompt_tokens", "num_tokens", "num_computed_tokens", "_chain_tip"):
             setattr(child, name, getattr(self, name))
-        for name in ("lora_path", "hash_spec", "lora_id", "session_id"):  # class defaults unless set
+        for name in ("lora_path", "hash_spec", "lora_id", "session_id", "unhashed"):  # class defaults unless set
             if name in self.__dict__:
                 setattr(child, name, getattr(self, name))
         child.request_id = child_request_id

@@ -299,4 +299,6 @@ def _decode_request(rs: st.RequestState, hash_spec: HashSpec) -> Request:
     raw = rs.block_hashes
     n = hash_spec.hash_bytes
     req.block_hashes = [raw[i:i + n] + ns for i in range(0, len(raw), n)]
+    if not rs.has_token_ids and len(req.block_hashes) < rs.num_tokens // rs.block_size:
+        req.unhashed = True  # only an unhashed request (a pool without prefix caching) holds fewer hashes
     return req

@@ -65,6 +65,7 @@ def decode_ops(ops: Sequence[pb.Op], spec: PoolSpec, hash_block_size: int, field
     vocab = spec.vocab_size
     hash_bytes = spec.hash_bytes
     vllm = spec.vllm is not None
+    unhashed_ok = not spec.enable_caching
     for i, op in enumerate(ops):
         kind = op.WhichOneof("op")
         if vllm and kind in VLLM_REFUSED:
@@ -73,7 +74,7 @@ def decode_ops(ops: Sequence[pb.Op], spec: PoolSpec, hash_block_size: int, field
         if kind == "allocate":
             append(decode_allocate(op.allocate, max_len, vocab, field, i, hash_bytes, vllm))
         elif kind == "add":
-            append(decode_add(op.add, max_len, vocab, hash_block_size, field, i, hash_bytes))
+            append(decode_add(op.add, max_len, vocab, hash_block_size, field, i, hash_bytes, unhashed_ok))
         elif kind == "allocate_batch":
             if not vllm:
                 raise InvalidArgument(f"{field}[{i}].allocate_batch", "...", f"pool {spec.pool_id!r} does not follow "
@@ -129,8 +130,9 @@ def ops_from_request(rpc: StepRpc, request, spec: PoolSpec, hash_block_size: int
 
 
 def decode_add(a: pb.AddRequestOp, max_len: int, vocab: int, hash_block_size: int, field: str,
-               index: int | None = None, hash_bytes: int = HASH_BYTES) -> AddRequestOp:
-    """One add op; (`field`, `index`) names it in errors (`field[index].add`, or `field` alone)."""
+               index: int | None = None, hash_bytes: int = HASH_BYTES, unhashed_ok: bool = False) -> AddRequestOp:
+    """One add op; (`field`, `index`) names it in errors (`field[index].add`, or `field` alone).
+    `unhashed_ok`: the pool does not cache prefixes, so `num_tokens` may come with no hashes at all."""
     request_id = a.request_id
     why = id_problem(request_id)
     if why is not None:
@@ -139,7 +141,8 @@ def decode_add(a: pb.AddRequestOp, max_len: int, vocab: int, hash_block_size: in
                               m.length) for j, m in enumerate(a.mm_items)) if a.mm_items else ()
     salt, lora = a.cache_salt, a.lora_name
     if a.block_hashes or (a.num_tokens and not a.token_ids):  # a prompt under one hash block has no hashes
-        return _decode_add_by_hashes(a, request_id, mm, max_len, hash_block_size, field, index, hash_bytes)
+        return _decode_add_by_hashes(a, request_id, mm, max_len, hash_block_size, field, index, hash_bytes,
+                                     unhashed_ok)
     if a.num_prompt_tokens:
         raise invalid((field, index, "add", "num_prompt_tokens"), a.num_prompt_tokens,
                       "only with block_hashes (token ids say their prompt themselves)")
@@ -164,7 +167,7 @@ def decode_add(a: pb.AddRequestOp, max_len: int, vocab: int, hash_block_size: in
 
 
 def _decode_add_by_hashes(a: pb.AddRequestOp, request_id: str, mm: tuple, max_len: int, hash_block_size: int,
-                          field: str, index: int | None, hash_bytes: int) -> AddRequestOp:
+                          field: str, index: int | None, hash_bytes: int, unhashed_ok: bool = False) -> AddRequestOp:
     if a.token_ids:
         raise invalid((field, index, "add", "token_ids"), f"<{len(a.token_ids)} bytes>",
                       "send token_ids or block_hashes, not both")
@@ -174,7 +177,7 @@ def _decode_add_by_hashes(a: pb.AddRequestOp, request_id: str, mm: tuple, max_le
     hashes = decode_hashes((field, index, "add", "block_hashes"), a.block_hashes, hash_bytes)
     if a.num_tokens == 0 or a.num_tokens > max_len:
         raise invalid((field, index, "add", "num_tokens"), a.num_tokens, f"must be in [1, max_model_len {max_len}]")
-    if len(hashes) != a.num_tokens // hash_block_size:
+    if len(hashes) != a.num_tokens // hash_block_size and not (unhashed_ok and not hashes):
         raise invalid((field, index, "add", "block_hashes"), f"<{len(hashes)} hashes>",
                       f"{a.num_tokens} tokens need {a.num_tokens // hash_block_size} hashes at hash block size "
                       f"{hash_block_size}")

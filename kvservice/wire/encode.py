@@ -28,6 +28,9 @@ def encode_config(config: KVCacheConfig, max_model_len: int, dcp_world_size: int
                   vocab_size: int = 0, kv_layout: str = "") -> pb.KVCacheConfig:
     msg = pb.KVCacheConfig(num_blocks=config.num_blocks, max_model_len=max_model_len, dcp_world_size=dcp_world_size,
                            disable_prefix_caching=not enable_caching, vocab_size=vocab_size, kv_layout=kv_layout)
+    if config.prefix_cache_retention_interval is not None:
+        msg.prefix_cache_retention_interval = config.prefix_cache_retention_interval
+        msg.has_prefix_cache_retention_interval = True
     for spec in config.groups:
         g = msg.groups.add()
         if isinstance(spec, FullAttentionSpec):

@@ -3,6 +3,8 @@ PoolSpec, every field validated (`InvalidArgument` naming it)."""
 
 from __future__ import annotations
 
+import math
+
 from kvservice._proto import allocator_pb2 as pb
 from kvservice.commands import PoolSpec, VllmOptions
 from kvservice.core import (
@@ -12,6 +14,7 @@ from kvservice.core import (
     MambaSpec,
     SlidingWindowSpec,
 )
+from kvservice.core.coordinator import validate_retention_interval
 from kvservice.core.specs import effective_block_size
 from kvservice.errors import InvalidArgument
 from kvservice.hashing import HashSpec, vllm_spec
@@ -59,7 +62,8 @@ def decode_config(msg: pb.KVCacheConfig, field: str = "config") -> tuple[KVCache
             raise InvalidArgument(f"{field}.dcp_world_size", dcp, f"decode context parallelism needs full attention "
                                                                   f"(sharded) and sliding-window (replicated) groups "
                                                                   f"only; groups[{i}] is {kind}")
-    return KVCacheConfig(int(msg.num_blocks), specs), msg.max_model_len, dcp
+    retention = msg.prefix_cache_retention_interval if msg.has_prefix_cache_retention_interval else None
+    return KVCacheConfig(int(msg.num_blocks), specs, prefix_cache_retention_interval=retention), msg.max_model_len, dcp
 
 
 def decode_pool_spec(msg: pb.RegisterPoolRequest, hash_block_size: int) -> PoolSpec:
@@ -75,6 +79,12 @@ def decode_pool_spec(msg: pb.RegisterPoolRequest, hash_block_size: int) -> PoolS
                                   f"size {hash_block_size}")
     hash_spec = decode_hash_spec(msg.hash_spec, hash_block_size) if msg.HasField("hash_spec") else None
     vllm = decode_vllm_options(msg.vllm, config) if msg.HasField("vllm") else None
+    retention = config.prefix_cache_retention_interval
+    try:  # the pool's coordinator checks the same, at the scheduler's block size
+        validate_retention_interval(retention, (vllm and vllm.scheduler_block_size) or math.lcm(
+            *(s.block_size for s in config.groups)), config)
+    except ValueError as exc:
+        raise InvalidArgument("config.prefix_cache_retention_interval", retention, str(exc)) from None
     return PoolSpec(pool_id, config, max_model_len, dcp, not msg.config.disable_prefix_caching,
                     msg.config.vocab_size, check_name("config.kv_layout", msg.config.kv_layout) or "", msg.epoch,
                     hash_spec, vllm)

@@ -62,18 +62,22 @@ class Mode:
     async_scheduling: bool = True
     full_sequence_gate: bool = True
     sliding_window: int = 0  # the one KV cache group's window (0: full attention)
+    # KVCacheConfig.prefix_cache_retention_interval (None: dense; 0, what vLLM's engine sets: sparse, only
+    # the blocks a hit at a replay boundary needs are cached)
+    retention: int | None = None
 
     @property
     def name(self) -> str:
         return (f"async {'on' if self.async_scheduling else 'off'}, "
                 f"gate {'on' if self.full_sequence_gate else 'off'}"
-                + (f", window {self.sliding_window}" if self.sliding_window else ""))
+                + (f", window {self.sliding_window}" if self.sliding_window else "")
+                + (f", retention {self.retention}" if self.retention is not None else ""))
 
 
 DEFAULT = Mode()
 # A window of 40 tokens leaves a block on other steps than those that allocate one (sync scheduling above all).
 MODES = (DEFAULT, Mode(async_scheduling=False), Mode(full_sequence_gate=False), Mode(sliding_window=40),
-         Mode(async_scheduling=False, sliding_window=40))
+         Mode(async_scheduling=False, sliding_window=40), Mode(sliding_window=40, retention=0))
 
 
 def make_vllm_config(model_dir: Path, mode: Mode, max_model_len: int = 2048) -> VllmConfig:
@@ -132,12 +136,14 @@ def sampled_token(seed: int, request_id: str, index: int) -> int:
 class Side:
     """One scheduler driven through a workload, as vLLM's engine core drives it."""
 
-    def __init__(self, cls, config: VllmConfig, workload: Workload, sliding_window: int = 0) -> None:
+    def __init__(self, cls, config: VllmConfig, workload: Workload, sliding_window: int = 0,
+                 retention: int | None = None) -> None:
         spec = (SlidingWindowSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32,
                                   sliding_window=sliding_window) if sliding_window
                 else FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32))
         kv_cache_config = KVCacheConfig(num_blocks=workload.num_blocks, kv_cache_tensors=[],
-                                        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+                                        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+                                        prefix_cache_retention_interval=retention)
         self.scheduler = cls(vllm_config=config, kv_cache_config=kv_cache_config, block_size=BLOCK, log_stats=True,
                              structured_output_manager=StructuredOutputManager(config))
         self.workload = workload
@@ -234,8 +240,8 @@ def run_pair(workload: Workload, mode: Mode, config: VllmConfig, address: str, p
     config.cache_config.num_gpu_blocks = workload.num_blocks
     stock_cls, remote_cls = ((StockAsyncScheduler, AsyncScheduler) if mode.async_scheduling
                              else (StockScheduler, Scheduler))
-    stock, remote = (Side(stock_cls, config, workload, mode.sliding_window),
-                     Side(remote_cls, config, workload, mode.sliding_window))
+    stock, remote = (Side(stock_cls, config, workload, mode.sliding_window, mode.retention),
+                     Side(remote_cls, config, workload, mode.sliding_window, mode.retention))
     outcome = Outcome(n_gt_1=sum(1 for a in workload.arrivals.values() for r, _, _ in a if r.endswith("-1")))
     depth = 2 if mode.async_scheduling else 1  # outstanding steps (vLLM's engine core batch queue)
     try:
@@ -259,7 +265,8 @@ def run_pair(workload: Workload, mode: Mode, config: VllmConfig, address: str, p
                 assert sa == sb, f"{mode.name}, seed {workload.seed}, step {step}: prefix stats {sa} != {sb}"
             if not stock.scheduler.requests and step >= max(workload.arrivals, default=0):
                 break
-        outcome.rpcs = remote.scheduler.kv_cache_manager.num_rpcs
+        manager = remote.scheduler.kv_cache_manager
+        outcome.rpcs = manager.num_rpcs - manager.num_idle_rpcs  # one more each time the engine goes idle
         check_pool(remote.scheduler, f"{mode.name}, seed {workload.seed}, the end")
         outcome.stock_s, outcome.remote_s = stock.step_s, remote.step_s
     finally:

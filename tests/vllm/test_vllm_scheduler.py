@@ -19,7 +19,6 @@ pytest.importorskip("vllm", reason="needs the vLLM 0.33.0 environment (make vllm
 
 from vllm.config import KVEventsConfig, KVTransferConfig  # noqa: E402
 from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: E402
-from vllm.v1.kv_cache_interface import SlidingWindowSpec  # noqa: E402
 
 from kvservice.integrations.vllm import AsyncScheduler, Scheduler  # noqa: E402
 from kvservice.integrations.vllm.config import UnsupportedConfig  # noqa: E402
@@ -113,13 +112,6 @@ def test_unsupported_settings_are_refused_at_start_up(server, model_dir, tmp_pat
     config.additional_config = {"kvservice": {"address": server.target, "pool_id": "refused"}}
     spec = h.FullAttentionSpec(block_size=h.BLOCK, num_kv_heads=1, head_size=1, dtype=h.torch.float32)
     kv = h.KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[h.KVCacheGroupSpec(["layer"], spec)])
-    window = SlidingWindowSpec(block_size=h.BLOCK, num_kv_heads=1, head_size=1, dtype=h.torch.float32,
-                               sliding_window=32)
-    sparse = h.KVCacheConfig(num_blocks=64, kv_cache_tensors=[], prefix_cache_retention_interval=64,
-                             kv_cache_groups=[h.KVCacheGroupSpec(["layer"], window)])
-    with pytest.raises(UnsupportedConfig, match="prefix_cache_retention_interval = 64"):
-        AsyncScheduler(vllm_config=config, kv_cache_config=sparse, block_size=h.BLOCK,
-                       structured_output_manager=h.StructuredOutputManager(config))
     config.kv_transfer_config = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
                                                  kv_connector_extra_config={"shared_storage_path": str(tmp_path)})
     config.scheduler_config.disable_hybrid_kv_cache_manager = True  # what ExampleConnector needs
@@ -258,7 +250,7 @@ def test_a_reply_the_checks_cannot_read_is_a_divergence():
     replies = iter([StepResult(1, [OpResult("", batch=odd)], [], 5), StepResult(2, [OpResult("", batch=short)], [], 5)])
     m = object.__new__(RemoteKVCacheManager)  # the checking half only
     m.pool_id, m.num_kv_cache_groups, m._in_flight, m._failed = "p", 1, None, None
-    m.client = type("Client", (), {"step": lambda self, pool_id, ops: next(replies)})()
+    m.client = type("Client", (), {"target": "127.0.0.1:1", "step": lambda self, pool_id, ops: next(replies)})()
     for match in ("row 0 \\(allocation for 'a'\\) with NO_SPACE", "answered a Step the scheduler cannot read"):
         sent = InFlight(Future(), [rows.op], [rows], 5)
         with pytest.raises(PoolDiverged, match=match):

@@ -105,12 +105,9 @@ def unsupported(scheduler, kv_cache_config) -> list[str]:
         out.append(f"prefix_replay_tokens = {scheduler.prefix_replay_tokens}: bounded sliding-window replay")
     if cfg.parallel_config.prefill_context_parallel_size > 1:
         out.append(f"prefill_context_parallel_size = {cfg.parallel_config.prefill_context_parallel_size}")
-    # Neither is a KVCacheConfig field in 0.32.
+    # Not a KVCacheConfig field in 0.32.
     if getattr(kv_cache_config, "hisparse_host_num_blocks", None) is not None:
         out.append(f"hisparse_host_num_blocks = {kv_cache_config.hisparse_host_num_blocks}: the HiSparse tier")
-    if getattr(kv_cache_config, "prefix_cache_retention_interval", None):
-        out.append(f"prefix_cache_retention_interval = {kv_cache_config.prefix_cache_retention_interval}: sparse "
-                   f"prefix-cache retention")
     for i, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
         inner = next(iter(spec.kv_cache_specs.values())) if isinstance(spec, vi.UniformTypeKVCacheSpecs) else spec

@@ -63,6 +63,7 @@ class RemoteKVCacheManager(KVCacheManager):
         self.pool_id = pool_id
         self.pipeline = pipeline
         self.num_rpcs = 0
+        self.num_idle_rpcs = 0  # of num_rpcs: sent when the engine went idle (the scheduler's update_from_output)
         self.last_result: StepResult | None = None
         self._ops: list[Op] = []
         self._expected: list[Expected | Rows] = []
@@ -295,17 +296,26 @@ class RemoteKVCacheManager(KVCacheManager):
                 raise
             except Exception as exc:  # the replica applied them, the pool may not have: nothing may follow
                 self._failed = repr(exc)
-                raise
+                raise PoolDiverged(
+                    f"kvservice allocator at {self.client.target}: the Step RPC for pool {self.pool_id!r} failed "
+                    f"({exc}); this engine's scheduler cannot go on without it (its replica is ahead of the pool). "
+                    f"Restart the allocator if it is down, then restart the engine: it registers the pool at a new "
+                    f"epoch and its requests are recomputed") from exc
             self.last_result = result
             return result
         if self._failed is not None:
-            raise PoolDiverged(f"pool {self.pool_id!r}: an earlier Step failed ({self._failed}); the replica is ahead "
-                               f"of the pool: restart the engine (a new pool epoch)")
+            raise PoolDiverged(f"kvservice pool {self.pool_id!r} at {self.client.target}: an earlier Step failed "
+                               f"({self._failed}); the replica is ahead of the pool: restart the engine (a new pool "
+                               f"epoch)")
         return None
 
     def close(self) -> None:
-        """Sends what is recorded, waits for it, and stops the sending thread."""
+        """Sends what is recorded, waits for it, and stops the sending thread (after a failed Step nothing
+        more is sent: the engine is shutting down on that error, already raised)."""
         try:
+            if self._failed is not None:
+                logger.warning("pool %r: closing after a failed Step; nothing more is sent", self.pool_id)
+                return
             self.flush()
             self.wait()
         finally:

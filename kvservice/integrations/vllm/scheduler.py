@@ -52,7 +52,14 @@ class KVServiceScheduling:
     def _register_pool(self, pool_id: str) -> int:
         """Registers the pool at a new epoch when it exists (this engine's KV memory starts empty)."""
         client = self.kvservice_client
-        existing = client.get_stats().pools.get(pool_id)
+        stats = client.get_stats()
+        if stats.hash_block_size != self.hash_block_size:
+            raise UnsupportedConfig(
+                f"kvservice at {self.kvservice_settings.address} hashes {stats.hash_block_size}-token blocks and "
+                f"this engine {self.hash_block_size}-token ones (its block size): the allocator's hash block size "
+                f"must equal vLLM's block size. Start the allocator with --hash-block-size {self.hash_block_size}, "
+                f"or the engine with --block-size {stats.hash_block_size} if its attention backend takes it")
+        existing = stats.pools.get(pool_id)
         epoch = existing.epoch + 1 if existing is not None else 0
         algorithm = self.cache_config.prefix_caching_hash_algo
         hash_spec = HashSpec(algorithm, get_none_hash_seed(), self.hash_block_size)
@@ -65,8 +72,7 @@ class KVServiceScheduling:
         except FailedPrecondition as exc:
             raise UnsupportedConfig(
                 f"kvservice at {self.kvservice_settings.address} refused pool {pool_id!r} (hash "
-                f"{algorithm}, hash block size {self.hash_block_size}): {exc}. The allocator's --hash-block-size "
-                f"must equal vLLM's block size") from exc
+                f"{algorithm}, hash block size {self.hash_block_size}): {exc}") from exc
         return result.epoch
 
     def schedule(self, *args, **kwargs):
@@ -74,6 +80,18 @@ class KVServiceScheduling:
         # The step's one RPC; the step before it (pipelined) or this one is checked before the output leaves.
         self.kv_cache_manager.flush()
         return output
+
+    def update_from_output(self, *args, **kwargs):
+        outputs = super().update_from_output(*args, **kwargs)
+        # An engine with nothing left to run calls schedule() no more: what this update recorded (the finished
+        # requests' frees) would wait in the replica, and the pool would hold their blocks, until the next
+        # request. Sent now instead; the next schedule() then sends only its own step's ops (at most one Step
+        # per step, plus one when the engine goes idle).
+        manager = self.kv_cache_manager
+        if not self.has_unfinished_requests() and manager.num_pending_ops:
+            manager.flush()
+            manager.num_idle_rpcs += 1
+        return outputs
 
     def shutdown(self) -> None:
         try:
