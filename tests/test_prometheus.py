@@ -2,46 +2,19 @@
 them (issue 13, point 9): counters that `rate()` can use, one persistence-state series per state, and the
 figures an operator expects; `promtool check metrics` accepts the exposition."""
 
-import json
-import shutil
 import subprocess
 import time
-import urllib.parse
 import urllib.request
 
 import pytest
 
 from kvservice.ops import AddRequestOp, AllocateOp, FreeOp
-from tests.external_helpers import wait_for
+from tests.prometheus_helpers import PROMETHEUS, PROMTOOL, query, wait_ready
 from tests.redis_helpers import free_port
 from tests.service_helpers import small_config, start_server
 
-PROMETHEUS, PROMTOOL = shutil.which("prometheus"), shutil.which("promtool")
 pytestmark = pytest.mark.skipif(PROMETHEUS is None or PROMTOOL is None,
                                 reason="Debian's prometheus package is not installed (make install installs it)")
-
-
-def query(port: int, expr: str) -> list:
-    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-    reply = json.loads(urllib.request.urlopen(url, timeout=10).read())
-    assert reply["status"] == "success", reply
-    return reply["data"]["result"]
-
-
-def wait_ready(prom: subprocess.Popen, port: int, log) -> None:
-    """Prometheus takes a while to open its TSDB and listen (seconds on a busy machine): wait for /-/ready."""
-    def ready() -> bool:
-        if prom.poll() is not None:
-            pytest.fail(f"Prometheus exited with {prom.returncode}; its log:\n{log.read_text()}")
-        try:
-            return urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=5).status == 200
-        except OSError:  # not listening yet, or 503 while it starts
-            return False
-
-    try:
-        wait_for(ready, timeout_s=90, interval_s=0.2, what="Prometheus ready")
-    except TimeoutError:
-        pytest.fail(f"Prometheus was not ready after 90 s; its log:\n{log.read_text()}")
 
 
 def test_a_real_prometheus_scrapes_and_queries_the_metrics(tmp_path):
