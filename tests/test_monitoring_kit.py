@@ -1,8 +1,8 @@
 """The operator's kit in deploy/monitoring/ (issue 26) against the real thing: promtool accepts the rules and
 the scrape config; every metric the Grafana dashboard or a rule names is exported by a real `kvservice serve`
 leader (persistence on a real Redis, a pool stepped, a quota, an external pool) or its hot standby, read
-from their /metrics; a real Prometheus loads the rules and fires KVServicePersistenceDown once Redis is
-killed under --require-persistence (and resolves it once Redis is back)."""
+from their /metrics; a real Prometheus, run on the shipped scrape config, loads the rules and fires
+KVServicePersistenceDown once Redis is killed under --require-persistence (and resolves it once Redis is back)."""
 
 from __future__ import annotations
 
@@ -121,6 +121,21 @@ def alerts(prom: Prometheus) -> dict[str, list[dict]]:
     return found
 
 
+def shipped_config(rules, ports, tmp_path):
+    """deploy/monitoring/prometheus.yml with these targets (as its unsharded example, shard "default"), these
+    rules, and 1 s intervals."""
+    text = (KIT / "prometheus.yml").read_text()
+    targets = ", ".join(f'"127.0.0.1:{p}"' for p in ports)
+    for old, new in (('"allocator-0:9400", "allocator-0-standby:9400"', targets), ("  - alerts.yml", f"  - {rules}"),
+                     ("scrape_interval: 15s", "scrape_interval: 1s"), ("evaluation_interval: 15s",
+                                                                      "evaluation_interval: 1s"),
+                     ("scrape_interval: 5s", "scrape_interval: 1s"), ("scrape_timeout: 5s", "scrape_timeout: 1s")):
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    (tmp_path / "prometheus.yml").write_text(text)
+    return tmp_path / "prometheus.yml"
+
+
 @pytest.fixture
 def redis7(tmp_path):
     server = RedisServer(tmp_path / "redis", executable=debian_redis())
@@ -157,13 +172,7 @@ def test_the_kit_names_real_metrics_and_a_rule_fires_when_redis_dies(redis7, tmp
 
             rules = tmp_path / "alerts.yml"  # the shipped rules with `for: 0s`: they fire at their first evaluation
             rules.write_text(re.sub(r"(?m)^(\s+)for: \S+$", r"\1for: 0s", (KIT / "alerts.yml").read_text()))
-            targets = ", ".join(f"'127.0.0.1:{p}'" for p in ports.values())
-            (tmp_path / "prometheus.yml").write_text(
-                "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
-                f"rule_files: ['{rules}']\n"
-                "scrape_configs:\n  - job_name: kvservice\n"
-                f"    static_configs: [{{targets: [{targets}], labels: {{shard: default}}}}]\n")
-            prom = Prometheus(tmp_path / "prometheus.yml", tmp_path)
+            prom = Prometheus(shipped_config(rules, ports.values(), tmp_path), tmp_path)
             wait_for(lambda: len(prom.query('up{job="kvservice"} == 1')) == 2, timeout_s=30, what="both scraped")
 
             loaded = [r for g in api(prom.port, "rules")["groups"] for r in g["rules"]]
