@@ -1,4 +1,4 @@
-"""Persistence benchmark (DESIGN §6), all in one run against a real redis-server:
+"""Persistence benchmark, all in one run against a real redis-server:
 
 - Step latency with persistence on vs off (decode and admission steps; ratio);
 - Step p99 while snapshots are being taken vs without (target <= 2x);

@@ -106,7 +106,7 @@ def digest(wire: bytes) -> int:
 @dataclass(slots=True)
 class OpenSession:
     """A new session, or the resumption of `resume_session_id` by a client that saw `last_acked_sequence`
-    acknowledged: if the state is behind that, the pools it used start new epochs (DESIGN §6)."""
+    acknowledged: if the state is behind that, the pools it used start new epochs."""
 
     session_id: str
     tenant: str

@@ -1,4 +1,4 @@
-"""Shared test setup: a repeatable hypothesis profile (DESIGN §8)."""
+"""Shared test setup: a repeatable hypothesis profile."""
 
 import os
 

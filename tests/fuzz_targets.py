@@ -1,4 +1,4 @@
-"""Fuzz target for the request decoding and validation paths (DESIGN §5 "Errors"), without gRPC.
+"""Fuzz target for the request decoding and validation paths, without gRPC.
 
 An input is a 4-byte header and a serialized request: `[method, who, sequence, pool] + proto bytes`.
 `run_one` parses the bytes with the servicer's own `parse` and calls the servicer's method body (the
@@ -12,7 +12,7 @@ calls so it stays small.
 The contract (`FuzzCrash` when broken): only `KVServiceError` subclasses escape, with a message, and an
 `InvalidArgument` names a field of the request; a rejected call changes no state (`state_digest`); a read
 changes none either; a retried mutation answers the stored reply; the state still encodes (as WAL
-snapshots and GetStats encode it); every pool keeps its DESIGN §3 invariants. A crash can depend on the
+snapshots and GetStats encode it); every pool keeps its block invariants. A crash can depend on the
 calls since the last rebuild, so `history()` lists them and `replay` re-runs them from a fresh allocator
 (regression files in the `SEQUENCE_MAGIC` format).
 """
@@ -275,7 +275,7 @@ def run_one(data: bytes) -> None:
 
 
 def _check_retry(fixture: Fixture, method: str, request, context: _Context, encoded: bytes, digest: str) -> None:
-    """A retried mutation (same sequence) answers the stored reply and changes nothing (DESIGN §5)."""
+    """A retried mutation (same sequence) answers the stored reply and changes nothing."""
     session = fixture.allocator.state.sessions.sessions.get(request.session_id)
     if session is None or session.last_sequence != request.sequence:
         return

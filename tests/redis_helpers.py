@@ -1,4 +1,4 @@
-"""A real redis-server on loopback TCP for tests (DESIGN §8: tests start their own Redis with `appendonly yes`)."""
+"""A real redis-server on loopback TCP for tests (each test starts its own Redis, with `appendonly yes`)."""
 
 from __future__ import annotations
 

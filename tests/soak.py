@@ -7,7 +7,7 @@ Phases: concurrent sessions with client faults (disconnects mid-Step, expired de
 watcher, message floods up to the size limit); allocator SIGKILLs; Redis SIGKILLs; a full disk under
 Redis; Redis SIGKILLs under --require-persistence; allocator SIGKILLs around Redis outages (during one,
 during the resync, just after); the tenant timing probe. After every phase: the
-DESIGN §3 invariants hold, every acknowledged allocation is still held with the same block ids, and
+the core's block invariants hold, every acknowledged allocation is still held with the same block ids, and
 freeing everything drains the pool.
 """
 

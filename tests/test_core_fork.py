@@ -1,4 +1,4 @@
-"""fork() and copy-on-write (DESIGN §3): parallel sampling shares the whole table."""
+"""fork() and copy-on-write: parallel sampling shares the whole table."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""Random scheduler-like sequences over small pools; DESIGN §3 invariants after every step."""
+"""Random scheduler-like sequences over small pools; the block invariants after every step."""
 
 import copy
 

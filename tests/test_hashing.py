@@ -1,4 +1,4 @@
-"""DESIGN §4: byte-exact hashing and its normative test vectors."""
+"""The README's hash spec: byte-exact hashing and its normative test vectors."""
 
 import numpy as np
 import pytest

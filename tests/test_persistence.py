@@ -1,4 +1,4 @@
-"""Crash-exact recovery against a real Redis and real server processes (DESIGN §6)."""
+"""Crash-exact recovery against a real Redis and real server processes."""
 
 import random
 import signal

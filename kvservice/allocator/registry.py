@@ -1,6 +1,6 @@
 """Pools and their epochs: registration (a pool belongs to the tenant that registered it), a new epoch when
 its workers restarted (their memory is gone: every in-flight request fails), forced epochs after a stale
-recovery (DESIGN §6)."""
+recovery."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Cross-pool prefix transfers (DESIGN §5): a request admitted on pool B whose prefix is cached only on
+"""Cross-pool prefix transfers: a request admitted on pool B whose prefix is cached only on
 pool A gets fresh blocks on B and an order to copy A's blocks into them. A's blocks stay pinned (a
 holder table on A) until the engine commits (B's blocks become cached, A's pins drop) or aborts (B's
 request is freed); a lease lapse or an epoch change aborts it.

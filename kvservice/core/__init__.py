@@ -1,4 +1,4 @@
-"""In-process KV-cache allocator core (DESIGN §3): vLLM 0.33.0's names and semantics, no I/O.
+"""In-process KV-cache allocator core: vLLM 0.33.0's names and semantics, no I/O.
 
 Layering: KVCacheManager (policy) -> KVCacheCoordinator (agrees across groups) -> single-type
 managers (per-group block tables) -> BlockPool (mechanism) -> FreeBlockQueue and the prefix index.

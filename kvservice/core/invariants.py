@@ -1,4 +1,4 @@
-"""The invariants of DESIGN §3, checked by tests after every operation and by the server on demand."""
+"""The block-pool invariants, checked by tests after every operation and by the server on demand."""
 
 from __future__ import annotations
 

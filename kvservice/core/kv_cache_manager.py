@@ -1,4 +1,4 @@
-"""KVCacheManager: the scheduler-facing policy (vLLM v1's names and semantics, DESIGN §3).
+"""KVCacheManager: the scheduler-facing policy (vLLM v1's names and semantics).
 
     KVCacheManager -> coordinator (get_kv_cache_coordinator) -> single-type managers -> BlockPool
 Its fast paths live behind `fast_path` (fast_path.py); the KV-connector hooks in connector_hooks.py.
@@ -31,7 +31,7 @@ def _checked_count(name: str, value: object) -> int:
 
 
 class KVCacheManager(ConnectorHooks):
-    """Args (besides DESIGN §3's): vLLM 0.33.0's, keyword-only — `scheduler_block_size` (default: the
+    """Args (besides vLLM v1's): vLLM 0.33.0's, keyword-only — `scheduler_block_size` (default: the
     LCM of the groups' block sizes), `max_in_flight_tokens` (the sliding-window admission cap),
     `use_eagle`, `num_hash_lookahead_tokens`, `num_prefill_lookahead`, `pcp_world_size`, `watermark`
     (a fraction of the pool kept free when admitting waiting requests), `metrics_collector`,

@@ -1,6 +1,6 @@
 """One external pool's prefix index: what a stock vLLM engine holds, rebuilt from its KV events.
 
-    Node per block content: key = our DESIGN §4 hash of the block's tokens chained after its parent's key,
+    Node per block content: key = kvservice's chain hash of the block's tokens chained after its parent's key,
     at the allocator's hash block size (an event block of B = k * h tokens has the key of its last h-block),
     so `Lookup(tokens)` finds it without trusting the engine's hash spec, and one prompt hash serves every
     pool. The engine's hashes are aliases (by_engine), used to resolve parents and removals.
@@ -30,7 +30,7 @@ from kvservice.external.frames import EngineHash, Removed, Stored
 from kvservice.external.nodes import COUNT_BITS, COUNT_MASK, TIER_OF, TIERS, IndexCounters, Node, Orphan
 from kvservice.hashing import hash_packed_blocks, le_bytes, root_hash
 
-_SEALED = b"\xff"  # a tag DESIGN §4 never produces: blocks keyed with it never match a token Lookup
+_SEALED = b"\xff"  # a tag kvservice's chain never produces: blocks keyed with it never match a token Lookup
 _h128 = xxhash.xxh3_128_digest
 
 
@@ -62,7 +62,7 @@ class ExternalIndex:
 
     def hits(self, fine_hashes: list[bytes], num_tokens: int) -> list[int]:
         """Cached prefix tokens per tier, as vLLM's `get_computed_blocks` counts them (whole blocks, never
-        the last token). `fine_hashes`: the prompt's DESIGN §4 hashes at `key_block_size`."""
+        the last token). `fine_hashes`: the prompt's kvservice-chain hashes at `key_block_size`."""
         out = [0] * len(TIERS)
         size = self.block_size
         if size is None or num_tokens <= 1:
@@ -177,7 +177,7 @@ class ExternalIndex:
         parent_key = parent.key if parent is not None else self.root
         if sealed:
             return _h128(parent_key + packed + _SEALED + sealed)
-        first = 0 if parent is None else 1  # DESIGN §4 puts the cache salt in block 0 only
+        first = 0 if parent is None else 1  # the chain puts the cache salt in block 0 only
         fine = hash_packed_blocks(packed, self.key_block_size, parent_key, first, salt if first == 0 else None, lora)
         return fine[-1]
 

@@ -1,6 +1,6 @@
-"""Block hashes (DESIGN §4) and the hash specs a pool can declare.
+"""Block hashes (README, "Hash specs") and the hash specs a pool can declare.
 
-    chain      kvservice's own chain, byte-exact to DESIGN §4 (the default spec)
+    chain      kvservice's own chain, byte-exact to the README's spec (the default)
     vllm_spec  vLLM 0.33.0's chains (sha256, sha256_cbor, xxhash, xxhash_cbor), byte-exact
     spec       HashSpec: one of them, its root and its fingerprint
     cbor       the canonical CBOR the *_cbor algorithms serialize with

@@ -1,4 +1,4 @@
-"""Chained block hashes — byte-exact to DESIGN §4, so a client in any language computes the same.
+"""Chained block hashes — byte-exact to the README's "Hash specs", so a client in any language computes the same.
 
     H(x)   = xxh3_128(x, seed=0).digest()            (16 bytes, canonical big-endian order)
     h_root = H(seed_string.encode("utf-8"))
@@ -129,7 +129,7 @@ def block_extra_keys(
     mm_items: Sequence[MultiModalItem] = (),
     lora_path: str | None = None,
 ) -> bytes:
-    """The `extra_i` bytes of DESIGN §4 for the block covering positions [block_start, block_end)."""
+    """The chain's `extra_i` bytes (README, "Hash specs") for the block covering positions [block_start, block_end)."""
     out = b""
     if cache_salt is not None and block_start == 0:
         out += _field(TAG_CACHE_SALT, cache_salt.encode("utf-8"))

@@ -1,6 +1,6 @@
 """HashSpec: which block-hash chain a pool (and its clients) use, named by a fingerprint.
 
-    HashSpec()                      kvservice's own (DESIGN §4): xxh3_128 over packed uint32 tokens,
+    HashSpec()                      kvservice's own (README, "Hash specs"): xxh3_128 over packed uint32 tokens,
                                     16-byte hashes, root H(seed "kvservice-v1")
     HashSpec("sha256"), ("sha256_cbor"), ("xxhash"), ("xxhash_cbor")
                                     vLLM 0.33.0's (vllm_spec.py): 32-byte (sha256) or 16-byte hashes,

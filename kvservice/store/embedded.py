@@ -1,4 +1,4 @@
-"""The private redis-server of `kvservice serve` when no `--redis-url` is given (DESIGN §6).
+"""The private redis-server of `kvservice serve` when no `--redis-url` is given.
 
 It listens only on a unix socket in the data dir, persists with AOF (no RDB snapshots) and is stopped on exit.
 After a `kill -9` of its owner it must neither linger nor block the restart:

@@ -1,5 +1,5 @@
 """The persistent journal: WAL appends before replies (group commit), periodic snapshots, fencing, and
-the Redis-outage policy (DESIGN §6).
+the Redis-outage policy.
 
 Periodic snapshots are written by a standby process that replays the WAL (`kvservice.store.snapshotter`:
 the serving process never stops for them); with `snapshot_mode="fork"` they are taken in a forked child

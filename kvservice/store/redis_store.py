@@ -1,4 +1,4 @@
-"""Redis layout and fenced writes (DESIGN §6).
+"""Redis layout and fenced writes.
 
 Keys under a namespace `ns`:
     ns:epoch             leadership counter (INCR on every allocator start)
