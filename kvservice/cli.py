@@ -9,16 +9,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvservice.argparsing import Parser
 from kvservice.settings import AllocatorSettings, ServerSettings, add_arguments, from_args
 
 STATUS_FAILED = 1  # `kvservice status`: nothing answered
 STATUS_DEGRADED = 3  # `kvservice status`: some shards answered, others are down
+NULL_BLOCK_NOTE = ("(blocks: usable blocks, the pool's num_blocks less 1: block 0 is the null block, which "
+                   "padding and skipped window blocks point at, and is never handed out)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvservice", description="Distributed KV-cache service for LLM serving")
+    parser = Parser(prog="kvservice", description="Distributed KV-cache service for LLM serving")
     parser.add_argument("--log-level", default="INFO")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     serve = sub.add_parser("serve", help="run the allocator service")
     add_arguments(serve, ServerSettings)
@@ -73,13 +76,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
 
 
+def client_token(args: argparse.Namespace, command: str) -> str | None | bool:
+    """--token, or the first token of --token-file; False (after a one-line error) when that file is unusable."""
+    if args.token or not args.token_file:
+        return args.token
+    try:
+        return Path(args.token_file).read_text().split()[0]
+    except (OSError, UnicodeDecodeError, IndexError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "no token in it"
+        print(f"kvservice {command}: --token-file {args.token_file}: cannot read a token ({why})", file=sys.stderr)
+        return False
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from kvservice.client import KVServiceClient
     from kvservice.client.base import merge_stats
     from kvservice.errors import Code, KVServiceError
-    token = args.token
-    if token is None and args.token_file:
-        token = Path(args.token_file).read_text().split()[0]
+    token = client_token(args, "status")
+    if token is False:
+        return 2
     try:
         with KVServiceClient(args.target, token, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
                              retries=1, timeout_s=5) as client:
@@ -104,6 +119,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    if stats.pools:
+        print(NULL_BLOCK_NOTE)
     if len(per_shard) > 1 or down:
         for shard_id, s in per_shard.items():
             state = (f"down ({s.code.name}: {s}); its pools are not listed" if shard_id in down
@@ -120,7 +137,9 @@ def cmd_shards(args: argparse.Namespace) -> int:
     from kvservice.client import KVServiceClient
     from kvservice.errors import KVServiceError
     from kvservice.shards.rebalance import Rebalancer
-    token = args.token or (Path(args.token_file).read_text().split()[0] if args.token_file else None)
+    token = client_token(args, "shards")
+    if token is False:
+        return 2
     with KVServiceClient(args.target, token, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
                          retries=1, timeout_s=10) as client:
         try:
@@ -187,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and args.command not in ("demo", "deploy", "generate"):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        subcommand = parser._subparsers._group_actions[0].choices[args.command]
+        subcommand.error(f"unrecognized arguments: {' '.join(extra)}")  # its usage, and the flag meant
     args.demo_args = args.deploy_args = extra
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return {"serve": cmd_serve, "status": cmd_status, "shards": cmd_shards, "demo": cmd_demo, "bench": cmd_bench,

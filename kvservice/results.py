@@ -57,13 +57,44 @@ def best_pool(hits: list[PoolHit], first_block_hash: bytes | None) -> str:
     return names[int.from_bytes(first_block_hash[:8], "big") % len(names)]
 
 
+class PoolHits(list):
+    """A Lookup's hits: a list of PoolHit (iterate, index, compare with a list as before) that also answers
+    by pool id, `hits["engine-0"]` (KeyError naming the pool when it has none), `"engine-0" in hits`,
+    `hits.get(pool_id)` and `hits.pool_ids()`."""
+
+    __slots__ = ()
+
+    def __getitem__(self, key):  # type: ignore[override]
+        if isinstance(key, str):
+            for hit in self:
+                if hit.pool_id == key:
+                    return hit
+            raise KeyError(f"no hit for pool {key!r} (pools answered: {', '.join(self.pool_ids()) or 'none'})")
+        return list.__getitem__(self, key)
+
+    def __contains__(self, key) -> bool:
+        if isinstance(key, str):
+            return any(hit.pool_id == key for hit in self)
+        return list.__contains__(self, key)
+
+    def get(self, pool_id: str, default: PoolHit | None = None) -> PoolHit | None:
+        return next((hit for hit in self if hit.pool_id == pool_id), default)
+
+    def pool_ids(self) -> list[str]:
+        return [hit.pool_id for hit in self]
+
+
 @dataclass(slots=True)
 class LookupResult:
-    hits: list[PoolHit]
+    hits: PoolHits  # a list of PoolHit that also answers `hits[pool_id]`
     best_pool_id: str
     # Sharded fan-out: the shards that did not answer (down, or slower than the client's fan_out_grace_s):
     # their pools are not in `hits`, and best_pool_id is the best of the pools that answered.
     missing_shards: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.hits, PoolHits):
+            self.hits = PoolHits(self.hits)
 
     def tokens(self, pool_id: str) -> int:
         return next((h.num_cached_tokens for h in self.hits if h.pool_id == pool_id), 0)

@@ -35,7 +35,7 @@ class AllocatorSettings:
     hash_block_size: int = flag(DEFAULT_HASH_BLOCK_SIZE, "--hash-block-size",
                                 "tokens per hashed block, the prefix identity of every pool (each pool's block "
                                 "size must be a multiple of it)", type=int)
-    hash_seed: str = flag(DEFAULT_HASH_SEED, "--hash-seed", "seed string of the hash chain's root (DESIGN §4); "
+    hash_seed: str = flag(DEFAULT_HASH_SEED, "--hash-seed", "seed of the hash chain's root (README: Hash specs); "
                           "clients hashing prompts themselves must use the same")
     session_ttl_s: float = flag(30.0, "--session-ttl", "session lease in seconds: a session silent that long has "
                                 "its requests freed (clients renew it in the background)", type=float)
@@ -81,6 +81,8 @@ class ServerSettings:
                                   "off on loopback)")
     insecure: bool = flag(False, "--insecure", "allow auth off on a non-loopback address (anyone who can reach "
                           "the port can free every engine's blocks)", action="store_true")
+    private: bool = flag(False, "--private", "a private child of one process (worker.LLM, the demo): loopback "
+                         "only, and auth off is logged at INFO instead of as a warning", action="store_true")
     tls_cert: str | None = flag(None, "--tls-cert", "server certificate (PEM); with --tls-key turns on TLS")
     tls_key: str | None = flag(None, "--tls-key", "server private key (PEM)")
     tls_ca: str | None = flag(None, "--tls-ca", "client CA (PEM): turns on mutual TLS")

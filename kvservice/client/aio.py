@@ -33,8 +33,22 @@ class AsyncKVServiceClient(ClientBase):
     """asyncio client; same API as KVServiceClient with `await`. Mutations are serialized (one sequence
     at a time per session)."""
 
-    def __init__(self, target: str = "127.0.0.1:50051", token: str | None = None, **options) -> None:
-        self._setup(grpc.aio, target, token, **options)
+    def __init__(self, target: str = "127.0.0.1:50051", token: str | None = None, *, tls_ca: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None, **options) -> None:
+        """Connects to `target`: an allocator's host:port, any shard of a sharded one, or several comma-separated
+        addresses (an allocator and its standbys).
+
+        Args:
+            token: the bearer token, a line of the server's --token-file (None: the server has no auth).
+            tls_ca: the CA (PEM file) that signed the server's certificate: turns TLS on (the server runs with
+                --tls-cert/--tls-key).
+            tls_cert, tls_key: this client's certificate and private key (PEM files), for a server that
+                verifies clients (its --tls-ca: mutual TLS).
+            options: client_name, timeout_s (10), retries (4), hash_seed and hash_block_size (the server's, to
+                hash prompts here), max_message_bytes (64 MiB), heartbeat (renew the lease in the background;
+                True), failover_timeout_s (15), fan_out_grace_s (0.5, sharded Lookups).
+        """
+        self._setup(grpc.aio, target, token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, **options)
         self._lock = asyncio.Lock()
         self._renewer: asyncio.Task | None = None
         self._refresher: asyncio.Task | None = None  # a background map refresh (after a partial fan-out)

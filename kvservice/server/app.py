@@ -24,7 +24,14 @@ from kvservice.launch import READY_PREFIX
 from kvservice.server.auth import Authenticator, AuthInterceptor, load_token_file
 from kvservice.server.metrics import LeaderOnly, Metrics
 from kvservice.server.servicer import AllocatorServicer, freeze_long_lived, method_handlers
-from kvservice.server.startup import DataDirLock, StartupError, check_port_free, is_loopback, token_file_for
+from kvservice.server.startup import (
+    DataDirLock,
+    StartupError,
+    check_config,
+    check_port_free,
+    is_loopback,
+    token_file_for,
+)
 from kvservice.settings import ServerSettings
 from kvservice.store.base import Journal, PersistenceState
 
@@ -41,7 +48,7 @@ class AllocatorServer:
         self.config = config
         self.allocator = allocator or Allocator(config.allocator)
         tokens = load_token_file(config.token_file) if config.token_file else None
-        self.auth = Authenticator(tokens)
+        self.auth = Authenticator(tokens, private=config.private)
         self.journal = journal or Journal()
         self.follower = None  # kvservice.store.follower.Follower while this server is a hot standby
         self.metrics = Metrics(self.allocator, lambda: self.journal, lambda: self.servicer.num_watchers,
@@ -92,6 +99,8 @@ class AllocatorServer:
         self._lease_task = asyncio.create_task(self._expire_leases())
         role = "hot standby: following the leader's WAL" if self.servicer.standby else \
             f"persistence {self.journal.state.value}"
+        if cfg.persistence and not cfg.redis_url and not self.servicer.standby:
+            role += f", data dir {Path(cfg.data_dir).resolve()}"
         logger.info("%s%s:%d (auth %s, TLS %s, %s)", READY_PREFIX, cfg.host, self.port,
                     "on" if self.auth.enabled else "OFF", "on" if cfg.tls_cert else "off", role)
         return self.port
@@ -327,6 +336,7 @@ def preflight(config: ServerSettings) -> DataDirLock | None:
             parse_flag(text)
         except SpecError as exc:
             raise ValueError(f"--vllm-events: {exc}") from None
+    check_config(config)
     generates_token = not config.token_file and not is_loopback(config.host) and not config.insecure
     if config.shard_id and not (config.persistence and config.redis_url):
         raise StartupError(f"--shard {config.shard_id} needs --redis-url: every shard reads the shard map and writes "

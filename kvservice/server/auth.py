@@ -1,4 +1,4 @@
-"""Bearer-token auth (DESIGN §5): `--token-file` lines `token tenant [admin]`. Without a token file auth
+"""Bearer-token auth: `--token-file` lines `token tenant [admin]`. Without a token file auth
 is off (every caller is the empty tenant, an admin) and the server logs a warning."""
 
 from __future__ import annotations
@@ -15,6 +15,9 @@ from kvservice.errors import PermissionDenied, Unauthenticated
 logger = logging.getLogger(__name__)
 
 EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+MISSING_TOKEN = ("no bearer token: this server requires one (its --token-file); pass it: KVServiceClient(target, "
+                 "token=...) in Python, --token TOKEN or --token-file FILE on the command line (kvservice status, "
+                 "shards), or gRPC metadata 'authorization: Bearer TOKEN'")
 
 
 @dataclass(slots=True, frozen=True)
@@ -47,10 +50,13 @@ def load_token_file(path: str | Path) -> dict[str, Principal]:
 
 
 class Authenticator:
-    def __init__(self, tokens: dict[str, Principal] | None) -> None:
+    def __init__(self, tokens: dict[str, Principal] | None, private: bool = False) -> None:
+        """`private`: the server is one process's private child on loopback (`serve --private`): auth off is
+        its normal state, not worth a warning in its parent's output."""
         self.tokens = tokens
         if tokens is None:
-            logger.warning("auth is OFF: no --token-file given, every caller is an admin of the default tenant")
+            logger.log(logging.INFO if private else logging.WARNING,
+                       "auth is OFF: no --token-file given, every caller is an admin of the default tenant")
 
     @property
     def enabled(self) -> bool:
@@ -65,7 +71,7 @@ class Authenticator:
                 token = value[7:].strip() if value[:7].lower() == "bearer " else None
                 break
         if token is None:
-            raise Unauthenticated("missing 'authorization: Bearer <token>' metadata")
+            raise Unauthenticated(MISSING_TOKEN)
         principal = self.tokens.get(token)
         if principal is None:
             raise Unauthenticated("unknown bearer token")

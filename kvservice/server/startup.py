@@ -3,6 +3,9 @@
 - one allocator per data dir: an exclusive lock (flock) on DATA_DIR/kvservice.lock, held for the life of
   the process, released by the kernel however it dies;
 - the port is free (a one-line error instead of a gRPC traceback after Redis was started);
+- the configuration itself (`check_config`): the token file readable and well-formed, the TLS files
+  readable and the key matching the certificate, flags that contradict each other; checked before the
+  data dir is locked, so a refused start writes nothing and bumps no leader epoch;
 - beyond loopback, auth is on: without --token-file a token is generated into DATA_DIR/token (mode 0600)
   and required, unless --insecure opts out (loudly).
 """
@@ -66,6 +69,59 @@ class DataDirLock:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
             self._fd = None
+
+
+def check_config(config: ServerSettings) -> None:
+    """Raises StartupError (naming the flag and its value) for a configuration `serve` could not run with."""
+    from kvservice.server.auth import load_token_file
+    if config.token_file:
+        try:
+            load_token_file(config.token_file)
+        except OSError as exc:
+            raise StartupError(f"--token-file {config.token_file}: cannot read it ({exc.strerror})") from None
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise StartupError(f"--token-file {config.token_file}: {exc}") from None
+    check_tls(config)
+    if config.private and not is_loopback(config.host):
+        raise StartupError(f"--private (a private child on loopback) contradicts --host {config.host}")
+    if config.require_persistence and not config.persistence:
+        raise StartupError("--require-persistence contradicts --no-persistence: give one of them")
+    if config.metrics_port and config.metrics_port == config.port:
+        raise StartupError(f"--metrics-port {config.metrics_port} is the gRPC --port too: give it another port")
+    for name, value in (("--snapshot-every", config.snapshot_every), ("--max-message-mb", config.max_message_mb)):
+        if value < 1:
+            raise StartupError(f"{name} {value}: must be at least 1")
+
+
+def check_tls(config: ServerSettings) -> None:
+    """The TLS flags: both of --tls-cert/--tls-key or neither, each file readable PEM, the key the
+    certificate's; --tls-ca only with them."""
+    import ssl
+    if bool(config.tls_cert) != bool(config.tls_key):
+        given, missing = ("--tls-cert", "--tls-key") if config.tls_cert else ("--tls-key", "--tls-cert")
+        raise StartupError(f"TLS needs both --tls-cert and --tls-key: {given} "
+                           f"{config.tls_cert or config.tls_key} is given, {missing} is not")
+    if config.tls_ca and not config.tls_cert:
+        raise StartupError(f"--tls-ca {config.tls_ca} (mutual TLS) needs --tls-cert and --tls-key too")
+    for name, path in (("--tls-cert", config.tls_cert), ("--tls-key", config.tls_key), ("--tls-ca", config.tls_ca)):
+        if path:
+            try:
+                Path(path).read_bytes()
+            except OSError as exc:
+                raise StartupError(f"{name} {path}: cannot read it ({exc.strerror})") from None
+    if not config.tls_cert:
+        return
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(config.tls_cert, config.tls_key)
+    except ssl.SSLError as exc:
+        raise StartupError(f"--tls-cert {config.tls_cert} / --tls-key {config.tls_key}: not a matching PEM "
+                           f"certificate and private key ({exc.reason or exc})") from None
+    if config.tls_ca:
+        try:
+            context.load_verify_locations(config.tls_ca)
+        except ssl.SSLError as exc:
+            raise StartupError(f"--tls-ca {config.tls_ca}: not a PEM CA certificate ({exc.reason or exc})") from None
 
 
 def check_port_free(host: str, port: int) -> None:

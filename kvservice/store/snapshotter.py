@@ -12,7 +12,6 @@ a replaced leader can do no harm and exits.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -20,6 +19,7 @@ import sys
 import time
 
 from kvservice.allocator import Allocator
+from kvservice.argparsing import Parser
 from kvservice.settings import AllocatorSettings, add_arguments, from_args
 from kvservice.store import wal
 from kvservice.store.recovery import recover
@@ -80,7 +80,7 @@ async def run(url: str, namespace: str, epoch: int, settings: AllocatorSettings,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--redis-url", required=True)
     parser.add_argument("--namespace", default="kvservice")
     parser.add_argument("--epoch", type=int, required=True)
