@@ -53,11 +53,11 @@ def test_vllm_events_flag_lookup_placement_and_stats(publisher, tmp_path):
             assert client.lookup(prompt).tokens("vllm-0") == 8
             s = ext(client)
             assert (s.batches, s.stored_blocks, s.removed_blocks, s.block_size, s.tiers["GPU"]) == (2, 5, 1, 4, 4)
-            assert s.spec_status == "unchecked" and s.spec_blocks_checked == 5
+            assert s.spec_status == "ok" and s.spec_blocks_checked == 5  # concluded by the root block
             text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
             assert 'kvservice_external_blocks{medium="GPU",pool="vllm-0"} 4.0' in text
             assert 'kvservice_external_batches_total{pool="vllm-0"} 2.0' in text
-            assert 'kvservice_external_spec_status{pool="vllm-0",status="unchecked"} 1.0' in text
+            assert 'kvservice_external_spec_status{pool="vllm-0",status="ok"} 1.0' in text
     finally:
         server.stop()
 

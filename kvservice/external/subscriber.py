@@ -9,6 +9,8 @@ kvservice.external with sockets and clocks; every decision it takes is a command
     frame seq <= last               -> the publisher restarted (vLLM counts from 0 again): a new epoch,
                                        then a replay from 0 brings its batches
     (re)connected, or idle a while  -> the same replay check, so what was published meanwhile arrives
+                                       (only while the PUB socket is connected: an engine still starting,
+                                       or gone, has no replay to ask, and its connection triggers the check)
 A replay that does not answer (a busy engine services its ROUTER between sends) settles nothing: the index
 stays as of `last`, live frames are held behind the gap in order, and the replay is asked again every
 `retry_s`; only after `resync_after_s` without an answer (or MAX_HELD held frames) does the gap resync.
@@ -77,6 +79,7 @@ class Feed:
         sub.setsockopt(zmq.RCVHWM, 1_000_000)
         sub.setsockopt(zmq.SUBSCRIBE, self.spec.topic.encode())
         monitor = sub.get_monitor_socket(_MONITORED)
+        self.connected = False
         try:
             if self.spec.bind:
                 sub.bind(self.spec.endpoint)
@@ -91,7 +94,7 @@ class Feed:
                     if self._held and (need_sync or time.monotonic() >= self._next_retry):
                         need_sync = False
                         await self._retry()
-                    if need_sync:
+                    if need_sync and self.connected:
                         need_sync = False
                         await self._flush()
                         await self._sync()
@@ -111,7 +114,7 @@ class Feed:
                         await self._flush()
                     elif time.monotonic() - self._last_activity >= self.idle_sync_s:
                         self._last_activity = time.monotonic()
-                        need_sync = bool(self.spec.replay_endpoint)
+                        need_sync = bool(self.spec.replay_endpoint) and self.connected
                 except KVServiceError as exc:  # e.g. persistence down under --require-persistence
                     logger.warning("external pool %s: ingest refused (%s); catching up by replay later",
                                    self.spec.pool_id, exc)
