@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from worker.hf.checkpoint import save_char_tokenizer as save_tokenizer
 from worker.hf.checkpoint import save_random_model  # worker.hf first: it sets TRITON_INTERPRET
 
 VOCAB = 256
@@ -52,12 +53,4 @@ class Reference:
 
 def save_char_tokenizer(directory: Path) -> None:
     """A character-level tokenizer of the model's vocabulary (ids 0..3 special), beside the checkpoint."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    specials = ["<pad>", "<s>", "</s>", "<unk>"]
-    chars = [chr(c) for c in range(32, 32 + VOCAB - len(specials))]
-    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + chars)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                            unk_token="<unk>").save_pretrained(directory)
+    save_tokenizer(directory, VOCAB)

@@ -14,3 +14,6 @@ def test_demo_runs_and_matches_transformers():
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "transformers.generate    9/9 outputs identical" in out.stdout  # 8 requests, one with n=2
     assert "invariants ok" in out.stdout and "attention backend        torch" in out.stdout
+    # Progress on stderr, and no noise there: the private allocator's auth warning, Ray's banner.
+    assert "8/8 prompts finished" in out.stderr, out.stderr[-2000:]
+    assert "auth is OFF" not in out.stderr and "Started a local Ray instance" not in out.stderr, out.stderr[-3000:]

@@ -12,7 +12,6 @@ import os
 
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")  # we spawn processes after using gRPC
 
-import argparse  # noqa: E402
 import random  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
@@ -21,8 +20,9 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
+from kvservice.argparsing import Parser  # noqa: E402
 from worker.actor import default_backend  # noqa: E402
-from worker.hf.checkpoint import save_random_model  # noqa: E402
+from worker.hf.checkpoint import save_char_tokenizer, save_random_model  # noqa: E402
 from worker.sampling import SamplingParams  # noqa: E402
 
 # Llama architecture, random weights: 4 layers, d=256, 8 query / 2 KV heads, vocab 4k.
@@ -52,15 +52,32 @@ def reference_outputs(model_dir: str, prompts: list[list[int]], max_tokens: list
     return outs
 
 
+def save_model(directory: str) -> int:
+    """`kvservice demo --save-model DIR`: a model dir with a tokenizer, made offline."""
+    # bos/eos as the tokenizer has them: text prompts stop at </s> like a real model's would.
+    save_random_model("LlamaConfig", "LlamaForCausalLM", {**DEMO_MODEL, "bos_token_id": 1, "eos_token_id": 2},
+                      directory)
+    save_char_tokenizer(directory, DEMO_MODEL["vocab_size"])
+    print(f"kvservice demo: random-init Llama ({DEMO_MODEL['num_hidden_layers']} layers, "
+          f"d={DEMO_MODEL['hidden_size']}, vocab {DEMO_MODEL['vocab_size']}) with a character-level tokenizer "
+          f"saved to {directory}; try: kvservice generate --model {directory} --prompt \"hello\"")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvservice demo", description=__doc__.splitlines()[0])
+    parser = Parser(prog="kvservice demo", description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--dcp", type=int, default=2)
     parser.add_argument("--backend", choices=["torch", "triton"], default=None,
                         help="attention backend (default: triton with CUDA, the torch twin on CPU)")
     parser.add_argument("--num-blocks", type=int, default=48, help="KV blocks in the pool (small enough that "
                         "some requests are preempted and recomputed)")
+    parser.add_argument("--save-model", metavar="DIR", help="only write the demo's random-init Llama with a "
+                        "character-level tokenizer to DIR (a model dir `worker.LLM` and `kvservice generate "
+                        "--prompt` load), and exit")
     args = parser.parse_args(argv)
+    if args.save_model:
+        return save_model(args.save_model)
     from worker.llm import LLM
 
     backend = args.backend or default_backend()
@@ -76,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {len(requests)} requests over 4 shared system prompts, "
                   f"{sum(p.n > 1 for _, p in requests)} of them with n=2", flush=True)
             start = time.perf_counter()
-            outputs = llm.generate([p for p, _ in requests], [s for _, s in requests])
+            outputs = llm.generate([p for p, _ in requests], [s for _, s in requests], use_tqdm=True)
             elapsed = time.perf_counter() - start
             pool = llm.client.get_stats(check_invariants=True).pools[llm.config.pool_id]
             s, workers_backend, num_blocks = llm.stats, llm.engine.workers.backend, llm.config.num_blocks

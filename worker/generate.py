@@ -13,6 +13,8 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")  # LLM spawns `kvservice 
 import argparse  # noqa: E402
 import sys  # noqa: E402
 
+from kvservice.argparsing import Parser  # noqa: E402
+
 
 def _ids(text: str) -> list[int]:
     try:
@@ -25,7 +27,7 @@ def _ids(text: str) -> list[int]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="kvservice generate", description=__doc__.splitlines()[0])
+    parser = Parser(prog="kvservice generate", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="a directory written by save_pretrained")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="text (needs a tokenizer in --model)")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -125,7 +126,7 @@ class LLM:
 
     def _start_allocator(self) -> str:
         self._data_dir = tempfile.mkdtemp(prefix="kvservice-llm-")
-        self._serve = start_serve(["--port", "0", "--data-dir", self._data_dir])
+        self._serve = start_serve(["--port", "0", "--data-dir", self._data_dir, "--private"])
         return self._serve.target
 
     def _start_workers(self, layout: PoolLayout, executor: str):
@@ -143,7 +144,8 @@ class LLM:
         """Completions of `prompts` (a list of token-id lists or strings, or one of them), in order.
 
         `sampling_params`: one for all prompts or one per prompt (default `SamplingParams()`: greedy, 16
-        tokens). Strings need a tokenizer in the model directory.
+        tokens). Strings need a tokenizer in the model directory. `use_tqdm`: report progress on stderr, a
+        line each time another eighth of the prompts has finished.
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -158,7 +160,7 @@ class LLM:
             texts.append(text)
             reqs.append(self.engine.add_request(ids, p or SamplingParams()))
         try:
-            self.engine.run()
+            self.engine.run(progress=Progress(reqs) if use_tqdm else None)
             families: dict[str, list[EngineRequest]] = {r.request_id: [r] for r in reqs}
             for r in self.engine.finished:
                 if r.parent is not None and r.parent.request_id in families:
@@ -226,3 +228,20 @@ def _load_tokenizer(path: str):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path)
 
+
+class Progress:
+    """`LLM.generate(use_tqdm=True)`: "N/M prompts finished" on stderr, at every eighth of them (a CPU run of
+    the Triton interpreter takes a while: the user sees it is moving)."""
+
+    def __init__(self, reqs: list[EngineRequest]) -> None:
+        self.ids = {r.request_id for r in reqs}
+        self.every = max(1, len(reqs) // 8)
+        self.reported = 0
+        self.start = time.perf_counter()
+
+    def __call__(self, engine: Engine) -> None:
+        done = sum(r.request_id in self.ids for r in engine.finished)
+        if done >= self.reported + self.every or (done == len(self.ids) and done > self.reported):
+            self.reported = done
+            print(f"  {done}/{len(self.ids)} prompts finished ({engine.stats.steps} steps, "
+                  f"{time.perf_counter() - self.start:.1f} s)", file=sys.stderr, flush=True)

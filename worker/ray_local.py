@@ -10,6 +10,7 @@ through these helpers, which switch that mode on for this process and the Ray pr
 
 from __future__ import annotations
 
+import logging
 import os
 from contextlib import contextmanager
 
@@ -24,10 +25,17 @@ def loopback_only() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
 
 
+def quiet_ray() -> None:
+    """Ray's banner ("Started a local Ray instance.", "Connecting to existing Ray cluster") is an INFO
+    record: it would land in the output of `kvservice demo`, `generate` and `LLM` (whose CLI logs at INFO)."""
+    logging.getLogger("ray").setLevel(max(logging.WARNING, logging.getLogger("ray").getEffectiveLevel()))
+
+
 def init_local(**kwargs) -> None:
     """Start a fresh single-node Ray instance in this process, on loopback."""
     import ray
     loopback_only()
+    quiet_ray()
     ray.init(address="local", include_dashboard=False, _node_ip_address=LOOPBACK, **QUIET, **kwargs)
 
 
@@ -35,6 +43,7 @@ def connect(address: str, **kwargs) -> None:
     """Join a Ray cluster from this process; a local cluster's driver must also say it lives on loopback."""
     import ray
     loopback_only()
+    quiet_ray()
     ray.init(address=address, _node_ip_address=LOOPBACK, **QUIET, **kwargs)
 
 

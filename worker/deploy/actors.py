@@ -91,6 +91,8 @@ class AllocatorActor:
         proc = self.serve.proc
         if proc.poll() is not None:
             return f"exited with {proc.returncode}"
+        if "--tls-cert" in self.serve.args:  # its certificate names the node, not 127.0.0.1: the engines check it
+            return "running, TLS on"
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
         try:
@@ -135,11 +137,12 @@ class EngineActor:
     """One pool's scheduler: an `Engine` over the pool's `PoolWorkers`, talking to the allocator."""
 
     def __init__(self, layout: PoolLayout, config: EngineConfig, pg, target: str, token: str | None = None, *,
-                 rank_cpus: float = 0.5, use_gpus: bool = False, detached: bool = False) -> None:
+                 rank_cpus: float = 0.5, use_gpus: bool = False, detached: bool = False,
+                 tls: dict[str, str] | None = None) -> None:
         torch.set_num_threads(1)
         self.workers = PoolWorkers(layout, pg, config.pool_id, num_cpus=rank_cpus, use_gpus=use_gpus,
                                    detached=detached)
-        self.client = KVServiceClient(target, token, client_name=f"engine-{config.pool_id}")
+        self.client = KVServiceClient(target, token, client_name=f"engine-{config.pool_id}", **(tls or {}))
         self.engine = Engine(self.client, self.workers, config, peers=NamedPeers(layout))
         self.num_requests = 0
         self._last_call = time.monotonic()

@@ -15,6 +15,7 @@ import random
 import sys
 import time
 
+from kvservice.argparsing import Parser
 from kvservice.errors import KVServiceError
 from worker.deploy.config import DeployConfig
 from worker.deploy.names import NAMESPACE
@@ -66,7 +67,7 @@ def smoke(router: Router, num_requests: int, max_tokens: int = 8, seed: int = 0)
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, DeployConfig]:
-    parser = argparse.ArgumentParser(prog="kvservice deploy", description=__doc__.splitlines()[0])
+    parser = Parser(prog="kvservice deploy", description=__doc__.splitlines()[0])
     parser.add_argument("--address", default="auto", help="Ray cluster to join (default: auto, or $RAY_ADDRESS)")
     parser.add_argument("--local", action="store_true", help="start a local Ray cluster instead (to try it out; "
                         "everything stops when this command ends)")
@@ -92,12 +93,19 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, DeployConfig
                              "shards); needs --redis-url")
     parser.add_argument("--standbys", action="store_true",
                         help="a hot standby beside each allocator shard, on another node; needs --redis-url")
-    parser.add_argument("--data-dir", default=d.data_dir, help="allocator's embedded Redis data on the head node")
+    parser.add_argument("--data-dir", default=d.data_dir, help="the allocator's data dir (embedded Redis, a "
+                        "generated token) on the head node (default: %(default)s: the allocator runs in a Ray actor "
+                        "whose working directory is Ray's, so not `kvservice serve`'s ./kvservice-data)")
     parser.add_argument("--redis-url", help="use this Redis instead of the embedded one")
     parser.add_argument("--no-persistence", action="store_true", help="allocator memory-only")
     parser.add_argument("--token-file", help="allocator tokens file on the head node (auth on)")
     parser.add_argument("--token", default=os.environ.get("KVSERVICE_TOKEN"),
                         help="bearer token the engines and the router send (default: $KVSERVICE_TOKEN)")
+    parser.add_argument("--tls-cert", help="the allocator's TLS certificate (PEM, on the head node); with "
+                        "--tls-key turns TLS on (the allocator's --tls-cert)")
+    parser.add_argument("--tls-key", help="the allocator's TLS private key (PEM, on the head node)")
+    parser.add_argument("--tls-ca", help="the CA (PEM) that signed the allocator's certificate: the engines and "
+                        "the router connect over TLS and trust it (with --allocator: an allocator elsewhere)")
     parser.add_argument("--allocator", metavar="HOST:PORT", help="use this running allocator, start none")
     parser.add_argument("--detached", action="store_true", help="pools outlive this command")
     parser.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds to wait for room for new pools")
@@ -110,6 +118,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, DeployConfig
                        host=args.host or ("127.0.0.1" if args.local else d.host), insecure=args.insecure,
                        port=args.port, data_dir=args.data_dir, redis_url=args.redis_url,
                        no_persistence=args.no_persistence, token_file=args.token_file, token=args.token,
+                       tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
                        allocator=args.allocator, allocator_shards=args.allocator_shards, standbys=args.standbys,
                        detached=args.detached, timeout_s=args.timeout)
     return args, cfg
@@ -117,6 +126,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, DeployConfig
 
 def main(argv: list[str] | None = None) -> int:
     args, cfg = parse_args(argv)
+    if bool(cfg.tls_cert) != bool(cfg.tls_key) or (cfg.tls_cert and not cfg.tls_ca):
+        print("kvservice deploy: TLS needs --tls-cert, --tls-key (the allocator's) and --tls-ca (what the engines "
+              "and the router trust) together", file=sys.stderr)
+        return 2
     import ray
     if args.local:
         init_local(namespace=NAMESPACE)
@@ -140,8 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         except RuntimeError as exc:
             print(f"kvservice deploy: {exc}", file=sys.stderr)
             return 2
+        where = "" if up.allocator is None or cfg.redis_url or cfg.no_persistence else \
+            f", data dir {cfg.data_dir} on the head node"
         print(f"kvservice deploy: allocator {up.target}"
-              + ("" if up.allocator is None else f" ({ray.get(up.allocator.health.remote())})"))
+              + ("" if up.allocator is None else f" ({ray.get(up.allocator.health.remote())}){where}"))
         nodes = ray.get([e.where.remote() for e in up.engines.values()])
         for (pool_id, _), node in zip(up.engines.items(), nodes):
             state = "started" if pool_id in up.created else "reused"

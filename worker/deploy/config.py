@@ -28,6 +28,9 @@ class DeployConfig:
     no_persistence: bool = False
     token_file: str | None = None  # on the head node; turns auth on
     token: str | None = None  # what the engines and the router send
+    tls_cert: str | None = None  # the allocator's certificate (PEM, on the head node): turns TLS on
+    tls_key: str | None = None  # ...and its private key
+    tls_ca: str | None = None  # the CA that signed it (PEM, on every node): what the engines and the router trust
     allocator: str | None = None  # an allocator running elsewhere (host:port): start none
     allocator_shards: int = 1  # > 1: that many allocator shards (needs redis_url), spread over nodes
     standbys: bool = False  # a hot standby beside each allocator (or shard), on another node (needs redis_url)
@@ -49,4 +52,10 @@ class DeployConfig:
             args += ["--token-file", self.token_file]
         if self.insecure:
             args += ["--insecure"]
+        if self.tls_cert or self.tls_key:
+            args += ["--tls-cert", self.tls_cert or "", "--tls-key", self.tls_key or ""]
         return args
+
+    def client_tls(self) -> dict[str, str]:
+        """The TLS keyword arguments of every KVServiceClient the deployment starts (none: plaintext)."""
+        return {"tls_ca": self.tls_ca} if self.tls_ca else {}

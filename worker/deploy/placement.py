@@ -44,11 +44,12 @@ class Deployment:
     engines: dict[str, object] = field(default_factory=dict)  # pool id -> EngineActor
     created: list[str] = field(default_factory=list)  # pools this call started
     token: str | None = None  # what clients of the allocator send
+    tls: dict[str, str] = field(default_factory=dict)  # their TLS options (DeployConfig.client_tls)
 
     def router(self, token: str | None = None, replica: bool = False) -> Router:
         """A KV-aware router over the engines; `replica`: it keeps a replica of the prefix index
         (kvservice.client.PrefixIndex) and routes without a Lookup RPC per prompt."""
-        client = KVServiceClient(self.target, token or self.token, client_name="router")
+        client = KVServiceClient(self.target, token or self.token, client_name="router", **self.tls)
         return Router(client, self.engines, PrefixIndex(client) if replica else None)
 
 
@@ -61,10 +62,10 @@ def deploy(cfg: DeployConfig) -> Deployment:
     allocator, target = ensure_allocator(cfg)
     if cfg.token is None and allocator is not None:
         cfg.token = ray.get(allocator.token.remote())  # the allocator's own (generated) token
-    with KVServiceClient(target, cfg.token, retries=2, timeout_s=10) as client:
+    with KVServiceClient(target, cfg.token, retries=2, timeout_s=10, **cfg.client_tls()) as client:
         client.open_session()  # fails here, readably, on a wrong token or an unreachable allocator
     engines, created = ensure_pools(cfg, target)
-    return Deployment(target, allocator, engines, created, cfg.token)
+    return Deployment(target, allocator, engines, created, cfg.token, cfg.client_tls())
 
 
 def ensure_allocator(cfg: DeployConfig) -> tuple[object | None, str]:
@@ -232,7 +233,7 @@ def _start_engines(cfg: DeployConfig, groups: dict[str, object], target: str, us
             options["lifetime"] = "detached"
         engines[pool_id] = engine_cls.options(**options).remote(layout, ecfg, pg, target, cfg.token,
                                                                  rank_cpus=cfg.rank_cpus, use_gpus=use_gpus,
-                                                                 detached=cfg.detached)
+                                                                 detached=cfg.detached, tls=cfg.client_tls())
     return engines
 
 
