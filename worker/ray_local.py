@@ -29,6 +29,9 @@ def quiet_ray() -> None:
     """Ray's banner ("Started a local Ray instance.", "Connecting to existing Ray cluster") is an INFO
     record: it would land in the output of `kvservice demo`, `generate` and `LLM` (whose CLI logs at INFO)."""
     logging.getLogger("ray").setLevel(max(logging.WARNING, logging.getLogger("ray").getEffectiveLevel()))
+    # ...and a WARNING that this loopback cluster uses Ray's default token auth: news to no one here (the
+    # mode is left as Ray chose it).
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
 
 
 def init_local(**kwargs) -> None:
