@@ -35,7 +35,10 @@ class Placement:
             pools = [state.pool(p, tenant, admin) for p in pool_ids if p not in state.external]
             externals = [external.pool(p, tenant, admin) for p in pool_ids if p in state.external]
         else:
-            pools, externals = state.visible_pools(tenant, admin), external.visible(tenant, admin)
+            # A copy a pool move froze here (it serves on its new shard, or soon will) is not a hit: it
+            # would answer beside the pool's real one, and it serves no step.
+            pools = [p for p in state.visible_pools(tenant, admin) if not p.moving_to]
+            externals = external.visible(tenant, admin)
         hits = []
         by_spec: dict[HashSpec, list[bytes] | None] = {}  # each pool asked in its own hash spec
         for p in pools:

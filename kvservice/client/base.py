@@ -89,7 +89,9 @@ def merge_stats(parts: list[Stats]) -> Stats:
     first = parts[0]
     out = replace(first, pools={}, num_sessions=0, lease_expiries=0, external_pools={})
     for s in parts:
-        out.pools.update(s.pools)
+        for pool_id, pool in s.pools.items():  # a copy a move froze (moving_to) never hides the serving one
+            if pool_id not in out.pools or out.pools[pool_id].moving_to:
+                out.pools[pool_id] = pool
         out.external_pools.update(s.external_pools)
         out.num_sessions += s.num_sessions
         out.lease_expiries += s.lease_expiries

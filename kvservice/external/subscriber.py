@@ -240,11 +240,14 @@ class Feed:
             await self._flush()
             if not self._held:
                 self._stalled_since = None
-            elif self._position() > before:
+                return
+            if self._position() > before:
                 self._stalled_since = time.monotonic()  # progress: what is still held starts a new wait
-            return
-        self._held = held
-        self._next_retry = time.monotonic() + self.retry_s
+                return
+        else:
+            self._held = held
+            self._next_retry = time.monotonic() + self.retry_s
+        # No progress (the replay did not answer, or answered without the gap): the wait has a bound.
         if time.monotonic() - (self._stalled_since or 0.0) >= self.resync_after_s:
             await self._give_up()
 

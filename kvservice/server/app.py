@@ -112,6 +112,8 @@ class AllocatorServer:
             try:
                 await self._update_persistence_health()
                 await self.expire_leases_once()
+                if self.servicer.sharding is not None and not self.servicer.standby:
+                    await self.servicer.sharding.publish_pending()
             except Exception:  # a failed sweep must not stop future sweeps
                 logger.exception("lease sweep failed")
 

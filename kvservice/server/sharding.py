@@ -43,7 +43,7 @@ class ShardRouter:
         self.map = ShardMap()
         self._loaded_at = 0.0
         self.state_of: Callable | None = None  # the allocator's state (set by the servicer)
-        self._published: dict[str, tuple] = {}  # pool id -> the pins last published (see publish_pins)
+        self._published: dict[str, tuple | None] = {}  # pool id -> the pins last published; None: failed
         self._publishing = asyncio.Lock()
 
     async def announce(self, address: str, epoch: int) -> None:
@@ -110,8 +110,9 @@ class ShardRouter:
     # ---- pins, for other shards' transfer sources ----------------------------------------------
     async def publish_pins(self, pool_ids: Iterable[str] | None = None, force: bool = False) -> None:
         """Publishes the live pins of the pools held here (`pool_ids`; None: all) whose pins changed since
-        last published (`force`: all of them). A pool not held here (moved away) is its new shard's to
-        publish. A Redis error leaves the pool to be published on its next change (and logs it)."""
+        last published (`force`: all of them). Redis writes them only for a pool the map gives to this shard
+        (a copy left here by a move never overwrites its owner's). A Redis error leaves the pool unpublished
+        (None): `publish_pending`, every lease sweep, retries it, so a released pin does not stay live."""
         if self.state_of is None:
             return
         pools = self.state_of().pools
@@ -128,26 +129,39 @@ class ShardRouter:
                     continue
                 signature = pin_signature(pool)
                 try:
-                    await self.store.publish_pins(pool_id, {k: f"{p.num_tokens} {','.join(map(str, p.block_ids))}"
-                                                            for k, p in pool.pins.items()})
+                    await self.store.publish_pins(pool_id, self.shard_id,
+                                                  {k: f"{p.num_tokens} {','.join(map(str, p.block_ids))}"
+                                                   for k, p in pool.pins.items()})
                 except (RedisError, OSError) as exc:
-                    logger.warning("shard %s: could not publish the pins of pool %s (%r); retried on its next "
-                                   "change", self.shard_id, pool_id, exc)
-                    self._published.pop(pool_id, None)
+                    if self._published.get(pool_id, ()) is not None:  # once per outage, not every retry
+                        logger.warning("shard %s: could not publish the pins of pool %s (%r); retried every "
+                                       "lease sweep until it is", self.shard_id, pool_id, exc)
+                    self._published[pool_id] = None
                     continue
                 self._published[pool_id] = signature
 
+    async def publish_pending(self) -> None:
+        """Retries the pools whose last publication failed (see publish_pins)."""
+        pending = [p for p, signature in self._published.items() if signature is None]
+        if pending:
+            await self.publish_pins(pending, force=True)
+            for pool_id in pending:  # a pool gone meanwhile (dropped, retired) has nothing left to publish
+                if self.state_of is not None and pool_id not in self.state_of().pools:
+                    self._published.pop(pool_id, None)
+
     async def pin_is_live(self, source: ExternalSource, tenant: str, admin: bool) -> bool:
-        """Whether another shard's pool holds a live pin that `source` names for this caller."""
+        """Whether another shard's pool holds a live pin that `source` names for this caller: one that the
+        shard the map gives the pool to published."""
         try:
             owner = (await self.refresh(0.5)).shard_of(source.src_pool_id)
             if owner is None or owner == self.shard_id:
                 return False
-            pins = await self.store.pins(source.src_pool_id)
+            publisher, pins = await self.store.pins(source.src_pool_id)
         except (RedisError, OSError) as exc:
             raise Unavailable(f"could not read the pins of pool {source.src_pool_id!r} in Redis ({exc!r}); "
                               f"retry") from None
-        return any(pin_matches(key, blocks, tokens, source, tenant, admin) for key, (tokens, blocks) in pins.items())
+        return publisher == owner and any(pin_matches(key, blocks, tokens, source, tenant, admin)
+                                          for key, (tokens, blocks) in pins.items())
 
     # ---- moving a pool (rebalance) -------------------------------------------------------------
     async def move(self, request: pb.MovePoolRequest, allocator, apply) -> pb.MovePoolResponse:
@@ -180,12 +194,14 @@ class ShardRouter:
             if data is None:
                 raise FailedPrecondition(f"pool {pool_id!r} has no export waiting: FREEZE it on its shard first")
             await apply(ImportPool(pool_id, data, import_pool))
-            if not await self.store.move(pool_id, source, self.shard_id) \
+            if not await self.store.move(pool_id, source, self.shard_id, data) \
                     and (await self.refresh(0.0)).shard_of(pool_id) != self.shard_id:
-                await apply(DropPool(pool_id))  # the map changed meanwhile: this copy must not serve
-                raise FailedPrecondition(f"the shard map does not give pool {pool_id!r} to shard {source!r}; "
-                                         f"nothing was taken over")
+                await apply(DropPool(pool_id))  # the map or the export changed meanwhile: this copy must not serve
+                raise FailedPrecondition(f"pool {pool_id!r} was not taken over: the shard map does not give it to "
+                                         f"shard {source!r}, or its move was undone (THAW) or exported anew "
+                                         f"meanwhile; nothing was imported")
             await self.refresh(0.0)
+            await self.publish_pins((pool_id,), force=True)  # the import's own publication preceded the takeover
             return pb.MovePoolResponse(num_requests=len(state.pools[pool_id].requests), export_bytes=len(data))
         if request.phase == Phase.DROP:
             if owner == self.shard_id:

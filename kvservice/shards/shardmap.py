@@ -8,12 +8,14 @@
 
 A pool's assignment is decided by whoever registers it first (HSETNX: two shards can never both claim it).
 Pool ids are one namespace across both kinds: an id held as one kind is refused as the other.
-Beside the map, `{NS}:shards:pins:<pool id>` (a hash: pin key -> "<tokens> <block ids>") is what the shard
-serving the pool published of its live pins, for other shards to check a transfer source against.
+Beside the map, `{NS}:shards:pins:<pool id>` (a hash: pin key -> "<tokens> <block ids>", and the field
+PUBLISHER -> the id of the shard that wrote it) is what the shard serving the pool published of its live
+pins, for other shards to check a transfer source against: only what the map's shard published counts.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -47,14 +49,20 @@ local current = redis.call('HGET', KEYS[1], 'x:' .. ARGV[1])
 if current and string.match(current, '^(%S+)') == ARGV[2] then redis.call('HDEL', KEYS[1], 'x:' .. ARGV[1]) end
 return 1
 """
+PUBLISHER = "\x1f"  # the pins hash's field naming the shard that published it (no pin key is a control character)
 PUBLISH_PINS = """
+local owner = redis.call('HGET', KEYS[2], 'p:' .. ARGV[1])
+if not owner or string.match(owner, '^(%S+)') ~= ARGV[2] then return 0 end
 redis.call('DEL', KEYS[1])
-for i = 1, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('HSET', KEYS[1], ARGV[3], ARGV[2])
+for i = 4, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 return 1
 """
 MOVE = """
 local current = redis.call('HGET', KEYS[1], 'p:' .. ARGV[1])
 if not current or string.match(current, '^(%S+)') ~= ARGV[2] then return 0 end
+local export = redis.call('GET', KEYS[2])
+if not export or redis.sha1hex(export) ~= ARGV[4] then return 0 end
 redis.call('HSET', KEYS[1], 'p:' .. ARGV[1], ARGV[3] .. ' ' .. string.match(current, '^%S+ ?(.*)$'))
 redis.call('HINCRBY', KEYS[1], 'v', 1)
 return 1
@@ -139,21 +147,31 @@ class ShardMapStore:
     def pins_key(self, pool_id: str) -> str:
         return f"{self.key}:pins:{pool_id}"
 
-    async def publish_pins(self, pool_id: str, pins: dict[str, str]) -> None:
-        """Replaces what is published of the pool's live pins (pin key -> "<tokens> <block ids>")."""
-        await self._publish_pins(keys=[self.pins_key(pool_id)], args=[x for kv in sorted(pins.items()) for x in kv])
+    async def publish_pins(self, pool_id: str, shard_id: str, pins: dict[str, str]) -> bool:
+        """Replaces what is published of the pool's live pins (pin key -> "<tokens> <block ids>") with
+        `shard_id`'s, only if the map gives the pool to `shard_id` (a copy left on another shard never
+        overwrites its owner's). Returns whether it did."""
+        args = [pool_id, shard_id, PUBLISHER] + [x for kv in sorted(pins.items()) for x in kv]
+        return bool(await self._publish_pins(keys=[self.pins_key(pool_id), self.key], args=args))
 
-    async def pins(self, pool_id: str) -> dict[str, tuple[int, list[int]]]:
-        """The pool's published live pins: pin key -> (tokens, block ids)."""
-        out = {}
+    async def pins(self, pool_id: str) -> tuple[str, dict[str, tuple[int, list[int]]]]:
+        """(the shard that published them, the pool's published live pins: pin key -> (tokens, block ids))."""
+        out, publisher = {}, ""
         for key, value in (await self.redis.hgetall(self.pins_key(pool_id))).items():
+            if key.decode() == PUBLISHER:
+                publisher = value.decode()
+                continue
             tokens, _, blocks = value.decode().partition(" ")
             out[key.decode()] = (int(tokens), [int(b) for b in blocks.split(",") if b])
-        return out
+        return publisher, out
 
-    async def move(self, pool_id: str, from_shard: str, to_shard: str) -> bool:
-        """Reassigns the pool, only if `from_shard` serves it."""
-        return bool(await self._move(keys=[self.key], args=[pool_id, from_shard, to_shard]))
+    async def move(self, pool_id: str, from_shard: str, to_shard: str, export: bytes) -> bool:
+        """Reassigns the pool, only if `from_shard` serves it and its handoff key still holds `export` (what
+        the destination imported): a THAW deletes it first, so an IMPORT that arrives after the move was
+        undone (or after a later FREEZE exported anew) takes nothing over."""
+        digest = hashlib.sha1(export).hexdigest()
+        return bool(await self._move(keys=[self.key, self.handoff_key(pool_id)],
+                                     args=[pool_id, from_shard, to_shard, digest]))
 
     def handoff_key(self, pool_id: str) -> str:
         """Where a moving pool's export waits for its destination."""

@@ -21,6 +21,7 @@ from kvservice.store.redis_store import RedisStore
 
 logger = logging.getLogger(__name__)
 CHUNK = 10_000  # WAL entries one read applies at most
+RECONNECT_S = 2.0  # beyond its lease, what a leader gets to renew once Redis is back (see follow_until_lapse)
 
 
 def _id(entry_id: bytes) -> tuple[int, int]:
@@ -89,23 +90,28 @@ class Follower:
 
     async def follow_until_lapse(self, lease_s: float, poll_s: float = 0.1) -> None:
         """Applies the WAL as it grows until the leader's lease has been absent for a grace period with Redis
-        answering (a leader renews twice a second: after a Redis outage it has renewed well within it, so an
-        outage alone never triggers a takeover)."""
+        answering (a leader renews twice a second). After a Redis outage the lease has usually expired in
+        Redis while the leader lives: it is given its whole lease plus RECONNECT_S (its client reconnecting,
+        on a loaded machine) from Redis's return, so an outage alone never triggers a takeover."""
         grace = min(lease_s, 1.0)
         missing_since: float | None = None
+        away, returned_at = False, float("-inf")
         while True:
             try:
                 await self.catch_up()
                 held = await self.store.lease_held()
             except Exception as exc:  # Redis away: wait for it (and for the leader to renew)
                 logger.debug("follower: %r", exc)
-                missing_since = None
+                missing_since, away = None, True
                 await asyncio.sleep(poll_s * 5)
                 continue
+            now = time.monotonic()
+            if away:
+                away, returned_at = False, now
             if held:
                 missing_since = None
             elif missing_since is None:
-                missing_since = time.monotonic()
-            elif time.monotonic() - missing_since >= grace and self.consistent:
+                missing_since = now
+            elif now >= max(missing_since + grace, returned_at + lease_s + RECONNECT_S) and self.consistent:
                 return
             await asyncio.sleep(poll_s)
