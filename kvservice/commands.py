@@ -143,8 +143,9 @@ class Step:
     rpc: StepRpc = StepRpc.STEP
     wire: bytes = b""
     admin: bool = True  # an admin may step on any tenant's pool; others only on their own
-    # False (the server, before it checked them): transfer sources on pools not held here are not trusted
-    remote_sources_checked: bool = True
+    # True only where the sources were checked: by the server (on their shards), or when decoded from the WAL
+    # (journaled after that check). Left False, transfer sources on pools not held here are not trusted.
+    remote_sources_checked: bool = False
     kind = CommandKind.STEP
 
     def decode_ops(self, spec: PoolSpec, hash_block_size: int) -> Sequence[Op]:

@@ -322,3 +322,17 @@ def test_pool_ids_are_one_namespace_across_kinds_and_shards(shards):
         r.close()
     alice.close()
     bob.close()
+
+
+def test_a_step_trusts_remote_sources_only_where_they_were_checked():
+    """(Review of item 1.) A Step as decoded from a request does not trust its sources on other shards' pools
+    (the default is the safe value: a path that forgets to check them refuses them); one decoded from the
+    WAL does, as it was journaled only after the check."""
+    from kvservice.commands import StepRpc
+    from kvservice.store import wal
+    from kvservice.wire.decode import step_command
+
+    request = pb.StepRequest(session_id="s", sequence=1, pool_id="p")
+    command = step_command(StepRpc.STEP, request, request.SerializeToString(), "alice")
+    assert command.remote_sources_checked is False
+    assert wal.decode(wal.encode(command), 16).remote_sources_checked is True

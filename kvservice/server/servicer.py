@@ -8,52 +8,30 @@ allocator's read methods and come back as result records, encoded by `kvservice.
 from __future__ import annotations
 
 import asyncio
-import functools
 import gc
-import inspect
 import logging
 import time
 import uuid
 from collections.abc import Callable
 
-import grpc
-
 from kvservice._proto import allocator_pb2 as pb
 from kvservice.allocator import Allocator
 from kvservice.allocator.pins import RemoteSources, no_such_pin
-from kvservice.commands import (
-    ExpireSessions,
-    IngestEvents,
-    RegisterExternalPool,
-    RemoveExternalPool,
-    ResetPrefixCache,
-    StepRpc,
-)
+from kvservice.commands import ExpireSessions, IngestEvents, ResetPrefixCache, StepRpc
 from kvservice.errors import FailedPrecondition, InvalidArgument, KVServiceError, NotFound, Unavailable
 from kvservice.external import wire as external_wire
 from kvservice.hashing import HASH_BYTES
 from kvservice.server.auth import Authenticator
+from kvservice.server.external_handlers import ExternalPoolHandlers
 from kvservice.server.metrics import Metrics
+from kvservice.server.rpc import SERVICE, abort, method_handlers, parse, rpc
 from kvservice.store.base import Journal, NullJournal
 from kvservice.wire import decode, replies
 from kvservice.wire.fields import check_id, check_name, decode_hashes, decode_u32
-from kvservice.wire.status import grpc_code, rich_status
+from kvservice.wire.status import grpc_code
 
 logger = logging.getLogger(__name__)
-
-SERVICE = pb.DESCRIPTOR.services_by_name["Allocator"]
-_REQUEST_TYPES = {m.name: m.input_type._concrete_class for m in SERVICE.methods}
-
-
-def parse(name: str, raw: bytes):
-    """Requests arrive as bytes (kept for the WAL) and are parsed here, so that undecodable input is an
-    INVALID_ARGUMENT rather than gRPC's generic UNKNOWN."""
-    cls = _REQUEST_TYPES[name]
-    try:
-        return cls.FromString(raw)
-    except Exception:
-        raise InvalidArgument("request", f"<{len(raw)} bytes>", f"not a valid {cls.DESCRIPTOR.full_name} message") \
-            from None
+__all__ = ["SERVICE", "AllocatorServicer", "freeze_long_lived", "method_handlers", "parse"]
 
 
 def freeze_long_lived() -> None:
@@ -64,41 +42,7 @@ def freeze_long_lived() -> None:
     gc.freeze()
 
 
-async def abort(context: grpc.aio.ServicerContext, exc: KVServiceError) -> None:
-    await context.abort_with_status(rich_status(exc))
-
-
-def rpc(method: Callable) -> Callable:
-    """Parses the request, maps domain errors to gRPC statuses, times the call, and never lets a bug
-    crash the server. A method with a `raw` parameter also gets the request's bytes (what the WAL keeps)."""
-    name = method.__name__
-    takes_raw = "raw" in inspect.signature(method).parameters
-
-    @functools.wraps(method)
-    async def wrapper(self: AllocatorServicer, raw: bytes, context: grpc.aio.ServicerContext):
-        start = time.perf_counter()
-        try:
-            if self.standby and name != "GetShardMap":
-                raise Unavailable(self.standby)
-            if takes_raw:
-                return await method(self, parse(name, raw), context, raw)
-            return await method(self, parse(name, raw), context)
-        except KVServiceError as exc:
-            self.metrics.rejected.labels(name, exc.code.name).inc()
-            await abort(context, exc)
-        except (asyncio.CancelledError, grpc.aio.AbortError):
-            raise
-        except Exception:
-            logger.exception("%s failed", name)
-            self.metrics.rejected.labels(name, "INTERNAL").inc()
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}; see the server log")
-        finally:
-            self.metrics.observe(name, time.perf_counter() - start)
-
-    return wrapper
-
-
-class AllocatorServicer:
+class AllocatorServicer(ExternalPoolHandlers):
     def __init__(self, allocator: Allocator, auth: Authenticator, metrics: Metrics, journal: Journal | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.allocator = allocator
@@ -177,7 +121,6 @@ class AllocatorServicer:
         command = decode.step_command(rpc_kind, request, raw, principal.tenant, principal.admin)
         if not self._retried_here(command):  # a retry is answered as it was the first time
             await self._here(command.pool_id, principal)
-        command.remote_sources_checked = False
         try:
             result = await self._apply(command)
         except RemoteSources as remote:  # pins on other shards' pools: checked there, then applied as checked
@@ -283,52 +226,6 @@ class AllocatorServicer:
             external_wire.encode_stats(stats, out.external_pools.add())
         return out
 
-    # ---- external pools (kvservice.external) ---------------------------------------------------
-    @rpc
-    async def RegisterExternalPool(self, request: pb.RegisterExternalPoolRequest, context) \
-            -> pb.RegisterExternalPoolResponse:
-        principal = self.auth.of(context)
-        command = RegisterExternalPool(principal.tenant, external_wire.spec_from_proto(request.spec), principal.admin)
-        reply = await self.register_external(command)
-        if self.feeds is not None:
-            self.feeds.sync()
-        return pb.RegisterExternalPoolResponse(pool_id=reply.pool_id, registration=reply.registration,
-                                               new_registration=reply.new_registration)
-
-    @rpc
-    async def RemoveExternalPool(self, request: pb.RemoveExternalPoolRequest, context) \
-            -> pb.RemoveExternalPoolResponse:
-        principal = self.auth.of(context)
-        pool_id = check_id("pool_id", request.pool_id)
-        await self._apply(RemoveExternalPool(principal.tenant, pool_id, principal.admin))
-        if self.sharding is not None:
-            await self.sharding.release_external(pool_id)
-        if self.feeds is not None:
-            self.feeds.sync()
-        return pb.RemoveExternalPoolResponse()
-
-    async def register_external(self, command: RegisterExternalPool):
-        """Registers an external pool; on a shard its id is first taken in the shard map (refused when a
-        kvservice pool anywhere, or another shard's external pool, holds it)."""
-        pool_id = command.spec.pool_id
-        if self.sharding is None or pool_id in self.allocator.state.pools:
-            return await self._apply(command)  # (a kvservice pool here: the registry refuses it)
-        await self.sharding.claim_external(pool_id, command.tenant)
-        try:
-            return await self._apply(command)
-        except KVServiceError:
-            if pool_id not in self.allocator.state.external:
-                await self.sharding.release_external(pool_id)
-            raise
-
-    def external_stats(self, tenant: str, admin: bool) -> list:
-        out = []
-        for pool in self.allocator.external.visible(tenant, admin):
-            feed = self.feeds.feed(pool.pool_id) if self.feeds is not None else None
-            out.append(external_wire.pool_stats(pool, feed.connected, feed.gaps, feed.replays) if feed is not None
-                       else external_wire.pool_stats(pool))
-        return out
-
     @rpc
     async def GetShardMap(self, request: pb.GetShardMapRequest, context) -> pb.ShardMapResponse:
         principal = self.auth.of(context)
@@ -418,14 +315,3 @@ class AllocatorServicer:
                 yield replies.encode_event(item)
             if not batch:
                 await self._event_signal.wait()
-
-
-def method_handlers(servicer: AllocatorServicer) -> grpc.GenericRpcHandler:
-    """The service's handlers, taking raw request bytes (see `parse`)."""
-    handlers = {}
-    for method in SERVICE.methods:
-        impl = getattr(servicer, method.name)
-        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
-        handlers[method.name] = make(impl, request_deserializer=None,
-                                     response_serializer=method.output_type._concrete_class.SerializeToString)
-    return grpc.method_handlers_generic_handler(SERVICE.full_name, handlers)

@@ -77,8 +77,10 @@ def decode(raw: bytes, hash_block_size: int) -> Command:
     kind = CommandKind(entry.command)
     if kind is CommandKind.STEP:
         rpc = StepRpc(entry.rpc)
-        return step_command(rpc, STEP_REQUESTS[rpc].FromString(entry.request), entry.request, entry.tenant,
-                            entry.admin)
+        command = step_command(rpc, STEP_REQUESTS[rpc].FromString(entry.request), entry.request, entry.tenant,
+                               entry.admin)
+        command.remote_sources_checked = True  # journaled only once its sources were checked
+        return command
     if kind is CommandKind.REGISTER_POOL:
         return _register(entry, entry.tenant, entry.admin, hash_block_size)
     if kind is CommandKind.COMMIT_TRANSFER:
@@ -135,6 +137,7 @@ def _decode_legacy(entry: st.WalEntry, hash_block_size: int) -> Command:
         rpc = _LEGACY_STEPS[kind]
         command = step_command(rpc, STEP_REQUESTS[rpc].FromString(entry.request), entry.request, "", True)
         command.tenant = None
+        command.remote_sources_checked = True  # journaled only once its sources were checked
         return command
     if kind == "register_pool":
         return _register(entry, None, True, hash_block_size)
