@@ -8,6 +8,7 @@ from vllm.v1.core import kv_cache_utils
 from kvservice.core import block_pool as core_pool
 from kvservice.hashing import vllm_spec
 from kvservice.integrations.vllm import hashing
+from kvservice.integrations.vllm.version import VLLM
 
 
 class BlockPool(core_pool.BlockPool):
@@ -42,15 +43,16 @@ class BlockPool(core_pool.BlockPool):
         tokens = request.all_token_ids
         lookahead = self.num_hash_lookahead_tokens
         lora = request.lora_request
+        # 0.32's BlockStored has no lookahead_token_ids (nor hash lookahead)
+        more = {"lookahead_token_ids": [tokens[s + block_size:s + block_size + lookahead] for s in block_starts]
+                if lookahead else None} if VLLM.hash_lookahead else {}
         return BlockStored(
             block_hashes=[convert(h) for h in block_hashes],
             parent_block_hash=None if parent_block_hash is None else convert(parent_block_hash),
             token_ids=tokens[start_token:end_token], block_size=block_size,
             lora_id=lora.adapter_id if lora else None, medium=self.medium, lora_name=lora.name if lora else None,
             extra_keys=vllm_spec.event_extra_keys(self._event_extra_keys(request, block_starts, block_size)),
-            group_idx=group_id, session_id=request.session_id,
-            lookahead_token_ids=[tokens[s + block_size:s + block_size + lookahead] for s in block_starts]
-            if lookahead else None)
+            group_idx=group_id, session_id=request.session_id, **more)
 
     def _removed_event(self, block_hash, group_id):
         return BlockRemoved(block_hashes=[kv_cache_utils.maybe_convert_block_hash(block_hash)], medium=self.medium,
