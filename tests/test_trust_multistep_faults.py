@@ -318,6 +318,43 @@ def test_an_import_after_the_move_was_thawed_takes_nothing_over(tmp_path):
         redis.stop()
 
 
+def test_an_import_overtaken_by_a_thaw_on_real_shards_leaves_one_owner(fleet):
+    """The same race on the shards themselves: Redis pauses writes (CLIENT PAUSE WRITE), so the destination's
+    IMPORT reads the export and then waits on its journal write; meanwhile the source is THAWed (as the
+    rebalancer does when the IMPORT's RPC failed); Redis resumes them in that order. The late takeover must
+    be refused: one shard serves the pool, what the thawed source acknowledges is kept."""
+    pool = "mv-late-import"
+    src = new_pool(fleet, pool)
+    dst = other(src)
+    acked = Acked(pool)
+    with fleet.client() as c:
+        acked.add(c, 3, "before")
+    fleet.phase(src, pool, Phase.FREEZE, to_shard=dst)
+    outcome: dict[str, object] = {}
+
+    def call(name: str, shard: str, **fields) -> None:
+        try:
+            outcome[name] = fleet.phase(shard, pool, getattr(Phase, name), **fields)
+        except grpc.RpcError as err:
+            outcome[name] = err.code()
+
+    with fleet.redis.client() as r:
+        r.execute_command("CLIENT", "PAUSE", 1500, "WRITE")
+    importer = threading.Thread(target=call, args=("IMPORT", dst), kwargs=dict(from_shard=src))
+    importer.start()
+    time.sleep(0.5)  # the import has read the export and waits on its journal write
+    thawer = threading.Thread(target=call, args=("THAW", src))
+    thawer.start()
+    importer.join(60)
+    thawer.join(60)
+    assert not isinstance(outcome["THAW"], grpc.StatusCode), outcome
+    assert outcome["IMPORT"] == grpc.StatusCode.FAILED_PRECONDITION, outcome
+    assert fleet.owner(pool) == src
+    with fleet.client() as c:
+        acked.add(c, 3, "after-thaw")
+    assert check(fleet, pool, acked) == []
+
+
 # ---- an external pool's replay that answers without the gap ----------------------------------------------
 def test_a_replay_that_answers_without_the_gap_still_resyncs_in_bounded_time(tmp_path):
     """A replay socket that answers but never brings the missing batch (its buffer is behind the live stream)
