@@ -19,8 +19,8 @@ TYPE_NAMES = {v: k[len("TYPE_"):].lower() for k, v in descriptor_pb2.FieldDescri
 
 
 def descriptor_set(proto_dir: Path = PROTO_DIR, protos: tuple[str, ...] = PROTOS) -> descriptor_pb2.FileDescriptorSet:
-    from grpc_tools import protoc  # dev extra; the well-known types ship inside it
     import grpc_tools
+    from grpc_tools import protoc  # dev extra; the well-known types ship inside it
     include = Path(grpc_tools.__file__).parent / "_proto"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "set.pb"
