@@ -133,7 +133,10 @@ class AsyncKVServiceClient(ClientBase):
                      for conn in shards.all()]
             parts = [(conn, request) for conn, request in parts if request is not None]
             if call.partial:
-                return self._merge(call, await self._fan_out_partial(call, parts))
+                outcomes = await self._fan_out_partial(call, parts)
+                if not all(isinstance(value, KVServiceError) for _, value in outcomes):
+                    return self._merge(call, outcomes)
+                # No shard answered: there is no partial answer to give, so wait out a failover as any call does.
             results = await asyncio.gather(*(self._run(Call(call.method, request, call.decode, conn=conn))
                                              for conn, request in parts))
             return self._merge(call, [(conn, r) for (conn, _), r in zip(parts, results)])

@@ -22,7 +22,7 @@ from kvservice.client.base import (
     replaced_under,
 )
 from kvservice.client.routing import Conn, make_stub
-from kvservice.errors import DeadlineExceeded, Moved, NotFound, Unavailable
+from kvservice.errors import DeadlineExceeded, KVServiceError, Moved, NotFound, Unavailable
 from kvservice.results import Event
 from kvservice.wire import replies
 from kvservice.wire.status import from_rpc_error
@@ -120,7 +120,11 @@ class KVServiceClient(ClientBase):
             value = self._run(replace(call, merge=None, partial=False, always_merge=False))
             return self._merge(call, [(shards.seed, value)])  # one allocator: its retries and failover
         if call.merge is not None and (shards.sharded or call.always_merge) and call.conn is None:
-            return self._merge(call, self._fan_out(call))
+            outcomes = self._fan_out(call)
+            if call.partial and all(isinstance(value, KVServiceError) for _, value in outcomes):
+                # No shard answered: there is no partial answer to give, so wait out a failover as any call does.
+                outcomes = self._fan_out(replace(call, partial=False))
+            return self._merge(call, outcomes)
         hops, deadline = 0, None
         while True:
             conn = call.conn or (shards.conn_for_mutation(call.pool_id) if call.mutating
