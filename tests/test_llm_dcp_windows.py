@@ -50,6 +50,7 @@ def test_mistral_dcp2_keeps_the_window_on_every_rank(checkpoints, server):
     assert_matches(Reference(checkpoints["mistral"]), prompts, outputs, MAX_TOKENS)
 
 
+@pytest.mark.slow  # make test-slow (make test stays under 15 minutes)
 def test_gemma3_dcp2_ray_ranks_shard_global_layers_only(checkpoints, server):
     """Alternating layers: the global layers' group is sharded over two Ray ranks (partial attention merged
     by LSE over gloo), the sliding layers' group is whole on each rank. Shared-prefix prompts hit on the

@@ -91,6 +91,7 @@ def test_a_client_follows_a_failover_chain_back_to_its_seed(redis, tmp_path, sha
                 p.stop()
 
 
+@pytest.mark.slow  # make test-slow (make test stays under 15 minutes)
 def test_an_asyncio_client_follows_a_failover_chain_back_to_its_seed(redis, tmp_path):
     leader = start_allocator(redis, tmp_path, True)
     standby = start_allocator(redis, tmp_path, True, "--standby")

@@ -49,7 +49,8 @@ def other(shard: str) -> str:
     return next(s for s in SHARDS if s != shard)
 
 
-@pytest.mark.parametrize("victim", ["source", "destination"])
+# The rest of the matrix runs in make test-slow (make test stays under 15 minutes).
+@pytest.mark.parametrize("victim", ["source", pytest.param("destination", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("after", ["FREEZE", "IMPORT", "DROP"])
 def test_a_move_killed_after_each_phase_is_finished_by_running_it_again(fleet, victim, after):
     """The phases as the rebalancer runs them, one side SIGKILLed and restarted after `after`; then the same
@@ -148,7 +149,7 @@ def test_a_step_whose_reply_was_lost_before_the_move_applies_once(fleet, learned
 
 
 @pytest.mark.parametrize("victim", ["source", "destination"])
-@pytest.mark.parametrize("outcome", ["commit", "abort"])
+@pytest.mark.parametrize("outcome", ["commit", pytest.param("abort", marks=pytest.mark.slow)])  # abort: test-slow
 def test_a_cross_shard_transfer_with_either_side_killed_while_pinned(fleet, victim, outcome):
     a = f"xs-{victim[:3]}-{outcome}-a"
     b = f"xs-{victim[:3]}-{outcome}-b"
@@ -539,6 +540,7 @@ def test_soak_random_kills_inside_moves(tmp_path):
         f.stop()
 
 
+@pytest.mark.slow
 def test_random_kills_inside_moves_short(fleet):
     kinds, steps = random_kills(fleet, rounds=2, seed=7)
     assert sum(kinds.values()) == 2 and steps > 0
