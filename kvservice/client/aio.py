@@ -19,10 +19,8 @@ from kvservice.client.base import (
     RETRYABLE,
     Call,
     ClientBase,
-    ConnectionReplaced,
-    replaced_under,
 )
-from kvservice.client.routing import Conn, make_stub
+from kvservice.client.routing import Conn, ConnectionReplaced, make_stub, replaced_under
 from kvservice.errors import DeadlineExceeded, KVServiceError, Moved, NotFound, Unavailable
 from kvservice.results import Event
 from kvservice.wire import replies

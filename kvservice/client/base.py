@@ -15,13 +15,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import grpc
 
 from kvservice._proto import allocator_pb2 as pb
-from kvservice.client.routing import SERVICE_NAME, Conn, Shards
+from kvservice.client.routing import SERVICE_NAME, Conn, ConnectionReplaced, Shards, channel_credentials
 from kvservice.commands import VllmOptions
 from kvservice.core import KVCacheConfig
 from kvservice.errors import InvalidArgument, KVServiceError
@@ -35,28 +34,6 @@ MAX_HOPS = 4  # redirects (and failovers) one call follows
 FAILOVER_POLL_S = 0.1  # a call that found its shard down asks for the map this often, until it changes
 FAILOVER_RETRY_S = 1.0  # ... and is retried after this long even if it did not (a move called off)
 __all__ = ["RETRYABLE", "SERVICE_NAME", "Call", "ClientBase", "ConnectionReplaced"]
-
-
-class ConnectionReplaced(grpc.RpcError):
-    """A call's channel was closed under it: another thread (a map refresh) swapped in the shard's new
-    leader. A read is sent again on the new connection; a mutation goes back to `_run`, which resumes the
-    session there first."""
-
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.UNAVAILABLE
-
-    def details(self) -> str:
-        return "this shard's connection was replaced during the call (its leader changed); try again"
-
-
-def replaced_under(conn: Conn, stub, err: Exception) -> bool:
-    """Whether `err` (from a call made with `stub`) came from `conn` being given a new channel meanwhile: grpc
-    raises ValueError on a closed channel, and cancels calls in flight when it closes."""
-    if conn.stub is stub:
-        return False
-    if isinstance(err, grpc.RpcError):
-        return err.code() == grpc.StatusCode.CANCELLED
-    return isinstance(err, ValueError) or type(err).__name__ == "UsageError"  # grpc.aio's closed channel
 
 
 @dataclass(slots=True, frozen=True)
@@ -74,11 +51,6 @@ class Call:
     # left out instead of waited for; merge(answers, missing) gets {shard: result}, {shard: KVServiceError}
     partial: bool = False
     locate: tuple[str, ...] = ()  # pools to find first when no map names them (external pools: GetStats)
-
-
-def channel_credentials(tls_ca: str | None, tls_cert: str | None, tls_key: str | None):
-    read = lambda p: Path(p).read_bytes() if p else None
-    return grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
 
 
 _SEVERITY = ["ok", "off", "resyncing", "degraded", "down", "fenced"]

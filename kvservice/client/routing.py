@@ -3,14 +3,17 @@
 A client has one session id; each shard knows it under that id (the first shard opens it, the others
 attach), and each keeps its own sequence numbers: a `Conn` carries a shard's channel, stub and sequence
 state. The shard map (GetShardMap) says which shard serves a pool; a redirect (`errors.Moved`) or a
-failover (a shard's leader moved) updates it. No I/O here: the sync and asyncio clients do the calls.
+failover (a shard's leader moved) updates it. No RPCs here: the sync and asyncio clients do the calls.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import grpc
 
 from kvservice._proto import allocator_pb2 as pb
 from kvservice._proto import allocator_pb2_grpc as pb_grpc
@@ -25,6 +28,34 @@ def make_stub(channel) -> pb_grpc.AllocatorStub:
     stub.Step = channel.unary_unary(f"/{SERVICE_NAME}/Step", request_serializer=serialize_step,
                                     response_deserializer=pb.StepResponse.FromString)
     return stub
+
+
+def channel_credentials(tls_ca: str | None, tls_cert: str | None, tls_key: str | None):
+    read = lambda p: Path(p).read_bytes() if p else None
+    return grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
+
+
+
+class ConnectionReplaced(grpc.RpcError):
+    """A call's channel was closed under it: another thread (a map refresh) swapped in the shard's new
+    leader. A read is sent again on the new connection; a mutation goes back to `_run`, which resumes the
+    session there first."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "this shard's connection was replaced during the call (its leader changed); try again"
+
+
+def replaced_under(conn: Conn, stub, err: Exception) -> bool:
+    """Whether `err` (from a call made with `stub`) came from `conn` being given a new channel meanwhile: grpc
+    raises ValueError on a closed channel, and cancels calls in flight when it closes."""
+    if conn.stub is stub:
+        return False
+    if isinstance(err, grpc.RpcError):
+        return err.code() == grpc.StatusCode.CANCELLED
+    return isinstance(err, ValueError) or type(err).__name__ == "UsageError"  # grpc.aio's closed channel
 
 
 @dataclass(slots=True)
