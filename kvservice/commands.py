@@ -61,6 +61,8 @@ class VllmOptions:
     watermark: float = 0.0
     scheduler_block_size: int = 0  # 0: the LCM of the groups' block sizes
     max_in_flight_tokens: int = 0  # 0: max_model_len
+    use_eagle: bool = False  # EAGLE's block drop (a hit gives back its last block)
+    num_hash_lookahead_tokens: int = 0  # tokens past each block its hash covers
 
 
 @dataclass(slots=True)

@@ -76,13 +76,16 @@ class AllocateOp:
     reserved_blocks: int = 0
     has_scheduled_reqs: bool = False
     cache_tokens: int = 0
+    num_external_computed_tokens: int = 0  # a KV connector's tokens (an admission)
+    num_encoder_tokens: int = 0  # cross attention's (an encoder-decoder admission)
 
     @property
     def vllm_fields(self) -> bool:
         """Whether any field only a vLLM-semantics pool takes is set."""
         return bool(self.num_output_placeholders or self.num_in_flight_tokens or self.waiting or self.lookup
                     or self.num_new_computed_tokens or self.full_sequence_must_fit or self.reserved_blocks
-                    or self.has_scheduled_reqs or self.cache_tokens)
+                    or self.has_scheduled_reqs or self.cache_tokens or self.num_external_computed_tokens
+                    or self.num_encoder_tokens)
 
 
 @dataclass(slots=True)
@@ -111,7 +114,18 @@ class ForkOp:
 
 @dataclass(slots=True)
 class FreeOp:
+    """Frees a request's blocks, tail first; `popped` (vLLM pools): in the order of vLLM's deferred free
+    (pop_blocks_for_free, then free_blocks(reversed(...))): all groups' blocks in one list, tail first."""
+
     request_id: str
+    popped: bool = False
+
+
+@dataclass(slots=True)
+class EvictBlocksOp:
+    """vLLM's evict_blocks (a KV connector's failed loads): the blocks leave the prefix cache."""
+
+    block_ids: list[int]
 
 
 @dataclass(slots=True)

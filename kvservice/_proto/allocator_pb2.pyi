@@ -93,19 +93,27 @@ class Mamba(_message.Message):
     def __init__(self, block_size: _Optional[int] = ...) -> None: ...
 
 class KVCacheGroup(_message.Message):
-    __slots__ = ("full_attention", "sliding_window", "chunked_local", "mamba")
+    __slots__ = ("full_attention", "sliding_window", "chunked_local", "mamba", "cross_attention")
     FULL_ATTENTION_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     CHUNKED_LOCAL_FIELD_NUMBER: _ClassVar[int]
     MAMBA_FIELD_NUMBER: _ClassVar[int]
+    CROSS_ATTENTION_FIELD_NUMBER: _ClassVar[int]
     full_attention: FullAttention
     sliding_window: SlidingWindow
     chunked_local: ChunkedLocalAttention
     mamba: Mamba
-    def __init__(self, full_attention: _Optional[_Union[FullAttention, _Mapping]] = ..., sliding_window: _Optional[_Union[SlidingWindow, _Mapping]] = ..., chunked_local: _Optional[_Union[ChunkedLocalAttention, _Mapping]] = ..., mamba: _Optional[_Union[Mamba, _Mapping]] = ...) -> None: ...
+    cross_attention: CrossAttention
+    def __init__(self, full_attention: _Optional[_Union[FullAttention, _Mapping]] = ..., sliding_window: _Optional[_Union[SlidingWindow, _Mapping]] = ..., chunked_local: _Optional[_Union[ChunkedLocalAttention, _Mapping]] = ..., mamba: _Optional[_Union[Mamba, _Mapping]] = ..., cross_attention: _Optional[_Union[CrossAttention, _Mapping]] = ...) -> None: ...
+
+class CrossAttention(_message.Message):
+    __slots__ = ("block_size",)
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    def __init__(self, block_size: _Optional[int] = ...) -> None: ...
 
 class KVCacheConfig(_message.Message):
-    __slots__ = ("num_blocks", "groups", "max_model_len", "dcp_world_size", "disable_prefix_caching", "vocab_size", "kv_layout", "prefix_cache_retention_interval", "has_prefix_cache_retention_interval")
+    __slots__ = ("num_blocks", "groups", "max_model_len", "dcp_world_size", "disable_prefix_caching", "vocab_size", "kv_layout", "prefix_cache_retention_interval", "has_prefix_cache_retention_interval", "eagle_group_ids")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +123,7 @@ class KVCacheConfig(_message.Message):
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_RETENTION_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     HAS_PREFIX_CACHE_RETENTION_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    EAGLE_GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     groups: _containers.RepeatedCompositeFieldContainer[KVCacheGroup]
     max_model_len: int
@@ -124,7 +133,8 @@ class KVCacheConfig(_message.Message):
     kv_layout: str
     prefix_cache_retention_interval: int
     has_prefix_cache_retention_interval: bool
-    def __init__(self, num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., max_model_len: _Optional[int] = ..., dcp_world_size: _Optional[int] = ..., disable_prefix_caching: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., kv_layout: _Optional[str] = ..., prefix_cache_retention_interval: _Optional[int] = ..., has_prefix_cache_retention_interval: _Optional[bool] = ...) -> None: ...
+    eagle_group_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., max_model_len: _Optional[int] = ..., dcp_world_size: _Optional[int] = ..., disable_prefix_caching: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., kv_layout: _Optional[str] = ..., prefix_cache_retention_interval: _Optional[int] = ..., has_prefix_cache_retention_interval: _Optional[bool] = ..., eagle_group_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HashSpec(_message.Message):
     __slots__ = ("algorithm", "seed", "has_seed")
@@ -157,14 +167,18 @@ class RegisterPoolRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., sequence: _Optional[int] = ..., pool_id: _Optional[str] = ..., config: _Optional[_Union[KVCacheConfig, _Mapping]] = ..., hash_fingerprint: _Optional[str] = ..., epoch: _Optional[int] = ..., hash_spec: _Optional[_Union[HashSpec, _Mapping]] = ..., vllm: _Optional[_Union[VllmManagerOptions, _Mapping]] = ...) -> None: ...
 
 class VllmManagerOptions(_message.Message):
-    __slots__ = ("watermark", "scheduler_block_size", "max_in_flight_tokens")
+    __slots__ = ("watermark", "scheduler_block_size", "max_in_flight_tokens", "use_eagle", "num_hash_lookahead_tokens")
     WATERMARK_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_IN_FLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    USE_EAGLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_HASH_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     watermark: float
     scheduler_block_size: int
     max_in_flight_tokens: int
-    def __init__(self, watermark: _Optional[float] = ..., scheduler_block_size: _Optional[int] = ..., max_in_flight_tokens: _Optional[int] = ...) -> None: ...
+    use_eagle: bool
+    num_hash_lookahead_tokens: int
+    def __init__(self, watermark: _Optional[float] = ..., scheduler_block_size: _Optional[int] = ..., max_in_flight_tokens: _Optional[int] = ..., use_eagle: _Optional[bool] = ..., num_hash_lookahead_tokens: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
     __slots__ = ("pool_id", "epoch", "new_epoch", "hash_block_size", "hash_seed", "num_requests_failed", "scheduler_block_size", "hash_algorithm", "hash_fingerprint")
@@ -219,7 +233,7 @@ class AddRequestOp(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., block_hashes: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., mm_items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class AllocateOp(_message.Message):
-    __slots__ = ("request_id", "num_computed_tokens", "num_new_tokens", "append_token_ids", "append_block_hashes", "num_append_tokens", "num_lookahead_tokens", "delay_cache_blocks", "allow_transfer", "external_source", "num_output_placeholders", "num_in_flight_tokens", "waiting", "lookup", "num_new_computed_tokens", "full_sequence_must_fit", "reserved_blocks", "has_scheduled_reqs", "cache_tokens")
+    __slots__ = ("request_id", "num_computed_tokens", "num_new_tokens", "append_token_ids", "append_block_hashes", "num_append_tokens", "num_lookahead_tokens", "delay_cache_blocks", "allow_transfer", "external_source", "num_output_placeholders", "num_in_flight_tokens", "waiting", "lookup", "num_new_computed_tokens", "full_sequence_must_fit", "reserved_blocks", "has_scheduled_reqs", "cache_tokens", "num_external_computed_tokens", "num_encoder_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +253,8 @@ class AllocateOp(_message.Message):
     RESERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HAS_SCHEDULED_REQS_FIELD_NUMBER: _ClassVar[int]
     CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXTERNAL_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ENCODER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_computed_tokens: int
     num_new_tokens: int
@@ -258,7 +274,9 @@ class AllocateOp(_message.Message):
     reserved_blocks: int
     has_scheduled_reqs: bool
     cache_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., num_computed_tokens: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., append_token_ids: _Optional[bytes] = ..., append_block_hashes: _Optional[bytes] = ..., num_append_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ..., delay_cache_blocks: _Optional[bool] = ..., allow_transfer: _Optional[bool] = ..., external_source: _Optional[_Union[ExternalSource, _Mapping]] = ..., num_output_placeholders: _Optional[int] = ..., num_in_flight_tokens: _Optional[int] = ..., waiting: _Optional[bool] = ..., lookup: _Optional[bool] = ..., num_new_computed_tokens: _Optional[int] = ..., full_sequence_must_fit: _Optional[bool] = ..., reserved_blocks: _Optional[int] = ..., has_scheduled_reqs: _Optional[bool] = ..., cache_tokens: _Optional[int] = ...) -> None: ...
+    num_external_computed_tokens: int
+    num_encoder_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., num_computed_tokens: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., append_token_ids: _Optional[bytes] = ..., append_block_hashes: _Optional[bytes] = ..., num_append_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ..., delay_cache_blocks: _Optional[bool] = ..., allow_transfer: _Optional[bool] = ..., external_source: _Optional[_Union[ExternalSource, _Mapping]] = ..., num_output_placeholders: _Optional[int] = ..., num_in_flight_tokens: _Optional[int] = ..., waiting: _Optional[bool] = ..., lookup: _Optional[bool] = ..., num_new_computed_tokens: _Optional[int] = ..., full_sequence_must_fit: _Optional[bool] = ..., reserved_blocks: _Optional[int] = ..., has_scheduled_reqs: _Optional[bool] = ..., cache_tokens: _Optional[int] = ..., num_external_computed_tokens: _Optional[int] = ..., num_encoder_tokens: _Optional[int] = ...) -> None: ...
 
 class ExternalSource(_message.Message):
     __slots__ = ("pin_id", "src_pool_id", "src_block_ids", "num_tokens")
@@ -303,10 +321,18 @@ class ForkOp(_message.Message):
     def __init__(self, parent_request_id: _Optional[str] = ..., child_request_id: _Optional[str] = ...) -> None: ...
 
 class FreeOp(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "popped")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    POPPED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    popped: bool
+    def __init__(self, request_id: _Optional[str] = ..., popped: _Optional[bool] = ...) -> None: ...
+
+class EvictBlocksOp(_message.Message):
+    __slots__ = ("block_ids",)
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ResetPrefixCacheOp(_message.Message):
     __slots__ = ()
@@ -355,7 +381,7 @@ class AdmitBatchOp(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[bytes] = ..., num_prompt_tokens: _Optional[bytes] = ..., num_new_tokens: _Optional[bytes] = ..., num_lookahead_tokens: _Optional[int] = ..., cache_salts: _Optional[_Iterable[str]] = ..., lora_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Op(_message.Message):
-    __slots__ = ("add", "allocate", "fork", "free", "pin", "unpin", "decode", "admit", "reset_prefix_cache", "allocate_batch")
+    __slots__ = ("add", "allocate", "fork", "free", "pin", "unpin", "decode", "admit", "reset_prefix_cache", "allocate_batch", "evict_blocks")
     ADD_FIELD_NUMBER: _ClassVar[int]
     ALLOCATE_FIELD_NUMBER: _ClassVar[int]
     FORK_FIELD_NUMBER: _ClassVar[int]
@@ -366,6 +392,7 @@ class Op(_message.Message):
     ADMIT_FIELD_NUMBER: _ClassVar[int]
     RESET_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     ALLOCATE_BATCH_FIELD_NUMBER: _ClassVar[int]
+    EVICT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     add: AddRequestOp
     allocate: AllocateOp
     fork: ForkOp
@@ -376,7 +403,8 @@ class Op(_message.Message):
     admit: AdmitBatchOp
     reset_prefix_cache: ResetPrefixCacheOp
     allocate_batch: AllocateBatchOp
-    def __init__(self, add: _Optional[_Union[AddRequestOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., fork: _Optional[_Union[ForkOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., pin: _Optional[_Union[PinOp, _Mapping]] = ..., unpin: _Optional[_Union[UnpinOp, _Mapping]] = ..., decode: _Optional[_Union[DecodeBatchOp, _Mapping]] = ..., admit: _Optional[_Union[AdmitBatchOp, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheOp, _Mapping]] = ..., allocate_batch: _Optional[_Union[AllocateBatchOp, _Mapping]] = ...) -> None: ...
+    evict_blocks: EvictBlocksOp
+    def __init__(self, add: _Optional[_Union[AddRequestOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., fork: _Optional[_Union[ForkOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., pin: _Optional[_Union[PinOp, _Mapping]] = ..., unpin: _Optional[_Union[UnpinOp, _Mapping]] = ..., decode: _Optional[_Union[DecodeBatchOp, _Mapping]] = ..., admit: _Optional[_Union[AdmitBatchOp, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheOp, _Mapping]] = ..., allocate_batch: _Optional[_Union[AllocateBatchOp, _Mapping]] = ..., evict_blocks: _Optional[_Union[EvictBlocksOp, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("session_id", "sequence", "pool_id", "ops")

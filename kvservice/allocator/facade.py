@@ -50,6 +50,7 @@ from kvservice.ops import (
     AllocateBatchOp,
     AllocateOp,
     DecodeBatchOp,
+    EvictBlocksOp,
     ForkOp,
     FreeOp,
     Op,
@@ -199,6 +200,9 @@ class Allocator:
                 append(self.pins.pin(pool, session, op))
             elif kind is ResetPrefixCacheOp:
                 append(self._reset_op(pool))
+            elif kind is EvictBlocksOp:
+                pool.manager.evict_blocks(op.block_ids)
+                append(OpResult(""))
             else:
                 append(self.pins.unpin(pool, session, op))
         manager = pool.manager

@@ -48,7 +48,8 @@ class Pool:
                 spec.config, spec.max_model_len, spec.enable_caching, enable_events=True,
                 dcp_world_size=spec.dcp_world_size, hash_block_size=hash_block_size, enable_fast_path=False,
                 scheduler_block_size=v.scheduler_block_size or None,
-                max_in_flight_tokens=v.max_in_flight_tokens or None, watermark=v.watermark)
+                max_in_flight_tokens=v.max_in_flight_tokens or None, watermark=v.watermark, use_eagle=v.use_eagle,
+                num_hash_lookahead_tokens=v.num_hash_lookahead_tokens)
         self.requests: dict[str, Request] = {}
         self.owner: dict[str, str] = {}  # request key -> session id
         self.owner_tenant = ""  # the tenant that registered the pool

@@ -101,17 +101,22 @@ class RequestBook:
             result = self.missing(pool, key, op.request_id)
             pool.tombstones.pop(key, None)  # the client knows now: later ops answer NOT_FOUND
             return result
-        self.free(pool, session.tenant, key)
+        self.free(pool, session.tenant, key, op.popped)
         return OpResult(op.request_id)
 
-    def free(self, pool: Pool, tenant: str, key: str) -> None:
-        """Frees a live request (its blocks tail first) and whatever transfer it waited for."""
+    def free(self, pool: Pool, tenant: str, key: str, popped: bool = False) -> None:
+        """Frees a live request (its blocks tail first; `popped`: in vLLM's deferred-free order) and whatever
+        transfer it waited for."""
         transfers = self.state.transfers
         pending = transfers.pending(pool.pool_id, key)
         if pending is not None:  # its prefix will never be copied: drop the source pins
             transfers.close(transfers.transfers[pending], self.state.pools, commit=False)
         req = pool.requests.pop(key)
-        pool.manager.free(req)
+        if popped:
+            manager = pool.manager
+            manager.block_pool.free_blocks(reversed(manager.pop_blocks_for_free(req)))
+        else:
+            pool.manager.free(req)
         owner = self.state.sessions.sessions.get(pool.owner.pop(key, ""))
         if owner is not None:
             owner.disown(pool.pool_id, key)

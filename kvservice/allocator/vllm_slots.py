@@ -148,7 +148,7 @@ class VllmSlots:
             if op.num_new_tokens == 0:
                 return None
         if not op.lookup:
-            if op.num_new_tokens == 0 and not op.num_append_tokens:
+            if op.num_new_tokens == 0 and not op.num_append_tokens and not op.num_external_computed_tokens:
                 return _refused(request_id, "num_new_tokens must be greater than 0 when there are no computed "
                                             "tokens to adopt")
             return None
@@ -160,7 +160,7 @@ class VllmSlots:
             return _refused(request_id, f"request {client_request_id(key)!r}: pool {pool.pool_id!r} has {hit} of its "
                                         f"tokens cached, the scheduler expected {op.num_new_computed_tokens} (its "
                                         f"view of the pool is stale); nothing was applied")
-        if op.num_new_tokens == 0 and hit == 0:
+        if op.num_new_tokens == 0 and hit == 0 and not op.num_external_computed_tokens:
             return _refused(request_id, "num_new_tokens must be greater than 0 when there are no computed tokens "
                                         "to adopt")
         return Hit(blocks, hit)
@@ -178,25 +178,28 @@ class VllmSlots:
             manager.cache_blocks(req, op.cache_tokens)
             if op.num_new_tokens == 0:
                 return OpResult(request_id, num_computed_tokens=op.num_computed_tokens, num_tokens=req.num_tokens)
-        if op.num_new_tokens == 0 and hit is None:  # the request's new tokens only
+        if op.num_new_tokens == 0 and hit is None and not op.num_external_computed_tokens:  # new tokens only
             return OpResult(request_id, num_computed_tokens=op.num_computed_tokens, num_tokens=req.num_tokens)
         return self._allocate(pool, key, req, request_id, op.num_computed_tokens, op.num_new_tokens,
                               op.num_lookahead_tokens, op.delay_cache_blocks, op.full_sequence_must_fit,
-                              op.reserved_blocks, op.has_scheduled_reqs, hit, op.waiting)
+                              op.reserved_blocks, op.has_scheduled_reqs, hit, op.waiting,
+                              external=op.num_external_computed_tokens, encoder=op.num_encoder_tokens)
 
     def _allocate(self, pool: Pool, key: str, req: Request, request_id: str, num_computed: int, num_new: int,
                   lookahead: int, delay: bool, full_sequence_must_fit: bool, reserved_blocks: int,
                   has_scheduled_reqs: bool, hit: Hit | None, waiting: bool = False,
-                  shortcut: bool = True) -> OpResult:
+                  shortcut: bool = True, external: int = 0, encoder: int = 0) -> OpResult:
         """The core's allocate_slots for the op (its request's counters set), as an OpResult; `shortcut`: try
         `_takes_no_block` first (False: the caller did)."""
         manager = pool.manager
-        if shortcut and hit is None and not (waiting or full_sequence_must_fit or reserved_blocks):
+        if shortcut and hit is None and not (waiting or full_sequence_must_fit or reserved_blocks or external
+                                             or encoder):
             m = _decode_manager(manager)
             if m is not None and _takes_no_block(manager, m, key, req, num_computed, num_new, lookahead, delay):
                 return OpResult(request_id, OpStatus.OK, "", ([],), num_computed, num_new, req.num_tokens)
         num_hit = hit.num_tokens if hit is not None else 0
         new = manager.allocate_slots(req, num_new, num_hit, hit.blocks if hit is not None else None, lookahead, delay,
+                                     num_external_computed_tokens=external, num_encoder_tokens=encoder,
                                      full_sequence_must_fit=full_sequence_must_fit, reserved_blocks=reserved_blocks,
                                      has_scheduled_reqs=has_scheduled_reqs)
         if new is None:
@@ -204,12 +207,13 @@ class VllmSlots:
             return OpResult(request_id, OpStatus.NO_SPACE,
                             f"pool {pool.pool_id!r} has {free} free blocks, not enough for {num_new} more "
                             f"tokens of {client_request_id(key)!r}", (), num_computed + num_hit, 0, req.num_tokens)
-        if hit is not None:
-            manager.record_prefix_cache_stats(req, num_hit)
-            req.num_computed_tokens = num_hit
+        if hit is not None or external or encoder:
+            if hit is not None:
+                manager.record_prefix_cache_stats(req, num_hit)
+            req.num_computed_tokens = num_hit + external
             # An admission: the engine has no row yet, so it gets the whole table (hits included).
-            return OpResult(request_id, OpStatus.OK, "", manager.get_block_ids(key), num_hit, num_new, req.num_tokens,
-                            replaced=new.replaced)
+            return OpResult(request_id, OpStatus.OK, "", manager.get_block_ids(key), num_hit + external, num_new,
+                            req.num_tokens, replaced=new.replaced)
         return OpResult(request_id, OpStatus.OK, "", new.get_block_ids(), num_computed, num_new, req.num_tokens,
                         replaced=new.replaced)
 

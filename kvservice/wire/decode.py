@@ -20,6 +20,7 @@ from kvservice.ops import (
     AllocateBatchOp,
     AllocateOp,
     DecodeBatchOp,
+    EvictBlocksOp,
     ExternalSource,
     ForkOp,
     FreeOp,
@@ -52,7 +53,8 @@ STEP_REQUESTS = {StepRpc.STEP: pb.StepRequest, StepRpc.ALLOCATE: pb.AllocateRequ
                  StepRpc.FORK: pb.ForkRequest}
 # AllocateOp fields only a pool with vLLM's semantics takes, and the ops such a pool refuses (vLLM has none).
 VLLM_FIELDS = ("num_output_placeholders", "num_in_flight_tokens", "waiting", "lookup", "num_new_computed_tokens",
-               "full_sequence_must_fit", "reserved_blocks", "has_scheduled_reqs", "cache_tokens")
+               "full_sequence_must_fit", "reserved_blocks", "has_scheduled_reqs", "cache_tokens",
+               "num_external_computed_tokens", "num_encoder_tokens")
 VLLM_REFUSED = frozenset({"decode", "admit", "fork", "pin"})
 
 
@@ -85,7 +87,12 @@ def decode_ops(ops: Sequence[pb.Op], spec: PoolSpec, hash_block_size: int, field
         elif kind == "admit":
             append(decode_admit(op.admit, max_len, vocab, f"{field}[{i}].admit"))
         elif kind == "free":
-            append(FreeOp(check_id((field, i, "free", "request_id"), op.free.request_id)))
+            if op.free.popped and not vllm:
+                raise InvalidArgument(f"{field}[{i}].free.popped", True, "only a pool registered with vllm options "
+                                                                         "takes it (vLLM's deferred free)")
+            append(FreeOp(check_id((field, i, "free", "request_id"), op.free.request_id), op.free.popped))
+        elif kind == "evict_blocks":
+            append(decode_evict(op.evict_blocks, spec, vllm, f"{field}[{i}].evict_blocks"))
         elif kind == "fork":
             f = op.fork
             append(ForkOp(check_id((field, i, "fork", "parent_request_id"), f.parent_request_id),
@@ -98,7 +105,7 @@ def decode_ops(ops: Sequence[pb.Op], spec: PoolSpec, hash_block_size: int, field
             append(ResetPrefixCacheOp())
         else:
             raise InvalidArgument(f"{field}[{i}]", "{}", "set one of add, allocate, allocate_batch, decode, admit, "
-                                                         "fork, free, pin, unpin, reset_prefix_cache")
+                                                         "fork, free, pin, unpin, reset_prefix_cache, evict_blocks")
     return out
 
 
@@ -227,7 +234,7 @@ def decode_allocate(a: pb.AllocateOp, max_len: int, vocab: int, field: str, inde
                     a.allow_transfer, external)
     if vllm or a.num_output_placeholders or a.num_in_flight_tokens or a.waiting or a.lookup \
             or a.num_new_computed_tokens or a.full_sequence_must_fit or a.reserved_blocks or a.has_scheduled_reqs \
-            or a.cache_tokens:
+            or a.cache_tokens or a.num_external_computed_tokens or a.num_encoder_tokens:
         _decode_vllm_fields(a, op, max_len, vllm, field, index)
     return op
 
@@ -243,9 +250,11 @@ def _decode_vllm_fields(a: pb.AllocateOp, op: AllocateOp, max_len: int, vllm: bo
         raise invalid(name(first), getattr(a, first), "only a pool registered with vllm options takes it")
     placeholders, in_flight, hit, cache = (a.num_output_placeholders, a.num_in_flight_tokens,
                                            a.num_new_computed_tokens, a.cache_tokens)
-    if max(placeholders, in_flight, hit, cache) > max_len:  # the message is built only for a refusal
+    external, encoder = a.num_external_computed_tokens, a.num_encoder_tokens
+    if max(placeholders, in_flight, hit, cache, external, encoder) > max_len:  # the message only for a refusal
         what = f"max_model_len {max_len}"
-        for f in ("num_output_placeholders", "num_in_flight_tokens", "num_new_computed_tokens", "cache_tokens"):
+        for f in ("num_output_placeholders", "num_in_flight_tokens", "num_new_computed_tokens", "cache_tokens",
+                  "num_external_computed_tokens", "num_encoder_tokens"):
             at_most(name(f), getattr(a, f), max_len, what)
     if a.allow_transfer:
         raise invalid(name("allow_transfer"), True, "vLLM's semantics have no cross-pool transfers")
@@ -263,6 +272,20 @@ def _decode_vllm_fields(a: pb.AllocateOp, op: AllocateOp, max_len: int, vllm: bo
     op.lookup, op.num_new_computed_tokens = a.lookup, hit
     op.full_sequence_must_fit, op.reserved_blocks = a.full_sequence_must_fit, a.reserved_blocks
     op.has_scheduled_reqs, op.cache_tokens = a.has_scheduled_reqs, cache
+    op.num_external_computed_tokens, op.num_encoder_tokens = external, encoder
+
+
+def decode_evict(e: pb.EvictBlocksOp, spec: PoolSpec, vllm: bool, field: str) -> EvictBlocksOp:
+    """vLLM's evict_blocks: block ids of the pool (the null block and ids past it refused)."""
+    if not vllm:
+        raise InvalidArgument(field, "...", "only a pool registered with vllm options takes it (vLLM's evict_blocks)")
+    ids = list(e.block_ids)
+    check_count(f"{field}.block_ids", len(ids), spec.config.num_blocks)
+    bad = next((b for b in ids if not 0 < b < spec.config.num_blocks), None)
+    if bad is not None:
+        raise InvalidArgument(f"{field}.block_ids", bad, f"must be in [1, {spec.config.num_blocks - 1}] (block 0 is "
+                                                         f"the null block)")
+    return EvictBlocksOp(ids)
 
 
 def decode_external(e: pb.ExternalSource, max_len: int, field: Field) -> ExternalSource:

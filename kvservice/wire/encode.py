@@ -6,7 +6,14 @@ from collections.abc import Sequence
 
 from kvservice._proto import allocator_pb2 as pb
 from kvservice.commands import VllmOptions
-from kvservice.core import ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
+from kvservice.core import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    MambaSpec,
+    SlidingWindowSpec,
+)
 from kvservice.hashing import HashSpec
 from kvservice.ops import (
     AddRequestOp,
@@ -14,6 +21,7 @@ from kvservice.ops import (
     AllocateBatchOp,
     AllocateOp,
     DecodeBatchOp,
+    EvictBlocksOp,
     ForkOp,
     FreeOp,
     Op,
@@ -45,8 +53,13 @@ def encode_config(config: KVCacheConfig, max_model_len: int, dcp_world_size: int
         elif isinstance(spec, ChunkedLocalAttentionSpec):
             g.chunked_local.block_size = spec.block_size
             g.chunked_local.attention_chunk_size = spec.attention_chunk_size
-        else:
+        elif isinstance(spec, CrossAttentionSpec):
+            g.cross_attention.block_size = spec.block_size
+        elif isinstance(spec, MambaSpec):
             g.mamba.block_size = spec.block_size
+        else:
+            raise ValueError(f"groups[{len(msg.groups) - 1}]: the allocator carries no {type(spec).__name__} groups")
+    msg.eagle_group_ids.extend(config.eagle_group_ids)
     return msg
 
 
@@ -84,6 +97,9 @@ def encode_op(op: Op, msg: pb.Op) -> None:
             a.lora_names.extend(name or "" for name in op.lora_names)
     elif isinstance(op, FreeOp):
         msg.free.request_id = op.request_id
+        msg.free.popped = op.popped
+    elif isinstance(op, EvictBlocksOp):
+        msg.evict_blocks.block_ids.extend(op.block_ids)
     elif isinstance(op, PinOp):
         p = msg.pin
         p.pin_id = op.pin_id
@@ -125,6 +141,7 @@ def encode_allocate(op: AllocateOp, a: pb.AllocateOp) -> None:
         a.lookup, a.num_new_computed_tokens = op.lookup, op.num_new_computed_tokens
         a.full_sequence_must_fit, a.reserved_blocks = op.full_sequence_must_fit, op.reserved_blocks
         a.has_scheduled_reqs, a.cache_tokens = op.has_scheduled_reqs, op.cache_tokens
+        a.num_external_computed_tokens, a.num_encoder_tokens = op.num_external_computed_tokens, op.num_encoder_tokens
 
 
 def encode_add(op: AddRequestOp, a: pb.AddRequestOp) -> None:
@@ -148,7 +165,8 @@ def encode_hash_spec(spec: HashSpec) -> pb.HashSpec:
 
 def encode_vllm_options(options: VllmOptions) -> pb.VllmManagerOptions:
     return pb.VllmManagerOptions(watermark=options.watermark, scheduler_block_size=options.scheduler_block_size,
-                                 max_in_flight_tokens=options.max_in_flight_tokens)
+                                 max_in_flight_tokens=options.max_in_flight_tokens, use_eagle=options.use_eagle,
+                                 num_hash_lookahead_tokens=options.num_hash_lookahead_tokens)
 
 
 def register_request(pool_id: str, config: KVCacheConfig, max_model_len: int, epoch: int, dcp_world_size: int,

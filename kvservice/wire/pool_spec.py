@@ -9,6 +9,7 @@ from kvservice._proto import allocator_pb2 as pb
 from kvservice.commands import PoolSpec, VllmOptions
 from kvservice.core import (
     ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     MambaSpec,
@@ -40,7 +41,8 @@ def decode_config(msg: pb.KVCacheConfig, field: str = "config") -> tuple[KVCache
         kind = group.WhichOneof("kind")
         g = f"{field}.groups[{i}]"
         if kind is None:
-            raise InvalidArgument(g, "{}", "set one of full_attention, sliding_window, chunked_local, mamba")
+            raise InvalidArgument(g, "{}", "set one of full_attention, sliding_window, chunked_local, mamba, "
+                                           "cross_attention")
         sub = getattr(group, kind)
         if sub.block_size == 0 or sub.block_size > MAX_BLOCK_SIZE:
             raise InvalidArgument(f"{g}.{kind}.block_size", sub.block_size, f"must be in [1, {MAX_BLOCK_SIZE}]")
@@ -56,6 +58,8 @@ def decode_config(msg: pb.KVCacheConfig, field: str = "config") -> tuple[KVCache
             if sub.attention_chunk_size == 0:
                 raise InvalidArgument(f"{g}.chunked_local.attention_chunk_size", 0, "must be positive")
             specs.append(ChunkedLocalAttentionSpec(sub.block_size, sub.attention_chunk_size))
+        elif kind == "cross_attention":
+            specs.append(CrossAttentionSpec(sub.block_size))
         else:
             specs.append(MambaSpec(sub.block_size))
         if dcp > 1 and kind not in ("full_attention", "sliding_window"):
@@ -63,7 +67,13 @@ def decode_config(msg: pb.KVCacheConfig, field: str = "config") -> tuple[KVCache
                                                                   f"(sharded) and sliding-window (replicated) groups "
                                                                   f"only; groups[{i}] is {kind}")
     retention = msg.prefix_cache_retention_interval if msg.has_prefix_cache_retention_interval else None
-    return KVCacheConfig(int(msg.num_blocks), specs, prefix_cache_retention_interval=retention), msg.max_model_len, dcp
+    eagle = tuple(msg.eagle_group_ids)
+    bad = next((g for g in eagle if g >= len(specs)), None)
+    if bad is not None or len(set(eagle)) != len(eagle):
+        raise InvalidArgument(f"{field}.eagle_group_ids", list(eagle), f"must name distinct groups of the "
+                                                                       f"{len(specs)} (0-based)")
+    config = KVCacheConfig(int(msg.num_blocks), specs, eagle_group_ids=eagle, prefix_cache_retention_interval=retention)
+    return config, msg.max_model_len, dcp
 
 
 def decode_pool_spec(msg: pb.RegisterPoolRequest, hash_block_size: int) -> PoolSpec:
@@ -101,7 +111,8 @@ def decode_vllm_options(msg: pb.VllmManagerOptions, config: KVCacheConfig, field
             raise InvalidArgument(f"{field}.scheduler_block_size", size,
                                   f"must be a multiple of every group's block size {sizes}")
     check_count(f"{field}.max_in_flight_tokens", msg.max_in_flight_tokens, MAX_MODEL_LEN)
-    return VllmOptions(msg.watermark, size, msg.max_in_flight_tokens)
+    check_count(f"{field}.num_hash_lookahead_tokens", msg.num_hash_lookahead_tokens, MAX_MODEL_LEN)
+    return VllmOptions(msg.watermark, size, msg.max_in_flight_tokens, msg.use_eagle, msg.num_hash_lookahead_tokens)
 
 
 def decode_hash_spec(msg: pb.HashSpec, hash_block_size: int, field: str = "hash_spec") -> HashSpec:

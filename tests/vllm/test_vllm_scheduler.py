@@ -112,12 +112,16 @@ def test_unsupported_settings_are_refused_at_start_up(server, model_dir, tmp_pat
     config.additional_config = {"kvservice": {"address": server.target, "pool_id": "refused"}}
     spec = h.FullAttentionSpec(block_size=h.BLOCK, num_kv_heads=1, head_size=1, dtype=h.torch.float32)
     kv = h.KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[h.KVCacheGroupSpec(["layer"], spec)])
+    # A KV connector is accepted now: the scheduler starts, registers its pool and binds the connector to it.
     config.kv_transfer_config = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
                                                  kv_connector_extra_config={"shared_storage_path": str(tmp_path)})
     config.scheduler_config.disable_hybrid_kv_cache_manager = True  # what ExampleConnector needs
-    with pytest.raises(UnsupportedConfig, match="kv_transfer_config = 'ExampleConnector': KV connectors"):
-        AsyncScheduler(vllm_config=config, kv_cache_config=kv, block_size=h.BLOCK,
-                       structured_output_manager=h.StructuredOutputManager(config))
+    config.additional_config = {"kvservice": {"address": server.target, "pool_id": "with-connector"}}
+    scheduler = AsyncScheduler(vllm_config=config, kv_cache_config=kv, block_size=h.BLOCK,
+                               structured_output_manager=h.StructuredOutputManager(config))
+    assert scheduler.connector._kv_cache_manager is scheduler.kv_cache_manager
+    assert "with-connector" in server.client().get_stats().pools
+    scheduler.shutdown()
     config.kv_transfer_config, config.scheduler_config.disable_hybrid_kv_cache_manager = None, None
     config.additional_config = {"kvservice": {"address": server.target, "pool": "x"}}
     with pytest.raises(UnsupportedConfig, match=r"unknown keys \['pool'\]"):

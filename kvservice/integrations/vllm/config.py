@@ -18,8 +18,6 @@ from dataclasses import dataclass
 
 from vllm.v1 import kv_cache_interface as vi
 
-from kvservice.integrations.vllm.version import num_hash_lookahead_tokens
-
 ENV = {"address": "KVSERVICE_ADDRESS", "token": "KVSERVICE_TOKEN", "pool_id": "KVSERVICE_POOL_ID",
        "pipeline": "KVSERVICE_PIPELINE"}
 KEYS = ("address", "token", "pool_id", "timeout_s", "pipeline")
@@ -72,28 +70,15 @@ def _bool(key: str, value) -> bool:
 
 
 # vLLM's KV-cache specs whose semantics the allocator's pools carry exactly (RegisterPool's groups).
-_CARRIED = (vi.FullAttentionSpec, vi.SlidingWindowSpec, vi.ChunkedLocalAttentionSpec)
+_CARRIED = (vi.FullAttentionSpec, vi.SlidingWindowSpec, vi.ChunkedLocalAttentionSpec, vi.CrossAttentionSpec)
 _NOT_CARRIED = tuple(getattr(vi, name) for name in (
-    "MambaSpec", "CrossAttentionSpec", "SinkFullAttentionSpec", "RSWASpec", "CircularBufferSpec")
-    if hasattr(vi, name))
+    "MambaSpec", "SinkFullAttentionSpec", "RSWASpec", "CircularBufferSpec") if hasattr(vi, name))
 
 
 def unsupported(scheduler, kv_cache_config) -> list[str]:
     """Every setting of this scheduler the kvservice-backed one cannot honour, each as 'setting = value: why'."""
     cfg = scheduler.vllm_config
     out = []
-    if cfg.kv_transfer_config is not None:
-        out.append(f"kv_transfer_config = {cfg.kv_transfer_config.kv_connector!r}: KV connectors (P/D, offloading) "
-                   f"allocate outside the scheduler's calls")
-    if getattr(cfg, "ec_transfer_config", None) is not None:
-        out.append("ec_transfer_config: encoder-cache connectors")
-    if scheduler.is_encoder_decoder:
-        out.append("model_config.is_encoder_decoder = True: cross-attention blocks (encoder tokens)")
-    if cfg.speculative_config is not None:
-        out.append(f"speculative_config (method {cfg.speculative_config.method!r}): draft tokens are appended and "
-                   f"rejected (lookahead slots, EAGLE block drop, lookahead hashes)")
-    if num_hash_lookahead_tokens(scheduler):
-        out.append(f"num_hash_lookahead_tokens = {num_hash_lookahead_tokens(scheduler)}: lookahead block hashes")
     if getattr(scheduler, "num_prefill_lookahead", 0):
         out.append(f"num_prefill_lookahead = {scheduler.num_prefill_lookahead}: MTP prefill lookahead")
     if getattr(cfg, "aux_output_config", None) is not None and cfg.aux_output_config.enabled:
@@ -112,11 +97,9 @@ def unsupported(scheduler, kv_cache_config) -> list[str]:
         spec = group.kv_cache_spec
         inner = next(iter(spec.kv_cache_specs.values())) if isinstance(spec, vi.UniformTypeKVCacheSpecs) else spec
         name = f"kv_cache_groups[{i}] ({type(inner).__name__})"
-        if group.is_eagle_group:
-            out.append(f"{name}.is_eagle_group = True: EAGLE groups")
         if isinstance(inner, _NOT_CARRIED) or not isinstance(inner, _CARRIED):
-            out.append(f"{name}: the allocator's pools carry full attention, sliding window and chunked local "
-                       f"attention only")
+            out.append(f"{name}: the allocator's pools carry full attention, sliding window, chunked local and "
+                       f"cross attention only")
         elif isinstance(inner, vi.SlidingWindowSpec) and getattr(inner, "extra_retained_tokens", 0):
             out.append(f"{name}.extra_retained_tokens = {inner.extra_retained_tokens}")
         if getattr(spec, "dcp_sharded", False) and scheduler.dcp_world_size > 1:

@@ -30,12 +30,14 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.request import RequestStatus
 
+from kvservice.integrations.vllm.deferred import DeferredFrees, RecordingBlockPool
 from kvservice.integrations.vllm.expected import Expected, InFlight, PoolDiverged, Rows, check_step
 from kvservice.ops import (
     ROW_WIDTH,
     WAITING,
     AddRequestOp,
     AllocateOp,
+    EvictBlocksOp,
     FreeOp,
     Op,
     OpStatus,
@@ -94,6 +96,9 @@ class RemoteKVCacheManager(KVCacheManager):
                  and first.block_size == hash_block_size)
         self._plain_cache = ((first.block_size, hash_block_size, self.coordinator.num_reprefillable_tokens)
                              if plain else None)
+        # The scheduler's deferred frees (defer_block_free) return blocks to the block pool directly.
+        self._deferred = DeferredFrees()
+        self.block_pool = RecordingBlockPool(self.block_pool, self._returned)
 
     # ---- recording -----------------------------------------------------------------------------
     def _sync(self, request) -> tuple[list[bytes], int]:
@@ -180,27 +185,29 @@ class RemoteKVCacheManager(KVCacheManager):
                        delay_cache_blocks: bool = False, num_encoder_tokens: int = 0,
                        full_sequence_must_fit: bool = False, reserved_blocks: int = 0, has_scheduled_reqs: bool = True,
                        skip_zeroing_group_ids: tuple[int, ...] = ()):
-        if num_external_computed_tokens or num_encoder_tokens:
-            raise NotImplementedError("kvservice: external (connector) and encoder tokens are refused at start-up")
         waiting = request.status in _WAITING
         counts = self._num_cached
-        elidable = counts is not None and not waiting and num_new_computed_tokens == 0
-        if num_new_computed_tokens > 0:  # an admission with a hit: its own op (the pool checks the hit)
+        # An admission with a hit (the pool checks it), a KV connector's tokens or encoder tokens: its own op.
+        whole = num_new_computed_tokens > 0 or num_external_computed_tokens > 0 or num_encoder_tokens > 0
+        elidable = counts is not None and not waiting and not whole
+        if whole:
             hashes, num_append = self._sync(request)
             op = AllocateOp(request.request_id, request.num_computed_tokens, num_new_tokens, None, hashes or None,
                             num_append, num_lookahead_tokens, delay_cache_blocks, False, None,
-                            request.num_output_placeholders, request.num_in_flight_tokens, waiting, True,
-                            num_new_computed_tokens, full_sequence_must_fit, reserved_blocks, has_scheduled_reqs)
+                            request.num_output_placeholders, request.num_in_flight_tokens, waiting,
+                            num_new_computed_tokens > 0, num_new_computed_tokens, full_sequence_must_fit,
+                            reserved_blocks, has_scheduled_reqs, 0, num_external_computed_tokens, num_encoder_tokens)
         elif elidable:
             cached, free = counts.get(request.request_id, 0), self._free_queue.num_free_blocks
         try:
             new = super().allocate_slots(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
-                                         num_lookahead_tokens, 0, delay_cache_blocks, 0, full_sequence_must_fit,
-                                         reserved_blocks, has_scheduled_reqs, skip_zeroing_group_ids)
+                                         num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
+                                         num_encoder_tokens, full_sequence_must_fit, reserved_blocks,
+                                         has_scheduled_reqs, skip_zeroing_group_ids)
         except BaseException as exc:  # the replica may have changed, the pool hears nothing: it would fall behind
             self._failed = f"allocate_slots raised {exc!r}"
             raise
-        if num_new_computed_tokens > 0:  # an admission's reply is its whole table
+        if whole:  # an admission's reply is its whole table
             self._record(op, Expected(OpStatus.NO_SPACE) if new is None
                          else Expected(OpStatus.OK, self.get_block_ids(request.request_id)))
         else:
@@ -241,10 +248,29 @@ class RemoteKVCacheManager(KVCacheManager):
         return True
 
     def pop_blocks_for_free(self, request):
-        raise NotImplementedError("kvservice: deferred block frees come with KV connectors, refused at start-up")
+        """A deferred free's first move: the pool hears of it at the second (`_returned`)."""
+        blocks = super().pop_blocks_for_free(request)
+        if self._known.pop(request.request_id, None) is not None:
+            if blocks:
+                self._deferred.popped(request.request_id, blocks)
+            else:  # nothing to return later: the pool drops the request now
+                self._record(FreeOp(request.request_id, popped=True))
+        return blocks
+
+    def _returned(self, blocks) -> None:
+        """The scheduler returns blocks to the block pool itself: a deferred free's second move."""
+        try:
+            request_id = self._deferred.returned(blocks)
+        except NotImplementedError as exc:
+            self._failed = str(exc)
+            raise
+        self._record(FreeOp(request_id, popped=True))
 
     def evict_blocks(self, block_ids) -> None:
-        raise NotImplementedError("kvservice: evicting blocks by id comes with KV connectors, refused at start-up")
+        block_ids = list(block_ids)
+        super().evict_blocks(block_ids)
+        if block_ids:
+            self._record(EvictBlocksOp(block_ids))
 
     # ---- the step's one RPC ----------------------------------------------------------------------
     @property

@@ -20,7 +20,7 @@ from kvservice.hashing import HashSpec
 from kvservice.integrations.vllm.config import KVServiceSettings, UnsupportedConfig, check_supported
 from kvservice.integrations.vllm.remote import RemoteKVCacheManager
 from kvservice.integrations.vllm.specs import core_config
-from kvservice.integrations.vllm.version import manager_kwargs
+from kvservice.integrations.vllm.version import manager_kwargs, num_hash_lookahead_tokens
 
 
 class KVServiceScheduling:
@@ -48,6 +48,11 @@ class KVServiceScheduling:
             watermark=self.scheduler_config.watermark,
             enable_mamba_shared_prefix_checkpoint=self.cache_config.enable_mamba_shared_prefix_checkpoint,
             pipeline=settings.pipeline)
+        # What vLLM's __init__ bound to its own manager, bound to this one.
+        if self.connector is not None:
+            self.connector.bind_kv_cache_manager(self.kv_cache_manager)
+        if getattr(self, "aux_output_connector", None) is not None:
+            self.aux_output_connector = type(self.aux_output_connector)(self.kv_cache_manager, self.connector)
 
     def _register_pool(self, pool_id: str) -> int:
         """Registers the pool at a new epoch when it exists (this engine's KV memory starts empty)."""
@@ -64,7 +69,8 @@ class KVServiceScheduling:
         algorithm = self.cache_config.prefix_caching_hash_algo
         hash_spec = HashSpec(algorithm, get_none_hash_seed(), self.hash_block_size)
         options = VllmOptions(float(self.scheduler_config.watermark), self.block_size,
-                              self.vllm_config.max_in_flight_tokens or 0)
+                              self.vllm_config.max_in_flight_tokens or 0, bool(self.use_eagle_block_drop),
+                              num_hash_lookahead_tokens(self))
         try:
             result = client.register_pool(pool_id, core_config(self.kv_cache_config), self.max_model_len, epoch,
                                           self.dcp_world_size, self.cache_config.enable_prefix_caching,

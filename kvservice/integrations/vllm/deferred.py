@@ -1,0 +1,67 @@
+"""vLLM's deferred block frees (`defer_block_free`, on whenever a KV connector may still write a finished
+request's blocks), seen by the remote manager.
+
+vLLM's scheduler then frees in two moves: `kv_cache_manager.pop_blocks_for_free(request)` drops the
+request's bookkeeping and hands back its blocks, and once the step that writes them is done it returns them
+itself with `kv_cache_manager.block_pool.free_blocks(reversed(blocks))`. The second move bypasses the
+manager, so the remote manager's `block_pool` is a `RecordingBlockPool`: the replica's own pool with
+`free_blocks` watched. The pool hears one FreeOp(popped=True) at the second move, when its blocks really
+become free, so its free-block count never runs ahead of the replica's.
+"""
+
+from __future__ import annotations
+
+
+class RecordingBlockPool:
+    """The replica's BlockPool, with `free_blocks` calls from outside the manager reported to `on_free`
+    (which may refuse them by raising) before they apply. Everything else is the pool's own."""
+
+    def __init__(self, pool, on_free) -> None:
+        self._pool = pool
+        self._on_free = on_free
+        # The hot queries, bound once (no __getattr__ on the scheduler's every step).
+        self.get_num_free_blocks = pool.get_num_free_blocks
+        self.get_usage = pool.get_usage
+        self.take_events = pool.take_events
+
+    def free_blocks(self, ordered_blocks) -> None:
+        blocks = list(ordered_blocks)
+        self._on_free(blocks)
+        self._pool.free_blocks(blocks)
+
+    def __getattr__(self, name: str):
+        return getattr(self._pool, name)
+
+
+class DeferredFrees:
+    """The requests whose blocks were popped and not yet returned: request id -> the popped block ids."""
+
+    def __init__(self) -> None:
+        self._popped: dict[str, list[int]] = {}
+        self._by_blocks: dict[tuple[int, ...], list[str]] = {}  # (requests sharing cached blocks may hold the same)
+
+    def __len__(self) -> int:
+        return len(self._popped)
+
+    def popped(self, request_id: str, blocks) -> None:
+        ids = [b.block_id for b in blocks]
+        self._popped[request_id] = ids
+        self._by_blocks.setdefault(tuple(sorted(ids)), []).append(request_id)
+
+    def returned(self, blocks) -> str:
+        """The request whose popped blocks `blocks` are, in vLLM's deferred order (tail first); raises
+        NotImplementedError for blocks that no popped request holds in that order."""
+        ids = [b.block_id for b in blocks]
+        key = tuple(sorted(ids))
+        request_id = next((r for r in self._by_blocks.get(key, ()) if self._popped[r][::-1] == ids), None)
+        if request_id is None:
+            raise NotImplementedError(
+                f"kvservice: the scheduler returned blocks {ids[:8]}{'...' if len(ids) > 8 else ''} to the block "
+                f"pool that no deferred free of a request holds in its order (copy-on-write retentions are not "
+                f"carried to the allocator)")
+        del self._popped[request_id]
+        holders = self._by_blocks[key]
+        holders.remove(request_id)
+        if not holders:
+            del self._by_blocks[key]
+        return request_id
