@@ -78,6 +78,7 @@ class AllocateOp:
     cache_tokens: int = 0
     num_external_computed_tokens: int = 0  # a KV connector's tokens (an admission)
     num_encoder_tokens: int = 0  # cross attention's (an encoder-decoder admission)
+    max_cache_hit_length: int = 0  # the cap the admission's hit was looked up with (0: none)
 
     @property
     def vllm_fields(self) -> bool:
@@ -85,7 +86,7 @@ class AllocateOp:
         return bool(self.num_output_placeholders or self.num_in_flight_tokens or self.waiting or self.lookup
                     or self.num_new_computed_tokens or self.full_sequence_must_fit or self.reserved_blocks
                     or self.has_scheduled_reqs or self.cache_tokens or self.num_external_computed_tokens
-                    or self.num_encoder_tokens)
+                    or self.num_encoder_tokens or self.max_cache_hit_length)
 
 
 @dataclass(slots=True)

@@ -211,3 +211,20 @@ def test_eagle_and_hash_lookahead_options_reach_the_pool(client, request):
         (r,) = client.step(p.pool_id, [AllocateOp("b", num_new_tokens=len(prompt) - hit, lookup=True,
                                                   num_new_computed_tokens=hit, waiting=True)])
         assert r.status == OpStatus.OK, r
+
+
+def test_a_capped_hit_is_checked_against_the_same_cap(client, request):
+    """An auxiliary-output connector caps a hit (vLLM's max_cache_hit_length): the pool looks the hit up with
+    the cap the scheduler used, so the admission is accepted as scheduled, never refused a step late."""
+    p = Pair(client, request.node.name, KVCacheConfig(32, [FullAttentionSpec(BS)]))
+    prompt = list(range(900, 917))
+    _admit_and_run(p, "a", prompt)
+    client.step(p.pool_id, [FreeOp("a")])
+    p.add("b", prompt)
+    blocks, hit = p.core.find_computed_blocks(p.requests["b"], 8, record_stats=False)[:2]
+    assert hit == 8
+    admission = dict(num_new_tokens=len(prompt) - hit, lookup=True, num_new_computed_tokens=hit, waiting=True)
+    (r,) = client.step(p.pool_id, [AllocateOp("b", **admission)])  # uncapped, the pool has 16 cached
+    assert r.status == OpStatus.FAILED_PRECONDITION and "has 16 of its tokens cached" in r.message
+    (r,) = client.step(p.pool_id, [AllocateOp("b", **admission, max_cache_hit_length=8)])
+    assert r.status == OpStatus.OK and r.num_computed_tokens == 8 and len(r.new_block_ids[0]) == 5

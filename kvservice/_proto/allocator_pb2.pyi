@@ -233,7 +233,7 @@ class AddRequestOp(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., block_hashes: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., mm_items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class AllocateOp(_message.Message):
-    __slots__ = ("request_id", "num_computed_tokens", "num_new_tokens", "append_token_ids", "append_block_hashes", "num_append_tokens", "num_lookahead_tokens", "delay_cache_blocks", "allow_transfer", "external_source", "num_output_placeholders", "num_in_flight_tokens", "waiting", "lookup", "num_new_computed_tokens", "full_sequence_must_fit", "reserved_blocks", "has_scheduled_reqs", "cache_tokens", "num_external_computed_tokens", "num_encoder_tokens")
+    __slots__ = ("request_id", "num_computed_tokens", "num_new_tokens", "append_token_ids", "append_block_hashes", "num_append_tokens", "num_lookahead_tokens", "delay_cache_blocks", "allow_transfer", "external_source", "num_output_placeholders", "num_in_flight_tokens", "waiting", "lookup", "num_new_computed_tokens", "full_sequence_must_fit", "reserved_blocks", "has_scheduled_reqs", "cache_tokens", "num_external_computed_tokens", "num_encoder_tokens", "max_cache_hit_length")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +255,7 @@ class AllocateOp(_message.Message):
     CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_EXTERNAL_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ENCODER_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CACHE_HIT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_computed_tokens: int
     num_new_tokens: int
@@ -276,7 +277,8 @@ class AllocateOp(_message.Message):
     cache_tokens: int
     num_external_computed_tokens: int
     num_encoder_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., num_computed_tokens: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., append_token_ids: _Optional[bytes] = ..., append_block_hashes: _Optional[bytes] = ..., num_append_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ..., delay_cache_blocks: _Optional[bool] = ..., allow_transfer: _Optional[bool] = ..., external_source: _Optional[_Union[ExternalSource, _Mapping]] = ..., num_output_placeholders: _Optional[int] = ..., num_in_flight_tokens: _Optional[int] = ..., waiting: _Optional[bool] = ..., lookup: _Optional[bool] = ..., num_new_computed_tokens: _Optional[int] = ..., full_sequence_must_fit: _Optional[bool] = ..., reserved_blocks: _Optional[int] = ..., has_scheduled_reqs: _Optional[bool] = ..., cache_tokens: _Optional[int] = ..., num_external_computed_tokens: _Optional[int] = ..., num_encoder_tokens: _Optional[int] = ...) -> None: ...
+    max_cache_hit_length: int
+    def __init__(self, request_id: _Optional[str] = ..., num_computed_tokens: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., append_token_ids: _Optional[bytes] = ..., append_block_hashes: _Optional[bytes] = ..., num_append_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ..., delay_cache_blocks: _Optional[bool] = ..., allow_transfer: _Optional[bool] = ..., external_source: _Optional[_Union[ExternalSource, _Mapping]] = ..., num_output_placeholders: _Optional[int] = ..., num_in_flight_tokens: _Optional[int] = ..., waiting: _Optional[bool] = ..., lookup: _Optional[bool] = ..., num_new_computed_tokens: _Optional[int] = ..., full_sequence_must_fit: _Optional[bool] = ..., reserved_blocks: _Optional[int] = ..., has_scheduled_reqs: _Optional[bool] = ..., cache_tokens: _Optional[int] = ..., num_external_computed_tokens: _Optional[int] = ..., num_encoder_tokens: _Optional[int] = ..., max_cache_hit_length: _Optional[int] = ...) -> None: ...
 
 class ExternalSource(_message.Message):
     __slots__ = ("pin_id", "src_pool_id", "src_block_ids", "num_tokens")

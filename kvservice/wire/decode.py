@@ -54,7 +54,7 @@ STEP_REQUESTS = {StepRpc.STEP: pb.StepRequest, StepRpc.ALLOCATE: pb.AllocateRequ
 # AllocateOp fields only a pool with vLLM's semantics takes, and the ops such a pool refuses (vLLM has none).
 VLLM_FIELDS = ("num_output_placeholders", "num_in_flight_tokens", "waiting", "lookup", "num_new_computed_tokens",
                "full_sequence_must_fit", "reserved_blocks", "has_scheduled_reqs", "cache_tokens",
-               "num_external_computed_tokens", "num_encoder_tokens")
+               "num_external_computed_tokens", "num_encoder_tokens", "max_cache_hit_length")
 VLLM_REFUSED = frozenset({"decode", "admit", "fork", "pin"})
 
 
@@ -234,7 +234,7 @@ def decode_allocate(a: pb.AllocateOp, max_len: int, vocab: int, field: str, inde
                     a.allow_transfer, external)
     if vllm or a.num_output_placeholders or a.num_in_flight_tokens or a.waiting or a.lookup \
             or a.num_new_computed_tokens or a.full_sequence_must_fit or a.reserved_blocks or a.has_scheduled_reqs \
-            or a.cache_tokens or a.num_external_computed_tokens or a.num_encoder_tokens:
+            or a.cache_tokens or a.num_external_computed_tokens or a.num_encoder_tokens or a.max_cache_hit_length:
         _decode_vllm_fields(a, op, max_len, vllm, field, index)
     return op
 
@@ -250,12 +250,14 @@ def _decode_vllm_fields(a: pb.AllocateOp, op: AllocateOp, max_len: int, vllm: bo
         raise invalid(name(first), getattr(a, first), "only a pool registered with vllm options takes it")
     placeholders, in_flight, hit, cache = (a.num_output_placeholders, a.num_in_flight_tokens,
                                            a.num_new_computed_tokens, a.cache_tokens)
-    external, encoder = a.num_external_computed_tokens, a.num_encoder_tokens
-    if max(placeholders, in_flight, hit, cache, external, encoder) > max_len:  # the message only for a refusal
+    external, encoder, cap = a.num_external_computed_tokens, a.num_encoder_tokens, a.max_cache_hit_length
+    if max(placeholders, in_flight, hit, cache, external, encoder, cap) > max_len:  # the message only for a refusal
         what = f"max_model_len {max_len}"
         for f in ("num_output_placeholders", "num_in_flight_tokens", "num_new_computed_tokens", "cache_tokens",
-                  "num_external_computed_tokens", "num_encoder_tokens"):
+                  "num_external_computed_tokens", "num_encoder_tokens", "max_cache_hit_length"):
             at_most(name(f), getattr(a, f), max_len, what)
+    if cap and not a.lookup:
+        raise invalid(name("max_cache_hit_length"), cap, "caps an admission's hit (lookup)")
     if a.allow_transfer:
         raise invalid(name("allow_transfer"), True, "vLLM's semantics have no cross-pool transfers")
     if a.append_token_ids:
@@ -272,7 +274,7 @@ def _decode_vllm_fields(a: pb.AllocateOp, op: AllocateOp, max_len: int, vllm: bo
     op.lookup, op.num_new_computed_tokens = a.lookup, hit
     op.full_sequence_must_fit, op.reserved_blocks = a.full_sequence_must_fit, a.reserved_blocks
     op.has_scheduled_reqs, op.cache_tokens = a.has_scheduled_reqs, cache
-    op.num_external_computed_tokens, op.num_encoder_tokens = external, encoder
+    op.num_external_computed_tokens, op.num_encoder_tokens, op.max_cache_hit_length = external, encoder, cap
 
 
 def decode_evict(e: pb.EvictBlocksOp, spec: PoolSpec, vllm: bool, field: str) -> EvictBlocksOp:

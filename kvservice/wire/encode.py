@@ -142,6 +142,7 @@ def encode_allocate(op: AllocateOp, a: pb.AllocateOp) -> None:
         a.full_sequence_must_fit, a.reserved_blocks = op.full_sequence_must_fit, op.reserved_blocks
         a.has_scheduled_reqs, a.cache_tokens = op.has_scheduled_reqs, op.cache_tokens
         a.num_external_computed_tokens, a.num_encoder_tokens = op.num_external_computed_tokens, op.num_encoder_tokens
+        a.max_cache_hit_length = op.max_cache_hit_length
 
 
 def encode_add(op: AddRequestOp, a: pb.AddRequestOp) -> None:

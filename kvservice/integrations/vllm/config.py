@@ -81,8 +81,6 @@ def unsupported(scheduler, kv_cache_config) -> list[str]:
     out = []
     if getattr(scheduler, "num_prefill_lookahead", 0):
         out.append(f"num_prefill_lookahead = {scheduler.num_prefill_lookahead}: MTP prefill lookahead")
-    if getattr(cfg, "aux_output_config", None) is not None and cfg.aux_output_config.enabled:
-        out.append("aux_output_config.enabled = True: auxiliary-output connector")
     if scheduler.hash_block_size != scheduler.block_size:
         out.append(f"hash_block_size = {scheduler.hash_block_size} != block_size {scheduler.block_size}: sub-block "
                    f"(partial) prefix hits")

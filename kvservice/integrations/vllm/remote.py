@@ -32,6 +32,7 @@ from vllm.v1.request import RequestStatus
 
 from kvservice.integrations.vllm.deferred import DeferredFrees, RecordingBlockPool
 from kvservice.integrations.vllm.expected import Expected, InFlight, PoolDiverged, Rows, check_step
+from kvservice.integrations.vllm.version import VLLM
 from kvservice.ops import (
     ROW_WIDTH,
     WAITING,
@@ -98,6 +99,7 @@ class RemoteKVCacheManager(KVCacheManager):
                              if plain else None)
         # The scheduler's deferred frees (defer_block_free) return blocks to the block pool directly.
         self._deferred = DeferredFrees()
+        self._hit_caps: dict[str, int] = {}  # request id -> its last hit lookup's cap (0.33's max_cache_hit_length)
         self.block_pool = RecordingBlockPool(self.block_pool, self._returned)
 
     # ---- recording -----------------------------------------------------------------------------
@@ -180,6 +182,14 @@ class RemoteKVCacheManager(KVCacheManager):
         self._cache_rows[request.request_id] = (rows, i, self._position)
 
     # ---- vLLM's KVCacheManager, answered by the replica, recorded for the pool ----------------------
+    if VLLM.hash_lookahead:  # 0.33: a hit may be capped (an auxiliary-output connector); the pool hears the cap
+        def get_computed_blocks(self, request, max_cache_hit_length: int | None = None):
+            if max_cache_hit_length is None:
+                self._hit_caps.pop(request.request_id, None)
+            else:
+                self._hit_caps[request.request_id] = max_cache_hit_length
+            return super().get_computed_blocks(request, max_cache_hit_length)
+
     def allocate_slots(self, request, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks=None, num_lookahead_tokens: int = 0, num_external_computed_tokens: int = 0,
                        delay_cache_blocks: bool = False, num_encoder_tokens: int = 0,
@@ -196,7 +206,8 @@ class RemoteKVCacheManager(KVCacheManager):
                             num_append, num_lookahead_tokens, delay_cache_blocks, False, None,
                             request.num_output_placeholders, request.num_in_flight_tokens, waiting,
                             num_new_computed_tokens > 0, num_new_computed_tokens, full_sequence_must_fit,
-                            reserved_blocks, has_scheduled_reqs, 0, num_external_computed_tokens, num_encoder_tokens)
+                            reserved_blocks, has_scheduled_reqs, 0, num_external_computed_tokens, num_encoder_tokens,
+                            self._hit_caps.pop(request.request_id, 0) if num_new_computed_tokens > 0 else 0)
         elif elidable:
             cached, free = counts.get(request.request_id, 0), self._free_queue.num_free_blocks
         try:
@@ -238,6 +249,7 @@ class RemoteKVCacheManager(KVCacheManager):
 
     def free(self, request) -> None:
         super().free(request)
+        self._hit_caps.pop(request.request_id, None)
         if self._known.pop(request.request_id, None) is not None:
             self._record(FreeOp(request.request_id))
 
