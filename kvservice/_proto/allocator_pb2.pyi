@@ -71,12 +71,16 @@ class FullAttention(_message.Message):
     def __init__(self, block_size: _Optional[int] = ...) -> None: ...
 
 class SlidingWindow(_message.Message):
-    __slots__ = ("block_size", "sliding_window")
+    __slots__ = ("block_size", "sliding_window", "extra_retained_tokens", "bounded_replay")
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_RETAINED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BOUNDED_REPLAY_FIELD_NUMBER: _ClassVar[int]
     block_size: int
     sliding_window: int
-    def __init__(self, block_size: _Optional[int] = ..., sliding_window: _Optional[int] = ...) -> None: ...
+    extra_retained_tokens: int
+    bounded_replay: bool
+    def __init__(self, block_size: _Optional[int] = ..., sliding_window: _Optional[int] = ..., extra_retained_tokens: _Optional[int] = ..., bounded_replay: _Optional[bool] = ...) -> None: ...
 
 class ChunkedLocalAttention(_message.Message):
     __slots__ = ("block_size", "attention_chunk_size")

@@ -68,8 +68,12 @@ class SlidingWindowSpec:
     extra_retained_tokens: int = 0
     dcp_sharded: bool = field(default=True, kw_only=True)
     tag: object = field(default=None, kw_only=True)
+    # vLLM's bounded replay: a hit's last window is recomputed, so the group's blocks are never cached.
+    bounded_replay: bool = field(default=False, kw_only=True)
 
-    prefix_cacheable = True
+    @property
+    def prefix_cacheable(self) -> bool:
+        return not self.bounded_replay
 
     def __post_init__(self) -> None:
         _check_positive("SlidingWindowSpec", "block_size", self.block_size)

@@ -50,6 +50,8 @@ def encode_config(config: KVCacheConfig, max_model_len: int, dcp_world_size: int
                                  f"attention only); build it with SlidingWindowSpec(..., dcp_sharded=False)")
             g.sliding_window.block_size = spec.block_size
             g.sliding_window.sliding_window = spec.sliding_window
+            g.sliding_window.extra_retained_tokens = spec.extra_retained_tokens
+            g.sliding_window.bounded_replay = spec.bounded_replay
         elif isinstance(spec, ChunkedLocalAttentionSpec):
             g.chunked_local.block_size = spec.block_size
             g.chunked_local.attention_chunk_size = spec.attention_chunk_size

@@ -53,7 +53,9 @@ def decode_config(msg: pb.KVCacheConfig, field: str = "config") -> tuple[KVCache
                 raise InvalidArgument(f"{g}.sliding_window.sliding_window", 0, "must be positive")
             # Under DCP a window is replicated on every rank (vLLM's dcp_sharded=False): only full
             # attention is sharded.
-            specs.append(SlidingWindowSpec(sub.block_size, sub.sliding_window, dcp_sharded=dcp == 1))
+            check_count(f"{g}.sliding_window.extra_retained_tokens", sub.extra_retained_tokens, MAX_MODEL_LEN)
+            specs.append(SlidingWindowSpec(sub.block_size, sub.sliding_window, sub.extra_retained_tokens,
+                                           dcp_sharded=dcp == 1, bounded_replay=sub.bounded_replay))
         elif kind == "chunked_local":
             if sub.attention_chunk_size == 0:
                 raise InvalidArgument(f"{g}.chunked_local.attention_chunk_size", 0, "must be positive")

@@ -84,8 +84,6 @@ def unsupported(scheduler, kv_cache_config) -> list[str]:
     if scheduler.hash_block_size != scheduler.block_size:
         out.append(f"hash_block_size = {scheduler.hash_block_size} != block_size {scheduler.block_size}: sub-block "
                    f"(partial) prefix hits")
-    if getattr(scheduler, "prefix_replay_tokens", 0):
-        out.append(f"prefix_replay_tokens = {scheduler.prefix_replay_tokens}: bounded sliding-window replay")
     if cfg.parallel_config.prefill_context_parallel_size > 1:
         out.append(f"prefill_context_parallel_size = {cfg.parallel_config.prefill_context_parallel_size}")
     # Not a KVCacheConfig field in 0.32.
@@ -98,8 +96,6 @@ def unsupported(scheduler, kv_cache_config) -> list[str]:
         if isinstance(inner, _NOT_CARRIED) or not isinstance(inner, _CARRIED):
             out.append(f"{name}: the allocator's pools carry full attention, sliding window, chunked local and "
                        f"cross attention only")
-        elif isinstance(inner, vi.SlidingWindowSpec) and getattr(inner, "extra_retained_tokens", 0):
-            out.append(f"{name}.extra_retained_tokens = {inner.extra_retained_tokens}")
         if getattr(spec, "dcp_sharded", False) and scheduler.dcp_world_size > 1:
             out.append(f"{name} with decode_context_parallel_size = {scheduler.dcp_world_size}")
     return out

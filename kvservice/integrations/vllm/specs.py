@@ -27,7 +27,8 @@ def core_spec_like(spec, block_size: int, dcp_sharded: bool, tag) -> cs.KVCacheS
     if isinstance(spec, vi.FullAttentionSpec):  # MLA and hidden-state caches too
         return cs.FullAttentionSpec(block_size, **common)
     if isinstance(spec, vi.SlidingWindowSpec):
-        return cs.SlidingWindowSpec(block_size, spec.sliding_window, spec.extra_retained_tokens, **common)
+        return cs.SlidingWindowSpec(block_size, spec.sliding_window, spec.extra_retained_tokens,
+                                    bounded_replay=getattr(spec, "bounded_replay", False), **common)
     if isinstance(spec, vi.ChunkedLocalAttentionSpec):
         return cs.ChunkedLocalAttentionSpec(block_size, spec.attention_chunk_size, **common)
     if isinstance(spec, vi.MambaSpec):
