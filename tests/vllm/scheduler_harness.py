@@ -21,19 +21,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as StockAsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler as StockScheduler
 from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvservice.integrations.vllm import AsyncScheduler, Scheduler
+from tests.vllm import parity_features as features
 
 BLOCK = 16
 VOCAB = 1000
@@ -65,19 +72,30 @@ class Mode:
     # KVCacheConfig.prefix_cache_retention_interval (None: dense; 0, what vLLM's engine sets: sparse, only
     # the blocks a hit at a replay boundary needs are cached)
     retention: int | None = None
+    connector: str = ""  # "sync" / "async": a KV connector's external hits (parity_features.ParityConnector)
+    spec_tokens: int = 0  # ngram speculative decoding, this many draft tokens, random acceptance
+    replay: int = 0  # SWA bounded replay: a second, replayed sliding-window group with this window
 
     @property
     def name(self) -> str:
         return (f"async {'on' if self.async_scheduling else 'off'}, "
                 f"gate {'on' if self.full_sequence_gate else 'off'}"
                 + (f", window {self.sliding_window}" if self.sliding_window else "")
-                + (f", retention {self.retention}" if self.retention is not None else ""))
+                + (f", retention {self.retention}" if self.retention is not None else "")
+                + (f", {self.connector} connector" if self.connector else "")
+                + (f", ngram spec {self.spec_tokens}" if self.spec_tokens else "")
+                + (f", replay {self.replay}" if self.replay else ""))
 
 
 DEFAULT = Mode()
 # A window of 40 tokens leaves a block on other steps than those that allocate one (sync scheduling above all).
 MODES = (DEFAULT, Mode(async_scheduling=False), Mode(full_sequence_gate=False), Mode(sliding_window=40),
          Mode(async_scheduling=False, sliding_window=40), Mode(sliding_window=40, retention=0))
+# KV connectors (synchronous and asynchronous external hits; async scheduling defers block frees), ngram
+# speculative decoding, SWA bounded replay.
+FEATURE_MODES = (Mode(connector="sync"), Mode(connector="async"), Mode(async_scheduling=False, connector="async"),
+                 Mode(async_scheduling=False, spec_tokens=3), Mode(replay=32),
+                 Mode(async_scheduling=False, replay=32, connector="sync"))
 
 
 def make_vllm_config(model_dir: Path, mode: Mode, max_model_len: int = 2048) -> VllmConfig:
@@ -89,6 +107,8 @@ def make_vllm_config(model_dir: Path, mode: Mode, max_model_len: int = 2048) -> 
                                 scheduler_reserve_full_isl=mode.full_sequence_gate)
     config = VllmConfig(model_config=model, scheduler_config=scheduler, cache_config=CacheConfig(block_size=BLOCK))
     config.scheduler_config.async_scheduling = mode.async_scheduling
+    if mode.spec_tokens:
+        config.speculative_config = SpeculativeConfig(model="ngram", num_speculative_tokens=mode.spec_tokens)
     register_all_kvcache_specs(config)
     return config
 
@@ -136,14 +156,18 @@ def sampled_token(seed: int, request_id: str, index: int) -> int:
 class Side:
     """One scheduler driven through a workload, as vLLM's engine core drives it."""
 
-    def __init__(self, cls, config: VllmConfig, workload: Workload, sliding_window: int = 0,
-                 retention: int | None = None) -> None:
+    def __init__(self, cls, config: VllmConfig, workload: Workload, mode: Mode = DEFAULT) -> None:
         spec = (SlidingWindowSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32,
-                                  sliding_window=sliding_window) if sliding_window
+                                  sliding_window=mode.sliding_window) if mode.sliding_window
                 else FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32))
-        kv_cache_config = KVCacheConfig(num_blocks=workload.num_blocks, kv_cache_tensors=[],
-                                        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
-                                        prefix_cache_retention_interval=retention)
+        groups = [KVCacheGroupSpec(["layer"], spec)]
+        if mode.replay:
+            groups.append(KVCacheGroupSpec(["swa"], SlidingWindowMLASpec(
+                block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=torch.bfloat16, sliding_window=mode.replay,
+                bounded_replay=True)))
+        kv_cache_config = KVCacheConfig(num_blocks=workload.num_blocks * len(groups), kv_cache_tensors=[],
+                                        kv_cache_groups=groups, prefix_cache_retention_interval=mode.retention)
+        self.spec_tokens = mode.spec_tokens
         self.scheduler = cls(vllm_config=config, kv_cache_config=kv_cache_config, block_size=BLOCK, log_stats=True,
                              structured_output_manager=StructuredOutputManager(config))
         self.workload = workload
@@ -173,15 +197,26 @@ class Side:
         out, chunks = self.pending.popleft()
         req_ids = list(out.num_scheduled_tokens)
         sampled = []
+        seed = self.workload.seed
         for r in req_ids:
             req = self.scheduler.requests.get(r)
             if r in chunks or req is None:
                 sampled.append([])
+            elif r in out.scheduled_spec_decode_tokens:  # verified drafts: a random prefix accepted, one more
+                sampled.append(features.spec_output(seed, r, req.num_output_tokens, out.scheduled_spec_decode_tokens[r],
+                                                    sampled_token(seed, r, req.num_output_tokens)))
             else:
-                sampled.append([sampled_token(self.workload.seed, r, req.num_output_tokens)])
+                sampled.append([sampled_token(seed, r, req.num_output_tokens)])
+        loaded = features.finished_loads(out)
         output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                   sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={}, pooler_output=[])
+                                   sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={}, pooler_output=[],
+                                   kv_connector_output=KVConnectorOutput(finished_recving=loaded) if loaded else None)
         self.scheduler.update_from_output(out, output)
+        if self.spec_tokens:  # the drafter's next proposals (the engine's update_draft_token_ids)
+            running = [r.request_id for r in self.scheduler.running if not r.is_prefill_chunk]
+            self.scheduler.update_draft_token_ids(DraftTokenIds(running, [
+                features.drafts(seed, r, self.scheduler.requests[r].num_output_tokens, self.spec_tokens)
+                for r in running]))
         stats = self.scheduler.make_stats()
         p = stats.prefix_cache_stats if stats is not None else None
         return (p.requests, p.queries, p.hits, p.preempted_requests) if p is not None else None
@@ -238,10 +273,11 @@ def run_pair(workload: Workload, mode: Mode, config: VllmConfig, address: str, p
                                                                 workload.max_num_seqs, workload.watermark)
     config.additional_config = {"kvservice": {"address": address, "pool_id": pool_id}}
     config.cache_config.num_gpu_blocks = workload.num_blocks
+    config.kv_transfer_config = (features.connector_config(workload.seed, mode.connector == "async")
+                                 if mode.connector else None)
     stock_cls, remote_cls = ((StockAsyncScheduler, AsyncScheduler) if mode.async_scheduling
                              else (StockScheduler, Scheduler))
-    stock, remote = (Side(stock_cls, config, workload, mode.sliding_window, mode.retention),
-                     Side(remote_cls, config, workload, mode.sliding_window, mode.retention))
+    stock, remote = Side(stock_cls, config, workload, mode), Side(remote_cls, config, workload, mode)
     outcome = Outcome(n_gt_1=sum(1 for a in workload.arrivals.values() for r, _, _ in a if r.endswith("-1")))
     depth = 2 if mode.async_scheduling else 1  # outstanding steps (vLLM's engine core batch queue)
     try:

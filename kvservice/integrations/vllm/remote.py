@@ -59,8 +59,10 @@ class RemoteKVCacheManager(KVCacheManager):
     (check each Step's reply in the background, raising at the next flush), then vLLM's KVCacheManager's
     arguments, by keyword."""
 
-    def __init__(self, client, pool_id: str, *, hash_block_size: int, pipeline: bool = True, **kwargs) -> None:
+    def __init__(self, client, pool_id: str, *, hash_block_size: int, pipeline: bool = True, num_spec_tokens: int = 0,
+                 **kwargs) -> None:
         super().__init__(hash_block_size=hash_block_size, **kwargs)
+        self.num_spec_tokens = num_spec_tokens  # speculative decoding's draft tokens per step
         self.hash_block_size = hash_block_size
         self.client = client
         self.pool_id = pool_id
@@ -103,6 +105,13 @@ class RemoteKVCacheManager(KVCacheManager):
         self.block_pool = RecordingBlockPool(self.block_pool, self._returned)
 
     # ---- recording -----------------------------------------------------------------------------
+    def _beyond(self, request) -> int:
+        """The tokens past the request's own that an allocation may cover, sent as num_output_placeholders
+        (the pool checks computed + new tokens against tokens + this): async scheduling's output placeholders
+        and speculative decoding's draft tokens (vLLM pads a new decode to the configured count)."""
+        drafts = len(request.spec_token_ids)
+        return request.num_output_placeholders + (drafts if drafts > self.num_spec_tokens else self.num_spec_tokens)
+
     def _sync(self, request) -> tuple[list[bytes], int]:
         """The request's block hashes and token count since the pool last heard of it (adding it if new)."""
         request_id = request.request_id
@@ -142,7 +151,7 @@ class RemoteKVCacheManager(KVCacheManager):
         op = rows.op
         op.request_ids.append(request.request_id)
         op.rows.extend((request.num_computed_tokens, num_new_tokens, num_lookahead_tokens, num_append, len(hashes),
-                        request.num_output_placeholders, request.num_in_flight_tokens, cache_tokens, reserved_blocks,
+                        self._beyond(request), request.num_in_flight_tokens, cache_tokens, reserved_blocks,
                         flags))
         if hashes:
             op.append_block_hashes.extend(hashes)
@@ -162,7 +171,7 @@ class RemoteKVCacheManager(KVCacheManager):
             rows, i, position = cached
             r = rows.op.rows
             base = ROW_WIDTH * i
-            if (r[base] == request.num_computed_tokens and r[base + 5] == request.num_output_placeholders
+            if (r[base] == request.num_computed_tokens and r[base + 5] == self._beyond(request)
                     and r[base + 6] == request.num_in_flight_tokens and not (r[base + 9] ^ flags) & WAITING):
                 r[base + 1], r[base + 2] = num_new_tokens, num_lookahead_tokens
                 r[base + 8], r[base + 9] = reserved_blocks, flags
@@ -204,7 +213,7 @@ class RemoteKVCacheManager(KVCacheManager):
             hashes, num_append = self._sync(request)
             op = AllocateOp(request.request_id, request.num_computed_tokens, num_new_tokens, None, hashes or None,
                             num_append, num_lookahead_tokens, delay_cache_blocks, False, None,
-                            request.num_output_placeholders, request.num_in_flight_tokens, waiting,
+                            self._beyond(request), request.num_in_flight_tokens, waiting,
                             num_new_computed_tokens > 0, num_new_computed_tokens, full_sequence_must_fit,
                             reserved_blocks, has_scheduled_reqs, 0, num_external_computed_tokens, num_encoder_tokens,
                             self._hit_caps.pop(request.request_id, 0) if num_new_computed_tokens > 0 else 0)

@@ -47,7 +47,7 @@ class KVServiceScheduling:
             dcp_world_size=self.dcp_world_size, pcp_world_size=1, metrics_collector=self.kv_metrics_collector,
             watermark=self.scheduler_config.watermark,
             enable_mamba_shared_prefix_checkpoint=self.cache_config.enable_mamba_shared_prefix_checkpoint,
-            pipeline=settings.pipeline)
+            pipeline=settings.pipeline, num_spec_tokens=self.num_spec_tokens)
         # What vLLM's __init__ bound to its own manager, bound to this one.
         if self.connector is not None:
             self.connector.bind_kv_cache_manager(self.kv_cache_manager)
