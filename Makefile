@@ -95,10 +95,12 @@ vllm-env:
 	bash tools/vllm_env.sh $(VLLM_ENV)
 
 # vLLM 0.33.0's own core tests (3 files from its sdist) on vLLM itself and on kvservice's drop-in
-# (kvservice/integrations/vllm/core.py): pass/fail counts per file; fails when the drop-in fails a test
-# vLLM passes (tests/vllm/exclusions.txt aside).
+# (kvservice/integrations/vllm/core.py), then its scheduler tests (9 files) on vLLM's schedulers and on
+# kvservice's (kvservice/integrations/vllm/scheduler.py, on real servers): pass/fail counts per file; fails
+# when kvservice fails a test vLLM passes (tests/vllm/exclusions.txt, scheduler_exclusions.txt aside).
 test-vllm: vllm-env
 	$(PY) tests/vllm/run.py --env $(VLLM_ENV)
+	$(PY) tests/vllm/run_scheduler.py --env $(VLLM_ENV)
 	VLLM_TARGET_DEVICE=cpu PYTHONPATH=.:$(VLLM_ENV)/src $(VLLM_ENV)/venv/bin/python -m pytest -q -p no:cacheprovider \
 	  tests/vllm/test_external_vllm.py tests/vllm/test_external_hashes.py tests/vllm/test_vllm_scheduler.py
 

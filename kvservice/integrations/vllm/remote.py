@@ -117,9 +117,9 @@ class RemoteKVCacheManager(KVCacheManager):
         request_id = request.request_id
         num_tokens = request.num_tokens
         known = self._known.get(request_id)
-        if known is None:
-            self._record(AddRequestOp(request_id, block_hashes=list(request.block_hashes), num_tokens=num_tokens,
-                                      num_prompt_tokens=request.num_prompt_tokens))
+        if known is None:  # (a pool without prefix caching takes no hashes, even where the request has them)
+            self._record(AddRequestOp(request_id, block_hashes=list(request.block_hashes) if self.enable_caching
+                                      else [], num_tokens=num_tokens, num_prompt_tokens=request.num_prompt_tokens))
             self._known[request_id] = num_tokens
             return _NOTHING
         if num_tokens == known:
@@ -127,9 +127,11 @@ class RemoteKVCacheManager(KVCacheManager):
         if num_tokens < known:
             self._failed = f"request {request_id!r} lost tokens"
             raise PoolDiverged(f"request {request_id!r} went from {known} to {num_tokens} tokens; the pool only "
-                               f"appends (speculative decoding is refused at start-up)")
+                               f"appends")
         size = self.hash_block_size
         self._known[request_id] = num_tokens
+        if not self.enable_caching:
+            return [], num_tokens - known
         return request.block_hashes[known // size:num_tokens // size], num_tokens - known  # (a slice is a copy)
 
     def _record(self, op: Op, expected: Expected | None = None) -> None:

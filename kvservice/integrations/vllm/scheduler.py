@@ -84,7 +84,9 @@ class KVServiceScheduling:
     def schedule(self, *args, **kwargs):
         output = super().schedule(*args, **kwargs)
         # The step's one RPC; the step before it (pipelined) or this one is checked before the output leaves.
-        self.kv_cache_manager.flush()
+        manager = self.kv_cache_manager
+        if isinstance(manager, RemoteKVCacheManager):  # (not when a test swapped vLLM's own back in)
+            manager.flush()
         return output
 
     def update_from_output(self, *args, **kwargs):
@@ -94,7 +96,7 @@ class KVServiceScheduling:
         # request. Sent now instead; the next schedule() then sends only its own step's ops (at most one Step
         # per step, plus one when the engine goes idle).
         manager = self.kv_cache_manager
-        if not self.has_unfinished_requests() and manager.num_pending_ops:
+        if isinstance(manager, RemoteKVCacheManager) and manager.num_pending_ops and not self.has_unfinished_requests():
             manager.flush()
             manager.num_idle_rpcs += 1
         return outputs
