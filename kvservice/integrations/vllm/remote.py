@@ -59,6 +59,8 @@ class RemoteKVCacheManager(KVCacheManager):
     (check each Step's reply in the background, raising at the next flush), then vLLM's KVCacheManager's
     arguments, by keyword."""
 
+    num_spec_tokens = 0  # speculative decoding's draft tokens per step (set by __init__)
+
     def __init__(self, client, pool_id: str, *, hash_block_size: int, pipeline: bool = True, num_spec_tokens: int = 0,
                  **kwargs) -> None:
         super().__init__(hash_block_size=hash_block_size, **kwargs)
@@ -109,7 +111,7 @@ class RemoteKVCacheManager(KVCacheManager):
         """The tokens past the request's own that an allocation may cover, sent as num_output_placeholders
         (the pool checks computed + new tokens against tokens + this): async scheduling's output placeholders
         and speculative decoding's draft tokens (vLLM pads a new decode to the configured count)."""
-        drafts = len(request.spec_token_ids)
+        drafts = len(getattr(request, "spec_token_ids", ()))
         return request.num_output_placeholders + (drafts if drafts > self.num_spec_tokens else self.num_spec_tokens)
 
     def _sync(self, request) -> tuple[list[bytes], int]:
