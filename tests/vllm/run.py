@@ -28,9 +28,10 @@ FILES = ("test_prefix_caching.py", "test_kv_cache_utils.py", "test_single_type_k
 DEFAULT_ENV = Path(os.environ.get("VLLM_ENV", Path.home() / ".cache/kvservice/vllm-0.33.0"))
 
 
-def load_exclusions() -> dict[str, str]:
+def load_exclusions(name: str = "exclusions.txt") -> dict[str, str]:
+    """tests/vllm/`name`: test id prefix -> why (each line: the prefix, then `#` and the reason)."""
     out = {}
-    for line in (HERE / "exclusions.txt").read_text().splitlines():
+    for line in (HERE / name).read_text().splitlines():
         line = line.strip()
         if line and not line.startswith("#"):
             test, _, why = line.partition("#")

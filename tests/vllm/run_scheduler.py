@@ -27,6 +27,8 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
+from run import load_exclusions  # tests/vllm/run.py: the core tests' runner, beside this one
+
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 CORE = "tests/tests/v1/core"  # under DIR
@@ -58,16 +60,6 @@ CATEGORIES = ("kv_transfer_config", "ec_transfer_config", "is_encoder_decoder", 
               "hashes at hash block size", "free blocks after the step", "has (free, cached) blocks",
               "the scheduler's replica with")
 FALLBACKS = ("kvservice pool check", "NotImplementedError", "PoolDiverged", "UnsupportedConfig", "Timeout")
-
-
-def load_exclusions() -> dict[str, str]:
-    out = {}
-    for line in (HERE / "scheduler_exclusions.txt").read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            test, _, why = line.partition("#")
-            out[test.strip()] = why.strip()
-    return out
 
 
 def present_files(env_dir: Path) -> list[str]:
@@ -209,7 +201,7 @@ def main() -> int:
     theirs = baseline(args.env, files, args.keyword, args.fresh_baseline, args.timeout) \
         if args.side != "kvservice" else {}
     ours = run_side(args.env, "kvservice", files, args.keyword, args.timeout) if args.side != "vllm" else {}
-    excluded = load_exclusions()
+    excluded = load_exclusions("scheduler_exclusions.txt")
 
     def is_excluded(test_id: str) -> bool:
         return any(test_id.startswith(prefix) for prefix in excluded)
