@@ -138,6 +138,9 @@ class Scheduler:
         s = self.schedule(pool, session, key, req, a)
         if s.blocks is None:
             return OpResult(request_id, s.status, s.message, (), s.start, s.num_scheduled, req.num_tokens)
+        if op.cache_tokens and pool.manager.coordinator.is_running(key):
+            # after delay_cache_blocks: the blocks' bytes are written now (a store pool's save), so they hit
+            pool.manager.cache_blocks(req, min(op.cache_tokens, req.num_computed_tokens))
         groups = s.blocks.blocks
         if len(groups) == 1:
             ids = ([b.block_id for b in groups[0]],) if groups[0] else ([],)

@@ -223,6 +223,14 @@ def decode_allocate(a: pb.AllocateOp, max_len: int, vocab: int, field: str, inde
                           "an external_source needs allow_transfer")
     op = AllocateOp(request_id, computed, budget, tokens, hashes, num_append, lookahead, a.delay_cache_blocks,
                     a.allow_transfer, external)
+    if not vllm and a.cache_tokens and not any(getattr(a, f) for f in VLLM_FIELDS if f != "cache_tokens"):
+        # A plain pool's delayed caching: blocks allocated with delay_cache_blocks become prefix hits only now
+        # (a KV store pool's saved blocks, once their bytes are written).
+        if a.cache_tokens > computed:
+            raise invalid((field, index, "allocate", "cache_tokens"), a.cache_tokens,
+                          f"caches computed tokens only: at most num_computed_tokens ({computed})")
+        op.cache_tokens = a.cache_tokens
+        return op
     if vllm or a.num_output_placeholders or a.num_in_flight_tokens or a.waiting or a.lookup \
             or a.num_new_computed_tokens or a.full_sequence_must_fit or a.reserved_blocks or a.has_scheduled_reqs \
             or a.cache_tokens or a.num_external_computed_tokens or a.num_encoder_tokens or a.max_cache_hit_length:

@@ -1,0 +1,50 @@
+"""The store as a Ray actor on a chosen node (`start_store`), named `kvstore:<name>` in the namespace
+"kvservice": the engines of other nodes read its pages through it (Ray's object store carries them)."""
+
+from __future__ import annotations
+
+from kvservice.blockstore.segment import DEFAULT_DIR
+
+NAMESPACE = "kvservice"
+
+
+def actor_name(name: str) -> str:
+    return f"kvstore:{name}"
+
+
+class _StoreActor:
+    def __init__(self, name: str, address: str, num_blocks: int, page_bytes: int, block_size: int,
+                 token: str | None = None, directory: str = DEFAULT_DIR) -> None:
+        import ray
+
+        from kvservice.blockstore.store import BlockStore
+        self.store = BlockStore(name, address, num_blocks, page_bytes, block_size, token=token, directory=directory,
+                                node_id=ray.get_runtime_context().get_node_id())
+
+    def descriptor(self):
+        return self.store.descriptor
+
+    def read(self, block_ids, token=None, generation=None):
+        return self.store.read(block_ids, token, generation)
+
+    def write(self, block_ids, data, token=None, generation=None) -> None:
+        self.store.write(block_ids, data, token, generation)
+
+    def stop(self) -> None:
+        self.store.close()
+
+
+def start_store(name: str, address: str, num_blocks: int, page_bytes: int, block_size: int, *,
+                node_id: str | None = None, token: str | None = None, directory: str = DEFAULT_DIR):
+    """Starts the store `name` as an actor (on the node `node_id`, hard affinity, when given) and waits until
+    its pool is registered. Returns the actor handle; `ray.get(handle.descriptor.remote())` describes it."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    options = dict(name=actor_name(name), namespace=NAMESPACE, num_cpus=0, max_concurrency=4)
+    if node_id is not None:
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    actor = ray.remote(_StoreActor).options(**options).remote(name, address, num_blocks, page_bytes, block_size,
+                                                              token, directory)
+    ray.get(actor.descriptor.remote())
+    return actor

@@ -1,0 +1,102 @@
+"""A store's memory: `num_blocks` pages of `page_bytes` in a file under /dev/shm, mapped by every process of
+the node that reads or writes it, and a small JSON descriptor beside it that names the current segment."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_DIR = "/dev/shm"
+
+
+@dataclass(frozen=True, slots=True)
+class Descriptor:
+    """What a process on the store's node needs to map its pages, and what tells a restarted store apart."""
+
+    name: str
+    pool_id: str
+    path: str  # the segment file
+    num_blocks: int
+    page_bytes: int
+    block_size: int
+    generation: int  # a store restart makes a new one (and a new pool epoch): old page ids mean nothing
+    node_id: str = ""
+    pid: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+def descriptor_path(name: str, directory: str = DEFAULT_DIR) -> Path:
+    return Path(directory) / f"kvservice-store-{name}.json"
+
+
+def read_descriptor(name: str, directory: str = DEFAULT_DIR) -> Descriptor | None:
+    """The descriptor the store `name` wrote on this node, or None when there is none."""
+    try:
+        return Descriptor(**json.loads(descriptor_path(name, directory).read_text()))
+    except FileNotFoundError:
+        return None
+
+
+def write_descriptor(d: Descriptor, directory: str = DEFAULT_DIR) -> Path:
+    path = descriptor_path(d.name, directory)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(d.to_json())
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)  # atomic: a reader sees the old descriptor or the new one
+    return path
+
+
+class Segment:
+    """The pages, as a `[num_blocks, page_bytes]` uint8 array backed by the shared file."""
+
+    def __init__(self, path: str, num_blocks: int, page_bytes: int, create: bool = False) -> None:
+        if num_blocks < 2 or page_bytes < 1:
+            raise ValueError(f"a store segment needs num_blocks >= 2 and page_bytes >= 1, got {num_blocks} and "
+                             f"{page_bytes}")
+        self.path, self.num_blocks, self.page_bytes = path, num_blocks, page_bytes
+        size = num_blocks * page_bytes
+        if create:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
+        elif os.path.getsize(path) != size:
+            raise ValueError(f"store segment {path}: {os.path.getsize(path)} bytes, expected {num_blocks} pages of "
+                             f"{page_bytes} bytes")
+        self.pages = np.memmap(path, dtype=np.uint8, mode="r+", shape=(num_blocks, page_bytes))
+
+    @classmethod
+    def attach(cls, d: Descriptor) -> Segment:
+        return cls(d.path, d.num_blocks, d.page_bytes)
+
+    def check_ids(self, block_ids) -> np.ndarray:
+        ids = np.asarray(block_ids, dtype=np.int64)
+        if ids.size and (ids.min() < 1 or ids.max() >= self.num_blocks):
+            bad = next(int(i) for i in ids if not 1 <= i < self.num_blocks)
+            raise ValueError(f"block_ids: {bad} is not a page of this store (1..{self.num_blocks - 1})")
+        return ids
+
+    def read(self, block_ids) -> np.ndarray:
+        """A copy of the pages, in the order named."""
+        return self.pages[self.check_ids(block_ids)]
+
+    def write(self, block_ids, data: np.ndarray) -> None:
+        ids = self.check_ids(block_ids)
+        if data.shape != (len(ids), self.page_bytes):
+            raise ValueError(f"data: shape {tuple(data.shape)}, expected ({len(ids)}, {self.page_bytes})")
+        self.pages[ids] = data
+
+    def close(self, unlink: bool = False) -> None:
+        self.pages = None  # the mapping goes with the last view of it
+        if unlink:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass

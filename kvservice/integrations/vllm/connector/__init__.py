@@ -1,0 +1,15 @@
+"""kvservice's KV connector for vLLM (0.32.x and 0.33.x): engines save the KV of prompts they computed into the
+store tier (kvservice.blockstore) and load prefixes any engine saved, on this node through shared memory and
+across nodes through Ray.
+
+    kv_transfer_config={"kv_connector": "KVServiceConnector",
+                        "kv_connector_module_path": "kvservice.integrations.vllm.connector",
+                        "kv_role": "kv_both",
+                        "kv_connector_extra_config": {"address": "127.0.0.1:50051", "store": "node-a"}}
+
+The settings (`kv_connector_extra_config`) are listed in `settings.py`.
+"""
+
+from kvservice.integrations.vllm.connector.connector import KVServiceConnector, KVServiceConnectorMetadata
+
+__all__ = ["KVServiceConnector", "KVServiceConnectorMetadata"]

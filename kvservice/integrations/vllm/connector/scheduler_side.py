@@ -1,0 +1,224 @@
+"""The connector's scheduler side (vLLM's EngineCore process): finds and pins a new request's prefix in the
+store tier, and allocates store pages for the prompts the engine computed.
+
+Calls to the allocator, per scheduler step: one Lookup (over every store pool) for each new request, plus a
+Step that pins on the store with the longest hit when it beats the engine's own cache; one Step for all the
+saves the step asks for. Copies, commits and unpins are the worker side's. A failed call turns sharing off
+for `retry_after_s`: requests are then computed, never answered from memory that may be gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from kvservice.integrations.vllm.connector.plan import STORE_PREFIX, Hit, Load, Save, Tracked
+from kvservice.integrations.vllm.connector.settings import ConnectorSettings
+from kvservice.ops import AddRequestOp, AllocateOp, FreeOp, OpStatus, PinOp, UnpinOp
+
+logger = logging.getLogger(__name__)
+
+EPOCH_REFRESH_S = 2.0
+
+
+class SchedulerSide:
+    def __init__(self, settings: ConnectorSettings, block_size: int, engine_id: str, *, loads: bool,
+                 saves: bool) -> None:
+        self.settings, self.block_size, self.engine_id = settings, block_size, engine_id
+        self.loads_on, self.saves_on = loads, saves and settings.store is not None
+        self.local_pool = STORE_PREFIX + settings.store if settings.store else None
+        self._client = None
+        self.down_until = 0.0
+        self.hits: dict[str, Hit] = {}  # request id -> its pinned, not yet loaded prefix
+        self.pending: list[Load] = []  # loads for the next metadata
+        self.tracked: dict[str, Tracked] = {}
+        self.epochs: dict[str, int] = {}
+        self.epochs_at = -1e9
+        self.num_pins = self.num_saves = self.num_lookups = self.num_failures = 0
+        self._serial = 0
+
+    # ---- the allocator ------------------------------------------------------------------------
+    def client(self):
+        if self._client is None:
+            from kvservice.client import KVServiceClient
+            self._client = KVServiceClient(self.settings.address, self.settings.token,
+                                           client_name=f"kvconnector:{self.engine_id}:scheduler",
+                                           hash_block_size=self.block_size, timeout_s=self.settings.timeout_s,
+                                           retries=1)
+        return self._client
+
+    def available(self) -> bool:
+        return time.monotonic() >= self.down_until
+
+    def failed(self, what: str, exc: BaseException) -> None:
+        self.num_failures += 1
+        if self.available():
+            logger.warning("kvservice connector: %s failed (%s: %s); sharing is off for %.0f s (requests are "
+                           "computed)", what, type(exc).__name__, exc, self.settings.retry_after_s)
+        self.down_until = time.monotonic() + self.settings.retry_after_s
+
+    def generation(self, pool_id: str) -> int | None:
+        now = time.monotonic()
+        if pool_id not in self.epochs or now - self.epochs_at > EPOCH_REFRESH_S:
+            pools = self.client().get_stats().pools
+            self.epochs = {p: s.epoch for p, s in pools.items() if p.startswith(STORE_PREFIX)}
+            self.epochs_at = now
+        return self.epochs.get(pool_id)
+
+    def next_id(self, req_id: str, kind: str) -> str:
+        self._serial += 1
+        return f"{self.engine_id}:{kind}:{req_id}:{self._serial}"
+
+    # ---- loads ---------------------------------------------------------------------------------
+    def on_new_request(self, request) -> None:
+        if request.mm_features or request.lora_request is not None:
+            return  # multimodal and LoRA prompts are neither saved nor loaded
+        self.tracked[request.request_id] = Tracked(list(request.prompt_token_ids or ()),
+                                                   getattr(request, "cache_salt", None))
+
+    def num_new_matched_tokens(self, request, num_computed_tokens: int) -> int:
+        """The tokens past the engine's own hit a store holds, pinned for this request (whole blocks)."""
+        req_id = request.request_id
+        hit = self.hits.get(req_id)
+        if hit is not None:
+            return max(0, hit.num_tokens - num_computed_tokens)
+        tracked = self.tracked.get(req_id)
+        if not self.loads_on or tracked is None or not self.available():
+            return 0
+        prompt = tracked.prompt
+        if len(prompt) - 1 < num_computed_tokens + self.block_size:
+            return 0  # not a block more to find than the engine has
+        try:
+            return self._pin(req_id, tracked, num_computed_tokens)
+        except Exception as exc:  # noqa: BLE001 - any failure: compute instead
+            self.failed("a store lookup", exc)
+            return 0
+
+    def _pin(self, req_id: str, tracked: Tracked, num_computed_tokens: int) -> int:
+        client = self.client()
+        self.num_lookups += 1
+        found = client.lookup(tracked.prompt, cache_salt=tracked.cache_salt,
+                              pool_ids=[STORE_PREFIX + s for s in self.settings.stores])
+        hits = [h for h in found.hits if h.pool_id.startswith(STORE_PREFIX)
+                and h.num_cached_tokens > num_computed_tokens]
+        if not hits:
+            return 0
+        best = max(hits, key=lambda h: (h.num_cached_tokens, h.pool_id == self.local_pool))
+        generation = self.generation(best.pool_id)
+        if generation is None:
+            return 0
+        pin_id = self.next_id(req_id, "pin")
+        (r,) = client.step(best.pool_id, [PinOp(pin_id, token_ids=tracked.prompt, cache_salt=tracked.cache_salt)])
+        if r.status != OpStatus.OK or not r.new_block_ids:
+            return 0  # evicted since the lookup: nothing pinned
+        self.num_pins += 1
+        hit = Hit(best.pool_id, pin_id, generation, r.num_computed_tokens, list(r.new_block_ids[0]),
+                  num_computed_tokens)
+        if hit.num_tokens <= num_computed_tokens:
+            client.step(best.pool_id, [UnpinOp(pin_id)])
+            return 0
+        self.hits[req_id] = hit
+        return hit.num_tokens - num_computed_tokens
+
+    def after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
+        """vLLM allocated the request's blocks: a positive answer becomes a load into them."""
+        hit = self.hits.pop(request.request_id, None)
+        if hit is None:
+            return
+        if num_external_tokens <= 0:
+            self._unpin(hit)  # vLLM took none of it (skip_reading_prefix_cache, a capped hit)
+            return
+        start = (hit.num_tokens - num_external_tokens) // self.block_size
+        end = hit.num_tokens // self.block_size
+        self.pending.append(Load(request.request_id, hit.pool_id, hit.pin_id, hit.generation,
+                                 hit.store_block_ids[start:end], list(block_ids[start:end])))
+
+    def _unpin(self, hit: Hit) -> None:
+        try:
+            self.client().step(hit.pool_id, [UnpinOp(hit.pin_id)])
+        except Exception as exc:  # noqa: BLE001 - the pin goes with this session's lease anyway
+            self.failed("an unpin", exc)
+
+    # ---- saves ---------------------------------------------------------------------------------
+    def build(self, scheduler_output) -> tuple[list[Load], list[Save]]:
+        loads, self.pending = self.pending, []
+        done: list[tuple[str, Tracked, int]] = []
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            tracked = self.tracked.get(new.req_id)
+            if tracked is not None:
+                tracked.block_ids = list(new.block_ids[0]) if new.block_ids else []
+                self._maybe_done(done, new.req_id, tracked, new.num_computed_tokens + num_scheduled[new.req_id])
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self.tracked.get(req_id)
+            if tracked is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                tracked.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                tracked.block_ids.extend(new_ids[0])
+            self._maybe_done(done, req_id, tracked, cached.num_computed_tokens[i] + num_scheduled.get(req_id, 0))
+        saves = self._allocate_saves(done) if done and self.saves_on and self.available() else []
+        return loads, saves
+
+    def _maybe_done(self, done: list, req_id: str, tracked: Tracked, computed: int) -> None:
+        """After this step the prompt's whole blocks are computed: they are saved once."""
+        if tracked.saved or computed < len(tracked.prompt):
+            return
+        tracked.saved = True
+        num_tokens = len(tracked.prompt) // self.block_size * self.block_size
+        if num_tokens and self.saves_on:
+            done.append((req_id, tracked, num_tokens))
+
+    def _allocate_saves(self, done: list[tuple[str, Tracked, int]]) -> list[Save]:
+        """One Step on this node's store: per prompt a store request over its whole blocks plus one token
+        (so the whole blocks can hit), admitted with delay_cache_blocks: pages it already holds come back as
+        the hit, the rest are fresh pages that become hits only once the worker wrote them."""
+        pool_id = self.local_pool
+        ops, ids = [], []
+        for req_id, tracked, num_tokens in done:
+            save_id = self.next_id(req_id, "save")
+            ids.append(save_id)
+            ops.append(AddRequestOp(save_id, token_ids=tracked.prompt[:num_tokens] + [0],
+                                    cache_salt=tracked.cache_salt))
+            ops.append(AllocateOp(save_id, num_new_tokens=num_tokens + 1, delay_cache_blocks=True))
+        try:
+            generation = self.generation(pool_id)
+            if generation is None:
+                return []
+            results = self.client().step(pool_id, ops)
+        except Exception as exc:  # noqa: BLE001
+            self.failed("allocating store pages", exc)
+            return []
+        saves, refused = [], []
+        bs = self.block_size
+        for k, (req_id, tracked, num_tokens) in enumerate(done):
+            added, allocated = results[2 * k], results[2 * k + 1]
+            if added.status != OpStatus.OK:
+                continue
+            if allocated.status != OpStatus.OK:
+                refused.append(FreeOp(ids[k]))  # the store is full of pinned or in-use pages: not saved
+                continue
+            table = allocated.new_block_ids[0]
+            start, end = allocated.num_computed_tokens // bs, num_tokens // bs
+            saves.append(Save(req_id, ids[k], pool_id, generation, num_tokens, tracked.block_ids[start:end],
+                              list(table[start:end])))
+            self.num_saves += 1
+        if refused:
+            try:
+                self.client().step(pool_id, refused)
+            except Exception as exc:  # noqa: BLE001
+                self.failed("freeing refused saves", exc)
+        return saves
+
+    def finished(self, request) -> None:
+        self.tracked.pop(request.request_id, None)
+        hit = self.hits.pop(request.request_id, None)
+        if hit is not None:  # pinned, never loaded
+            self._unpin(hit)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()

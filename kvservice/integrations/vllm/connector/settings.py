@@ -1,0 +1,62 @@
+"""The connector's settings: vLLM's `kv_connector_extra_config`, checked once, each error naming its key."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+ENV_STORE = "KVSERVICE_STORE"  # the local store's name, when extra_config names none (kvservice deploy sets it)
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorSettings:
+    """Args (keys of kv_connector_extra_config):
+        address: the allocator, host:port (required).
+        token: the bearer token; its tenant must own the stores (a store's pool belongs to the tenant that
+            started it), and an engine finds and reads only its tenant's blocks.
+        store: the store on this engine's node, where it saves (default: $KVSERVICE_STORE). Without one
+            the engine only loads.
+        stores: the stores to load from (default: every store pool the tenant sees).
+        ray_address: the Ray cluster of the stores, for loads from other nodes (default: the Ray this
+            process already joined, else "auto").
+        timeout_s: per call to the allocator (1.0). A failed call turns sharing off for `retry_after_s`
+            (5.0): the engine serves on, computing what it would have loaded.
+        load_failure: "recompute" (default; sets vLLM's kv_load_failure_policy) or "fail" (vLLM's).
+        shm_dir: where this node's stores keep their segments ("/dev/shm").
+    """
+
+    address: str
+    token: str | None = None
+    store: str | None = None
+    stores: tuple[str, ...] = ()
+    ray_address: str | None = None
+    timeout_s: float = 1.0
+    retry_after_s: float = 5.0
+    load_failure: str = "recompute"
+    shm_dir: str = "/dev/shm"
+
+    @classmethod
+    def from_extra(cls, extra: dict | None) -> ConnectorSettings:
+        extra = dict(extra or {})
+        defaults = {f.name: f.default for f in fields(cls)}
+        known = set(defaults)
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"kv_connector_extra_config: unknown key {unknown[0]!r} for KVServiceConnector "
+                             f"(known: {', '.join(sorted(known))})")
+        if not extra.get("address"):
+            raise ValueError("kv_connector_extra_config.address: required, the kvservice allocator's host:port")
+        extra.setdefault("store", os.environ.get(ENV_STORE) or None)
+        stores = extra.get("stores", ())
+        if isinstance(stores, str):
+            stores = tuple(s for s in stores.split(",") if s)
+        extra["stores"] = tuple(stores)
+        for key in ("timeout_s", "retry_after_s"):
+            value = extra.get(key, defaults[key])
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"kv_connector_extra_config.{key}: {value!r} is not a positive number of seconds")
+            extra[key] = float(value)
+        if extra.get("load_failure", "recompute") not in ("recompute", "fail"):
+            raise ValueError(f"kv_connector_extra_config.load_failure: {extra['load_failure']!r} is not "
+                             f"'recompute' or 'fail'")
+        return cls(**extra)

@@ -1,0 +1,219 @@
+"""The connector's worker side (each vLLM worker process): copies pages between the engine's paged KV memory
+and the store tier, then tells the allocator (in a thread of its own, off the step).
+
+A page is one block of every layer: `kv_layer[block_id]` of each layer, in the order of the layer names, as
+opaque bytes (vLLM's CPU attention keeps K transposed inside a block, so only whole blocks are moved). On the
+store's node the pages are read and written in its shared-memory segment; from another node they come from
+the store's Ray actor through Ray's object store.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+import torch
+
+from kvservice.blockstore.segment import Segment, read_descriptor
+from kvservice.integrations.vllm.connector.plan import Load, Save, store_name
+from kvservice.integrations.vllm.connector.settings import ConnectorSettings
+from kvservice.ops import AllocateOp, FreeOp, OpStatus, UnpinOp
+
+logger = logging.getLogger(__name__)
+
+
+class PageLayout:
+    """Where each layer's block sits in a page."""
+
+    def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int | None = None) -> None:
+        self.layers: list[tuple[str, torch.Tensor, int, int]] = []
+        offset = 0
+        for name in sorted(kv_caches):
+            t = kv_caches[name]
+            if num_blocks is not None and t.shape[0] != num_blocks:
+                raise ValueError(f"KVServiceConnector: layer {name!r} has KV shape {tuple(t.shape)}; it needs the "
+                                 f"blocks on dim 0 ({num_blocks} of them), as vLLM's CPU attention lays them out")
+            if not t.is_contiguous():
+                raise ValueError(f"KVServiceConnector: layer {name!r}'s KV tensor is not contiguous")
+            size = t[0].numel() * t.element_size()
+            self.layers.append((name, t, offset, size))
+            offset += size
+        self.page_bytes = offset
+
+    def gather(self, block_ids: list[int]) -> torch.Tensor:
+        """The pages of the engine's blocks, `[n, page_bytes]` uint8."""
+        idx = torch.tensor(block_ids, dtype=torch.long)
+        return torch.cat([t.index_select(0, idx).reshape(len(block_ids), -1).view(torch.uint8)
+                          for _, t, _, _ in self.layers], dim=1)
+
+    def scatter(self, block_ids: list[int], pages: torch.Tensor) -> None:
+        idx = torch.tensor(block_ids, dtype=torch.long)
+        n = len(block_ids)
+        for _, t, offset, size in self.layers:
+            part = pages[:, offset:offset + size].contiguous().view(t.dtype).reshape(n, *t.shape[1:])
+            t.index_copy_(0, idx, part)
+
+
+class Stores:
+    """This process's ways to the stores: segments of the stores on this node, actors of the others."""
+
+    def __init__(self, settings: ConnectorSettings) -> None:
+        self.settings = settings
+        self.segments: dict[str, tuple[int, Segment, torch.Tensor]] = {}
+        self.actors: dict[str, object] = {}
+
+    def local(self, name: str, generation: int) -> torch.Tensor | None:
+        """The pages of the store `name` if it runs on this node at `generation` (else None)."""
+        if name != self.settings.store:
+            return None
+        have = self.segments.get(name)
+        if have is None or have[0] != generation:
+            d = read_descriptor(name, self.settings.shm_dir)
+            if d is None or d.generation != generation:
+                raise LookupError(f"store {name!r} on this node is not at generation {generation} (it restarted "
+                                  f"or stopped): the pages are gone")
+            seg = Segment.attach(d)
+            have = (generation, seg, torch.from_numpy(seg.pages))
+            self.segments[name] = have
+        return have[2]
+
+    def actor(self, name: str):
+        actor = self.actors.get(name)
+        if actor is None:
+            import ray
+            if not ray.is_initialized():
+                ray.init(address=self.settings.ray_address or "auto", namespace="kvservice",
+                         ignore_reinit_error=True, log_to_driver=False)
+            actor = ray.get_actor(f"kvstore:{name}", namespace="kvservice")
+            self.actors[name] = actor
+        return actor
+
+    def read(self, name: str, generation: int, block_ids: list[int]) -> torch.Tensor:
+        pages = self.local(name, generation)
+        if pages is not None:
+            return pages[torch.tensor(block_ids, dtype=torch.long)]
+        import ray
+        data = ray.get(self.actor(name).read.remote(block_ids, self.settings.token, generation), timeout=60)
+        return torch.from_numpy(data)
+
+    def write(self, name: str, generation: int, block_ids: list[int], data: torch.Tensor) -> None:
+        pages = self.local(name, generation)
+        if pages is None:
+            raise LookupError(f"store {name!r} is not this node's store ({self.settings.store!r}): saves go to "
+                              f"the local store only")
+        pages[torch.tensor(block_ids, dtype=torch.long)] = data
+
+
+class WorkerSide:
+    def __init__(self, settings: ConnectorSettings, block_size: int, engine_id: str) -> None:
+        self.settings, self.block_size, self.engine_id = settings, block_size, engine_id
+        self.layout: PageLayout | None = None
+        self.stores = Stores(settings)
+        self.failed_blocks: set[int] = set()
+        self.num_loaded_blocks = self.num_saved_blocks = self.num_failed_loads = 0
+        self._tell: queue.Queue = queue.Queue()
+        self._teller: threading.Thread | None = None
+        self._client = None
+
+    def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int | None = None) -> None:
+        self.layout = PageLayout(kv_caches, num_blocks)
+
+    # ---- loads: before the forward (vLLM calls start_load_kv first when a step has sync loads) ----------
+    def load(self, loads: list[Load]) -> None:
+        for load in loads:
+            try:
+                if load.store_block_ids:
+                    pages = self.stores.read(store_name(load.pool_id), load.generation, load.store_block_ids)
+                    self._check_pages(pages, load.pool_id)
+                    self.layout.scatter(load.local_block_ids, pages)
+                    self.num_loaded_blocks += len(load.local_block_ids)
+            except Exception as exc:  # noqa: BLE001 - any failure: vLLM recomputes these blocks
+                self.num_failed_loads += 1
+                logger.warning("kvservice connector: loading %d blocks of %s from %s failed (%s: %s); they are "
+                               "recomputed", len(load.local_block_ids), load.req_id, load.pool_id,
+                               type(exc).__name__, exc)
+                self.failed_blocks.update(load.local_block_ids)
+            self._later(load.pool_id, [UnpinOp(load.pin_id)])
+
+    def _check_pages(self, pages: torch.Tensor, pool_id: str) -> None:
+        if pages.shape[1] != self.layout.page_bytes:
+            raise ValueError(f"store {pool_id!r} keeps pages of {pages.shape[1]} bytes; this engine's are "
+                             f"{self.layout.page_bytes} (another model, dtype or block size)")
+
+    def take_failed_blocks(self) -> set[int]:
+        failed, self.failed_blocks = self.failed_blocks, set()
+        return failed
+
+    # ---- saves: after the forward (wait_for_save) ------------------------------------------------------
+    def save(self, saves: list[Save]) -> None:
+        for save in saves:
+            ops = [AllocateOp(save.save_id, num_computed_tokens=save.num_tokens + 1, cache_tokens=save.num_tokens),
+                   FreeOp(save.save_id)]
+            try:
+                if self.failed_blocks.intersection(save.local_block_ids):
+                    raise LookupError("its blocks' load failed this step (they are recomputed, not saved)")
+                if save.store_block_ids:
+                    pages = self.layout.gather(save.local_block_ids)
+                    self.stores.write(store_name(save.pool_id), save.generation, save.store_block_ids, pages)
+                    self.num_saved_blocks += len(save.store_block_ids)
+            except Exception as exc:  # noqa: BLE001 - not saved: free the store pages uncached
+                logger.warning("kvservice connector: saving %s into %s failed (%s: %s)", save.req_id,
+                               save.pool_id, type(exc).__name__, exc)
+                ops = [FreeOp(save.save_id)]
+            self._later(save.pool_id, ops)
+
+    # ---- telling the allocator, off the step --------------------------------------------------------
+    def _later(self, pool_id: str, ops: list) -> None:
+        if self._teller is None:
+            self._teller = threading.Thread(target=self._tell_loop, name="kvservice-connector", daemon=True)
+            self._teller.start()
+        self._tell.put((pool_id, ops))
+
+    def _tell_loop(self) -> None:
+        stop = False
+        while not stop:
+            batch = [self._tell.get()]
+            while True:  # everything queued meanwhile goes in one Step per pool
+                try:
+                    batch.append(self._tell.get_nowait())
+                except queue.Empty:
+                    break
+            stop = None in batch
+            self._send([b for b in batch if b is not None])
+            for _ in batch:
+                self._tell.task_done()
+
+    def _send(self, batch: list[tuple[str, list]]) -> None:
+        by_pool: dict[str, list] = {}
+        for pool_id, ops in batch:
+            by_pool.setdefault(pool_id, []).extend(ops)
+        for pool_id, ops in by_pool.items():
+            try:
+                results = self.client().step(pool_id, ops)
+                bad = [r for r in results if r.status not in (OpStatus.OK, OpStatus.NOT_FOUND)]
+                if bad:
+                    logger.warning("kvservice connector: %s refused %s", pool_id, bad[0].message)
+            except Exception as exc:  # noqa: BLE001 - pins and store requests go with the sessions' leases
+                logger.warning("kvservice connector: telling %s failed (%s: %s)", pool_id, type(exc).__name__, exc)
+
+    def client(self):
+        if self._client is None:
+            from kvservice.client import KVServiceClient
+            self._client = KVServiceClient(self.settings.address, self.settings.token,
+                                           client_name=f"kvconnector:{self.engine_id}:worker",
+                                           hash_block_size=self.block_size, timeout_s=self.settings.timeout_s,
+                                           retries=2)
+        return self._client
+
+    def flush(self) -> None:
+        """Waits until everything queued was told (tests, shutdown)."""
+        if self._teller is not None:
+            self._tell.join()
+
+    def close(self) -> None:
+        if self._teller is not None:
+            self._tell.put(None)
+            self._teller.join(timeout=5)
+        if self._client is not None:
+            self._client.close()
