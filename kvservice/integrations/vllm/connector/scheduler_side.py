@@ -33,6 +33,7 @@ class SchedulerSide:
         self.pending: list[Load] = []  # loads for the next metadata
         self.tracked: dict[str, Tracked] = {}
         self.epochs: dict[str, int] = {}
+        self.loaded: dict[str, int] = {}  # request id -> the tokens its last admission loaded (stats, tests)
         self.epochs_at = -1e9
         self.num_pins = self.num_saves = self.num_lookups = self.num_failures = 0
         self._serial = 0
@@ -128,6 +129,7 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             self._unpin(hit)  # vLLM took none of it (skip_reading_prefix_cache, a capped hit)
             return
+        self.loaded[request.request_id] = num_external_tokens
         start = (hit.num_tokens - num_external_tokens) // self.block_size
         end = hit.num_tokens // self.block_size
         self.pending.append(Load(request.request_id, hit.pool_id, hit.pin_id, hit.generation,

