@@ -151,7 +151,7 @@ class HashSpec(_message.Message):
     def __init__(self, algorithm: _Optional[str] = ..., seed: _Optional[str] = ..., has_seed: _Optional[bool] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("session_id", "sequence", "pool_id", "config", "hash_fingerprint", "epoch", "hash_spec", "vllm")
+    __slots__ = ("session_id", "sequence", "pool_id", "config", "hash_fingerprint", "epoch", "hash_spec", "vllm", "bound_to_session")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +160,7 @@ class RegisterPoolRequest(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     HASH_SPEC_FIELD_NUMBER: _ClassVar[int]
     VLLM_FIELD_NUMBER: _ClassVar[int]
+    BOUND_TO_SESSION_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     sequence: int
     pool_id: str
@@ -168,7 +169,8 @@ class RegisterPoolRequest(_message.Message):
     epoch: int
     hash_spec: HashSpec
     vllm: VllmManagerOptions
-    def __init__(self, session_id: _Optional[str] = ..., sequence: _Optional[int] = ..., pool_id: _Optional[str] = ..., config: _Optional[_Union[KVCacheConfig, _Mapping]] = ..., hash_fingerprint: _Optional[str] = ..., epoch: _Optional[int] = ..., hash_spec: _Optional[_Union[HashSpec, _Mapping]] = ..., vllm: _Optional[_Union[VllmManagerOptions, _Mapping]] = ...) -> None: ...
+    bound_to_session: bool
+    def __init__(self, session_id: _Optional[str] = ..., sequence: _Optional[int] = ..., pool_id: _Optional[str] = ..., config: _Optional[_Union[KVCacheConfig, _Mapping]] = ..., hash_fingerprint: _Optional[str] = ..., epoch: _Optional[int] = ..., hash_spec: _Optional[_Union[HashSpec, _Mapping]] = ..., vllm: _Optional[_Union[VllmManagerOptions, _Mapping]] = ..., bound_to_session: _Optional[bool] = ...) -> None: ...
 
 class VllmManagerOptions(_message.Message):
     __slots__ = ("watermark", "scheduler_block_size", "max_in_flight_tokens", "use_eagle", "num_hash_lookahead_tokens")

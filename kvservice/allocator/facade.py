@@ -129,6 +129,9 @@ class Allocator:
             closed = [s for s in command.session_ids if s in self.state.sessions.sessions]
             for session_id in closed:
                 self.book.close_session(session_id)
+            ended = set(closed)
+            for pool_id in [p.pool_id for p in self.state.pools.values() if p.bound_session in ended]:
+                self.registry.bump_epoch(pool_id)  # its memory went with the session's process
             return Applied(closed, True)
         if kind is ResetPrefixCache:
             return self._reset(command, guard)

@@ -57,6 +57,7 @@ class Pool:
         self.tombstones: OrderedDict[str, str] = OrderedDict()
         self.moving_to = ""  # frozen while a rebalance moves it to this shard
         self.pins: dict = {}  # pin key -> allocator.pins.Pin: prefixes held for cross-shard transfers
+        self.bound_session = ""  # spec.bound_to_session: the session whose end retires the pool
 
     @property
     def hash_block_size(self) -> int:

@@ -69,6 +69,7 @@ class PoolRegistry:
             return self._result(current, False, 0)
         pool = self.state.new_pool(spec)  # validates the config
         pool.owner_tenant = current.owner_tenant if current is not None else session.tenant
+        pool.bound_session = session.session_id if spec.bound_to_session else ""
         failed = self._retire(current, pool) if current is not None else 0
         self.state.pools[spec.pool_id] = pool
         return self._result(pool, True, failed)

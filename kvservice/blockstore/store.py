@@ -56,7 +56,7 @@ class BlockStore:
             self.client = KVServiceClient(address, token, client_name=f"kvstore:{name}", hash_block_size=block_size)
             self.client.register_pool(self.pool_id, KVCacheConfig(num_blocks, [FullAttentionSpec(block_size)]),
                                       max_model_len=max_model_len, epoch=self.generation,
-                                      kv_layout=store_layout(page_bytes))
+                                      kv_layout=store_layout(page_bytes), bound_to_session=True)
         except BaseException:
             self.segment.close(unlink=True)
             raise

@@ -83,7 +83,8 @@ def state_digest(allocator: Allocator) -> str:
 
 def _encode_pool(pool: Pool) -> st.PoolState:
     spec = pool.spec
-    reg = pb.RegisterPoolRequest(pool_id=spec.pool_id, epoch=pool.epoch,
+    reg = pb.RegisterPoolRequest(pool_id=spec.pool_id, epoch=pool.epoch, bound_to_session=spec.bound_to_session,
+                                 session_id=pool.bound_session,
                                  config=encode_config(spec.config, spec.max_model_len, spec.dcp_world_size,
                                                       spec.enable_caching, spec.vocab_size, spec.kv_layout))
     if spec.hash_spec is not None:
@@ -205,8 +206,10 @@ def _decode_into(snap: st.Snapshot, state: AllocatorState, now: float) -> None:
 def _decode_pool(ps: st.PoolState, state: AllocatorState) -> Pool:
     """One pool into `state` (its requests' quota usage too; the sessions owning them are the caller's)."""
     settings = state.settings
-    spec = decode_pool_spec(pb.RegisterPoolRequest.FromString(ps.register_request), settings.hash_block_size)
+    reg = pb.RegisterPoolRequest.FromString(ps.register_request)
+    spec = decode_pool_spec(reg, settings.hash_block_size)
     pool = state.new_pool(spec)
+    pool.bound_session = reg.session_id if spec.bound_to_session else ""
     pool.owner_tenant = ps.owner_tenant
     pool.moving_to = ps.moving_to
     m = ps.manager
