@@ -63,6 +63,15 @@ class NotFound(KVServiceError):
     code = Code.NOT_FOUND
 
 
+SESSION_GONE = "open a new session"  # the end of the allocator's message for a session it does not hold
+
+
+def session_lost(exc: BaseException) -> bool:
+    """Whether `exc` says the allocator no longer holds the caller's session (it restarted without its state,
+    or the lease lapsed): everything the session held is gone, and a new session starts afresh."""
+    return isinstance(exc, NotFound) and SESSION_GONE in str(exc)
+
+
 class AlreadyExists(KVServiceError):
     code = Code.ALREADY_EXISTS
 

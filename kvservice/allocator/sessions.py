@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvservice.errors import FailedPrecondition, NotFound, PermissionDenied
+from kvservice.errors import SESSION_GONE, FailedPrecondition, NotFound, PermissionDenied
 from kvservice.ops import StepResult
 from kvservice.results import RegisterResult
 
@@ -75,7 +75,7 @@ class SessionTable:
         """The caller's live session (renewing its lease when `now` is given)."""
         session = self.sessions.get(session_id)
         if session is None:
-            raise NotFound(f"session {session_id!r} not found (its lease may have lapsed); open a new session")
+            raise NotFound(f"session {session_id!r} not found (its lease may have lapsed); {SESSION_GONE}")
         if session.tenant != tenant:
             raise PermissionDenied(f"session {session_id!r} belongs to another tenant")
         if now is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import threading
 import time
 
 import numpy as np
@@ -18,6 +19,7 @@ from kvservice.blockstore.segment import (
     write_descriptor,
 )
 from kvservice.core import FullAttentionSpec, KVCacheConfig
+from kvservice.errors import session_lost
 
 logger = logging.getLogger(__name__)
 
@@ -43,32 +45,70 @@ class BlockStore:
 
     def __init__(self, name: str, address: str, num_blocks: int, page_bytes: int, block_size: int, *,
                  token: str | None = None, directory: str = DEFAULT_DIR, node_id: str = "",
-                 max_model_len: int = 1 << 20) -> None:
+                 max_model_len: int = 1 << 20, watch_s: float = 1.0) -> None:
         from kvservice.client import KVServiceClient
         if not name or "/" in name or name.startswith("."):
             raise ValueError(f"name: {name!r} is not a store name (letters, digits, '-', '_', '.')")
-        self.name, self.token = name, token or ""
+        self.name, self.token, self.directory, self.node_id = name, token or "", directory, node_id
+        self.config = KVCacheConfig(num_blocks, [FullAttentionSpec(block_size)])
+        self.max_model_len, self.page_bytes, self.block_size = max_model_len, page_bytes, block_size
         self.generation = time.time_ns()
         path = os.path.join(directory, f"kvservice-store-{name}-{self.generation}")
         self.segment = Segment(path, num_blocks, page_bytes, create=True)
         self.pool_id = store_pool_id(name)
+        self.num_registrations = 0
         try:
-            self.client = KVServiceClient(address, token, client_name=f"kvstore:{name}", hash_block_size=block_size)
-            self.client.register_pool(self.pool_id, KVCacheConfig(num_blocks, [FullAttentionSpec(block_size)]),
-                                      max_model_len=max_model_len, epoch=self.generation,
-                                      kv_layout=store_layout(page_bytes), bound_to_session=True)
+            self.client = KVServiceClient(address, token, client_name=f"kvstore:{name}", hash_block_size=block_size,
+                                          timeout_s=2.0, retries=1)
+            old = _old_segment(name, directory)
+            self._register(self.generation)
         except BaseException:
             self.segment.close(unlink=True)
             raise
-        self.descriptor = Descriptor(name, self.pool_id, path, num_blocks, page_bytes, block_size, self.generation,
-                                     node_id, os.getpid())
-        self.directory = directory
-        old = _old_segment(name, directory)
-        write_descriptor(self.descriptor, directory)
         if old is not None and old != path:
             _unlink(old)  # a previous store of this name on this node (crashed): its pages are gone from the index
         logger.info("store %s: %d pages of %d bytes in %s, pool %s", name, num_blocks, page_bytes, path,
                     self.pool_id)
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, args=(watch_s,), name=f"kvstore-{name}", daemon=True)
+        self._watcher.start()
+
+    def _reopen(self) -> None:
+        try:
+            self.client.open_session()
+        except Exception as exc:  # noqa: BLE001
+            logger.info("store %s: no new session yet (%s)", self.name, exc)
+
+    def _register(self, generation: int) -> None:
+        """The pool at epoch `generation`, bound to this store's session, and the descriptor naming it."""
+        self.client.register_pool(self.pool_id, self.config, max_model_len=self.max_model_len, epoch=generation,
+                                  kv_layout=store_layout(self.page_bytes), bound_to_session=True)
+        self.generation = generation
+        self.descriptor = Descriptor(self.name, self.pool_id, self.segment.path, self.segment.num_blocks,
+                                     self.page_bytes, self.block_size, generation, self.node_id, os.getpid())
+        write_descriptor(self.descriptor, self.directory)
+        self.num_registrations += 1
+
+    def _watch(self, every_s: float) -> None:
+        """Keeps the pool registered: an allocator that restarted without it, or retired it (this store's
+        session lapsed while the allocator was away), gets it again at a new epoch, empty."""
+        while not self._stop.wait(every_s):
+            try:
+                stats = self.client.get_stats().pools.get(self.pool_id)
+                if stats is not None and stats.epoch not in (self.generation, self.generation + 1):
+                    logger.warning("store %s: another store of this name registered its pool (epoch %d); this "
+                                   "one stops serving it", self.name, stats.epoch)
+                    return
+                if stats is None or stats.epoch == self.generation + 1:
+                    generation = max(time.time_ns(), (stats.epoch + 1) if stats is not None else 0)
+                    self._register(generation)
+                    logger.warning("store %s: its pool was %s; registered again at epoch %d, empty", self.name,
+                                   "gone" if stats is None else f"at epoch {stats.epoch}", generation)
+            except Exception as exc:  # noqa: BLE001 - the allocator is away: try again
+                if session_lost(exc):
+                    self._reopen()
+                    continue
+                logger.info("store %s: the allocator did not answer (%s: %s)", self.name, type(exc).__name__, exc)
 
     def info(self) -> dict:
         return {"descriptor": self.descriptor.to_json(), "pool_id": self.pool_id}
@@ -96,6 +136,8 @@ class BlockStore:
     def close(self) -> None:
         """Unregisters nothing (the pool stays until a new epoch replaces it), but frees the memory and removes
         the descriptor, and ends the session."""
+        self._stop.set()
+        self._watcher.join(timeout=10)
         try:
             self.client.close()
         finally:

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import os
 import random
+import signal
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.redis_helpers import free_port
 from tests.service_helpers import start_server
 from tests.vllm_engine import engines as e
 
@@ -41,32 +44,68 @@ def family(seed: int, lengths=PREFIXES) -> tuple[list[list[int]], callable]:
     return prefixes, prompts
 
 
+TOKENS = "tok-a tenant-a\ntok-b tenant-b\ntok-admin ops admin\n"
+
+
+class Allocator:
+    """The fleet's `kvservice serve`, persistent (its embedded Redis in its data dir), on a fixed port so a
+    test can kill it and start it again where the engines look for it."""
+
+    def __init__(self, base: Path) -> None:
+        (base / "tokens").write_text(TOKENS)
+        self.args = ("--hash-block-size", str(e.BLOCK), "--token-file", str(base / "tokens"), "--data-dir",
+                     str(base / "allocator"), "--session-ttl", "10")
+        self.base, self.port = base, free_port()
+        self.proc = self.start()
+        self.target = self.proc.target
+
+    def start(self):
+        return start_server(*self.args, persistence=True, port=self.port, log_dir=self.base)
+
+    def kill(self) -> None:
+        self.proc.proc.send_signal(signal.SIGKILL)
+        self.proc.proc.wait(10)
+
+    def restart(self) -> None:
+        self.proc = self.start()
+
+    def admin(self):
+        return self.proc.client("tok-admin", client_name="test-admin", hash_block_size=e.BLOCK)
+
+    def tenant_a(self):
+        return self.proc.client("tok-a", client_name="test-tenant-a", hash_block_size=e.BLOCK)
+
+
 @pytest.fixture(scope="module")
 def fleet_env(tmp_path_factory):
     base = tmp_path_factory.mktemp("connector")
     os.environ["PYTHONPATH"] = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"  # for the Ray workers
     model = e.save_model("llama", base / "llama")
-    server = start_server("--hash-block-size", str(e.BLOCK), log_dir=base)
+    allocator = Allocator(base)
     shm = base / "shm"
     shm.mkdir()
     with joined_cluster({"num_cpus": 1, "resources": {"node_a": 1}}, {"num_cpus": 1, "resources": {"node_b": 1}},
                         namespace="kvservice") as cluster:
         nodes = {next(r for r in ("node_a", "node_b") if r in n["Resources"]): n["NodeID"] for n in ray.nodes()
                  if n["Alive"]}
-        stores = {name: start_store(name, server.target, 512, fleet.page_bytes(), e.BLOCK, node_id=nodes[f"node_{name}"],
-                                    directory=str(shm)) for name in ("a", "b")}
+        stores = {name: start_store(name, allocator.target, 512, fleet.page_bytes(), e.BLOCK, token="tok-a",
+                                    node_id=nodes[f"node_{name}"], directory=str(shm)) for name in ("a", "b")}
         engines = {}
 
-        def engine(label: str, node: str, **kw):
+        def engine(label: str, node: str, store: str | None = "same", token: str = "tok-a", **kw):
             if label not in engines:
-                config = fleet.connector_config(server.target, node, shm_dir=str(shm), **kw)
+                config = fleet.connector_config(allocator.target, node if store == "same" else store,
+                                                token=token, shm_dir=str(shm), retry_after_s=2.0, **kw)
                 engines[label] = fleet.start_engine(model, f"node_{node}", config)
             return engines[label]
 
+        def close(label: str) -> None:
+            ray.get(engines.pop(label).close.remote(), timeout=60)
+
         stock = e.make_llm(model)
         try:
-            yield dict(server=server, cluster=cluster, nodes=nodes, stores=stores, engine=engine, stock=stock,
-                       shm=shm, model=model)
+            yield dict(allocator=allocator, cluster=cluster, nodes=nodes, stores=stores, engine=engine, close=close,
+                       stock=stock, shm=shm, model=model)
         finally:
             e.close(stock)
             for actor in engines.values():
@@ -74,7 +113,7 @@ def fleet_env(tmp_path_factory):
                     ray.get(actor.close.remote(), timeout=30)
                 except Exception:  # noqa: BLE001 - a node removed by a test took its engine
                     pass
-            server.stop()
+            allocator.proc.stop()
 
 
 def stock_tokens(env, prompts, max_tokens: int = 8) -> list:
@@ -128,3 +167,99 @@ def test_the_tokens_depend_on_the_loaded_pages(fleet_env):
     finally:
         seg.pages[:] = saved
         seg.close()
+
+
+def test_another_tenants_engine_finds_nothing_of_tenant_a(fleet_env):
+    env = fleet_env
+    a, t = env["engine"]("A", "a"), env["engine"]("T", "a", store=None, token="tok-b")
+    _, prompts = family(4)
+    ray.get(a.generate.remote(prompts(40)))
+    mine = prompts(41)
+    got = ray.get(t.generate.remote(mine))
+    stats = ray.get(t.connector_stats.remote())
+    assert stats["lookups"] == 3 and stats["pins"] == 0 and not stats["loaded"], stats  # tenant a's pools: unseen
+    assert got == stock_tokens(env, mine)
+    env["close"]("T")
+
+
+def test_prefill_on_a_producer_and_decode_on_a_consumer(fleet_env):
+    """kv_producer prefills (one token) and saves; kv_consumer loads the prompt and decodes; the tokens are
+    one stock engine's doing both."""
+    env = fleet_env
+    producer = env["engine"]("P", "a", role="kv_producer")
+    consumer = env["engine"]("D", "b", store=None, role="kv_consumer")
+    _, prompts = family(5)
+    mine = prompts(50)
+    ray.get(producer.generate.remote(mine, max_tokens=1))
+    got = ray.get(consumer.generate.remote(mine, max_tokens=8))
+    made, used = ray.get(producer.connector_stats.remote()), ray.get(consumer.connector_stats.remote())
+    assert made["lookups"] == 0 and made["saves"] == 3, made  # a producer never loads
+    assert used["saves"] == 0 and sorted(used["loaded"].values()) == [whole_blocks(n) for n in PREFIXES], used
+    assert got == stock_tokens(env, mine)
+    env["close"]("P")
+    env["close"]("D")
+
+
+def wait_for(check, what: str, timeout_s: float = 30.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value or time.monotonic() > deadline:
+            assert value, f"timed out waiting for {what}"
+            return value
+        time.sleep(0.3)
+
+
+def stores_registered(env) -> bool:
+    try:
+        with env["allocator"].admin() as c:
+            pools = c.get_stats().pools
+    except Exception:  # noqa: BLE001 - not up yet
+        return False
+    return all(pools.get(f"kvstore:{n}") is not None and pools[f"kvstore:{n}"].epoch
+               == read_descriptor(n, str(env["shm"])).generation for n in ("a", "b"))
+
+
+def test_engines_serve_on_without_the_allocator_and_share_again_when_it_returns(fleet_env):
+    env = fleet_env
+    a, c = env["engine"]("A", "a"), env["engine"]("C", "a")
+    _, prompts = family(6)
+    env["allocator"].kill()
+    try:
+        mine = prompts(60)
+        got = ray.get(a.generate.remote(mine))  # no allocator: nothing found, nothing saved, tokens right
+        assert got == stock_tokens(env, mine)
+        assert ray.get(a.connector_stats.remote())["failures"] > 0
+    finally:
+        env["allocator"].restart()
+    wait_for(lambda: stores_registered(env), "both stores registered again")
+    time.sleep(2.5)  # the engines' retry_after_s
+    ray.get(a.generate.remote(prompts(61)))
+    before = ray.get(c.connector_stats.remote())["loaded"]
+    mine = prompts(62)
+    got = ray.get(c.generate.remote(mine))
+    loaded = {k: v for k, v in ray.get(c.connector_stats.remote())["loaded"].items() if k not in before}
+    assert sorted(loaded.values()) == [whole_blocks(n) for n in PREFIXES], loaded
+    assert got == stock_tokens(env, mine)
+
+
+def test_a_store_node_that_dies_is_recomputed_and_leaves_the_index(fleet_env):
+    """Node b (engine B and store b) goes: C's lookup still finds store b's blocks (its pool outlives the node
+    by the lease), the load fails, vLLM recomputes (same tokens); once the lease lapses the index has none."""
+    env = fleet_env
+    b, c = env["engine"]("B", "b"), env["engine"]("C", "a")
+    _, prompts = family(7)
+    ray.get(b.generate.remote(prompts(70)))
+    probe = prompts(71)[1]
+    with env["allocator"].tenant_a() as client:
+        assert client.lookup(probe, pool_ids=["kvstore:b"]).tokens("kvstore:b") == whole_blocks(PREFIXES[1])
+    (node_b,) = env["cluster"].worker_nodes
+    env["cluster"].remove_node(node_b)
+    failed_before = ray.get(c.connector_stats.remote())["failed_loads"]
+    mine = prompts(71)
+    got = ray.get(c.generate.remote(mine))
+    assert ray.get(c.connector_stats.remote())["failed_loads"] > failed_before
+    assert got == stock_tokens(env, mine)
+    with env["allocator"].tenant_a() as client:
+        wait_for(lambda: client.lookup(probe, pool_ids=["kvstore:b"]).tokens("kvstore:b") == 0,
+                 "store b's blocks out of the index", timeout_s=40)

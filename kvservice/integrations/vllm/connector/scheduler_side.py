@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
+from kvservice.errors import session_lost
 from kvservice.integrations.vllm.connector.plan import STORE_PREFIX, Hit, Load, Save, Tracked
 from kvservice.integrations.vllm.connector.settings import ConnectorSettings
 from kvservice.ops import AddRequestOp, AllocateOp, FreeOp, OpStatus, PinOp, UnpinOp
@@ -53,6 +54,14 @@ class SchedulerSide:
 
     def failed(self, what: str, exc: BaseException) -> None:
         self.num_failures += 1
+        if session_lost(exc):  # the allocator restarted without this session: its pins went with it
+            self.hits.clear()
+            try:
+                self.client().open_session()
+                logger.warning("kvservice connector: the allocator lost this engine's session; a new one is open")
+                return
+            except Exception as again:  # noqa: BLE001
+                exc = again
         if self.available():
             logger.warning("kvservice connector: %s failed (%s: %s); sharing is off for %.0f s (requests are "
                            "computed)", what, type(exc).__name__, exc, self.settings.retry_after_s)

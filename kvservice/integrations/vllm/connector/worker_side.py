@@ -17,6 +17,7 @@ import warnings
 import torch
 
 from kvservice.blockstore.segment import Segment, read_descriptor
+from kvservice.errors import session_lost
 from kvservice.integrations.vllm.connector.plan import Load, Save, store_name
 from kvservice.integrations.vllm.connector.settings import ConnectorSettings
 from kvservice.ops import AllocateOp, FreeOp, OpStatus, UnpinOp
@@ -127,6 +128,10 @@ class WorkerSide:
 
     # ---- loads: before the forward (vLLM calls start_load_kv first when a step has sync loads) ----------
     def load(self, loads: list[Load]) -> None:
+        """Copies each load's pages in, then unpins them all (one Step per store): a pin that is no longer
+        there (released with a lapsed lease, or its store restarted) means the pages may have been reused
+        while they were copied, so those blocks are reported failed and vLLM recomputes them."""
+        unpins: dict[str, list[Load]] = {}
         for load in loads:
             try:
                 if load.store_block_ids:
@@ -135,12 +140,24 @@ class WorkerSide:
                     self.layout.scatter(load.local_block_ids, pages)
                     self.num_loaded_blocks += len(load.local_block_ids)
             except Exception as exc:  # noqa: BLE001 - any failure: vLLM recomputes these blocks
-                self.num_failed_loads += 1
-                logger.warning("kvservice connector: loading %d blocks of %s from %s failed (%s: %s); they are "
-                               "recomputed", len(load.local_block_ids), load.req_id, load.pool_id,
-                               type(exc).__name__, exc)
-                self.failed_blocks.update(load.local_block_ids)
-            self._later(load.pool_id, [UnpinOp(load.pin_id)])
+                self._failed(load, f"{type(exc).__name__}: {exc}")
+            unpins.setdefault(load.pool_id, []).append(load)
+        for pool_id, group in unpins.items():
+            try:
+                results = self._step(pool_id, [UnpinOp(load.pin_id) for load in group])
+            except Exception as exc:  # noqa: BLE001 - unconfirmed pins: their blocks are recomputed
+                results = [None] * len(group)
+                reason = f"the allocator did not confirm the pins ({type(exc).__name__}: {exc})"
+            for load, r in zip(group, results):
+                if r is None or r.status != OpStatus.OK:
+                    self._failed(load, reason if r is None else f"its pin was gone ({r.message})")
+
+    def _failed(self, load: Load, reason: str) -> None:
+        if self.failed_blocks.isdisjoint(load.local_block_ids):
+            self.num_failed_loads += 1
+            logger.warning("kvservice connector: loading %d blocks of %s from %s failed (%s); they are recomputed",
+                           len(load.local_block_ids), load.req_id, load.pool_id, reason)
+        self.failed_blocks.update(load.local_block_ids)
 
     def _check_pages(self, pages: torch.Tensor, pool_id: str) -> None:
         if pages.shape[1] != self.layout.page_bytes:
@@ -196,12 +213,21 @@ class WorkerSide:
             by_pool.setdefault(pool_id, []).extend(ops)
         for pool_id, ops in by_pool.items():
             try:
-                results = self.client().step(pool_id, ops)
+                results = self._step(pool_id, ops)
                 bad = [r for r in results if r.status not in (OpStatus.OK, OpStatus.NOT_FOUND)]
                 if bad:
                     logger.warning("kvservice connector: %s refused %s", pool_id, bad[0].message)
-            except Exception as exc:  # noqa: BLE001 - pins and store requests go with the sessions' leases
+            except Exception as exc:  # noqa: BLE001 - store requests go with the session's lease
                 logger.warning("kvservice connector: telling %s failed (%s: %s)", pool_id, type(exc).__name__, exc)
+
+    def _step(self, pool_id: str, ops: list):
+        try:
+            return self.client().step(pool_id, ops)
+        except Exception as exc:
+            if not session_lost(exc):
+                raise
+            self.client().open_session()  # the allocator restarted without our session: a new one
+            return self.client().step(pool_id, ops)
 
     def client(self):
         if self._client is None:
