@@ -1,4 +1,4 @@
-"""The store as a Ray actor on a chosen node (`start_store`), named `kvstore:<name>` in the namespace
+"""The store as a Ray actor on a chosen node (`start_store`), named `kvservice-store-<name>` in the namespace
 "kvservice": the engines of other nodes read its pages through it (Ray's object store carries them)."""
 
 from __future__ import annotations
@@ -9,17 +9,22 @@ NAMESPACE = "kvservice"
 
 
 def actor_name(name: str) -> str:
-    return f"kvstore:{name}"
+    return f"kvservice-store-{name}"
+
+
+def node_store_name(node_id: str) -> str:
+    """The name `kvservice deploy --stores` gives the store of the Ray node `node_id`."""
+    return f"node-{node_id[:12]}"
 
 
 class _StoreActor:
     def __init__(self, name: str, address: str, num_blocks: int, page_bytes: int, block_size: int,
-                 token: str | None = None, directory: str = DEFAULT_DIR) -> None:
+                 token: str | None = None, directory: str = DEFAULT_DIR, tls_ca: str | None = None) -> None:
         import ray
 
         from kvservice.blockstore.store import BlockStore
         self.store = BlockStore(name, address, num_blocks, page_bytes, block_size, token=token, directory=directory,
-                                node_id=ray.get_runtime_context().get_node_id())
+                                node_id=ray.get_runtime_context().get_node_id(), tls_ca=tls_ca)
 
     def descriptor(self):
         return self.store.descriptor
@@ -35,16 +40,20 @@ class _StoreActor:
 
 
 def start_store(name: str, address: str, num_blocks: int, page_bytes: int, block_size: int, *,
-                node_id: str | None = None, token: str | None = None, directory: str = DEFAULT_DIR):
-    """Starts the store `name` as an actor (on the node `node_id`, hard affinity, when given) and waits until
-    its pool is registered. Returns the actor handle; `ray.get(handle.descriptor.remote())` describes it."""
+                node_id: str | None = None, token: str | None = None, directory: str = DEFAULT_DIR,
+                detached: bool = False, tls_ca: str | None = None):
+    """Starts the store `name` as an actor (on the node `node_id`, hard affinity, when given; the one up under
+    that name if there is one) and waits until its pool is registered. Returns the actor handle;
+    `ray.get(handle.descriptor.remote())` describes it."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    options = dict(name=actor_name(name), namespace=NAMESPACE, num_cpus=0, max_concurrency=4)
+    options = dict(name=actor_name(name), namespace=NAMESPACE, num_cpus=0, max_concurrency=4, get_if_exists=True)
+    if detached:
+        options["lifetime"] = "detached"
     if node_id is not None:
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
     actor = ray.remote(_StoreActor).options(**options).remote(name, address, num_blocks, page_bytes, block_size,
-                                                              token, directory)
+                                                              token, directory, tls_ca)
     ray.get(actor.descriptor.remote())
     return actor

@@ -43,6 +43,19 @@ def read_descriptor(name: str, directory: str = DEFAULT_DIR) -> Descriptor | Non
         return None
 
 
+def live_descriptors(directory: str = DEFAULT_DIR) -> list[Descriptor]:
+    """The descriptors in `directory` whose store process is alive (on this node)."""
+    out = []
+    for path in sorted(Path(directory).glob("kvservice-store-*.json")):
+        try:
+            d = Descriptor(**json.loads(path.read_text()))
+            os.kill(d.pid, 0)
+        except (OSError, ValueError, TypeError):
+            continue
+        out.append(d)
+    return out
+
+
 def write_descriptor(d: Descriptor, directory: str = DEFAULT_DIR) -> Path:
     path = descriptor_path(d.name, directory)
     tmp = path.with_suffix(f".tmp{os.getpid()}")

@@ -45,7 +45,7 @@ class BlockStore:
 
     def __init__(self, name: str, address: str, num_blocks: int, page_bytes: int, block_size: int, *,
                  token: str | None = None, directory: str = DEFAULT_DIR, node_id: str = "",
-                 max_model_len: int = 1 << 20, watch_s: float = 1.0) -> None:
+                 max_model_len: int = 1 << 20, watch_s: float = 1.0, tls_ca: str | None = None) -> None:
         from kvservice.client import KVServiceClient
         if not name or "/" in name or name.startswith("."):
             raise ValueError(f"name: {name!r} is not a store name (letters, digits, '-', '_', '.')")
@@ -59,7 +59,7 @@ class BlockStore:
         self.num_registrations = 0
         try:
             self.client = KVServiceClient(address, token, client_name=f"kvstore:{name}", hash_block_size=block_size,
-                                          timeout_s=2.0, retries=1)
+                                          timeout_s=2.0, retries=1, tls_ca=tls_ca)
             old = _old_segment(name, directory)
             self._register(self.generation)
         except BaseException:

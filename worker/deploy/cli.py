@@ -111,6 +111,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, DeployConfig
     parser.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds to wait for room for new pools")
     parser.add_argument("--smoke", type=int, default=0, metavar="N", help="then run N requests through the router")
     parser.add_argument("--teardown", action="store_true", help="kill every kvservice actor and the allocator")
+    parser.add_argument("--stores", action="store_true", help="a KV block store on every node, for vLLM engines "
+                        "with KVServiceConnector (their extra config: store auto); --pools 0 for stores only")
+    parser.add_argument("--store-pages", type=int, default=d.store_pages, help="pages per store (%(default)s)")
+    parser.add_argument("--store-page-bytes", type=int, default=0, help="bytes of one block of every layer of the "
+                        "engines' model (needed with --stores)")
+    parser.add_argument("--store-dir", default=d.store_dir, help="each node's shared-memory dir (%(default)s)")
     args = parser.parse_args(argv)
     cfg = DeployConfig(pools=args.pools, add_pools=args.add_pools, dcp=args.dcp, num_blocks=args.num_blocks,
                        block_size=args.block_size, max_model_len=args.max_model_len, backend=args.backend,
@@ -120,7 +126,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, DeployConfig
                        no_persistence=args.no_persistence, token_file=args.token_file, token=args.token,
                        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
                        allocator=args.allocator, allocator_shards=args.allocator_shards, standbys=args.standbys,
-                       detached=args.detached, timeout_s=args.timeout)
+                       detached=args.detached, timeout_s=args.timeout, stores=args.stores,
+                       store_pages=args.store_pages, store_page_bytes=args.store_page_bytes,
+                       store_dir=args.store_dir)
     return args, cfg
 
 
@@ -157,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
             f", data dir {cfg.data_dir} on the head node"
         print(f"kvservice deploy: allocator {up.target}"
               + ("" if up.allocator is None else f" ({ray.get(up.allocator.health.remote())}){where}"))
+        for name, node in up.stores.items():
+            print(f"  store {name}: {cfg.store_pages} pages of {cfg.store_page_bytes} bytes on node {node[:8]} (pool "
+                  f"kvstore:{name}; vLLM engines there: KVServiceConnector with store auto)")
         nodes = ray.get([e.where.remote() for e in up.engines.values()])
         for (pool_id, _), node in zip(up.engines.items(), nodes):
             state = "started" if pool_id in up.created else "reused"

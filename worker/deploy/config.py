@@ -36,6 +36,10 @@ class DeployConfig:
     standbys: bool = False  # a hot standby beside each allocator (or shard), on another node (needs redis_url)
     detached: bool = False  # pools outlive this driver
     timeout_s: float = 600.0  # for the pools' placement groups (an autoscaler may have to add nodes first)
+    stores: bool = False  # a KV block store (kvservice.blockstore) on every node, for vLLM's KVServiceConnector
+    store_pages: int = 1024  # pages per store (page 0 is never used)
+    store_page_bytes: int = 0  # one block of every layer of the engines' model (the connector checks it)
+    store_dir: str = "/dev/shm"  # where each node's store keeps its shared-memory segment
 
     def shard_ids(self) -> list[str]:
         return [f"s{i}" for i in range(self.allocator_shards)] if self.allocator_shards > 1 else []

@@ -45,6 +45,7 @@ class Deployment:
     created: list[str] = field(default_factory=list)  # pools this call started
     token: str | None = None  # what clients of the allocator send
     tls: dict[str, str] = field(default_factory=dict)  # their TLS options (DeployConfig.client_tls)
+    stores: dict[str, str] = field(default_factory=dict)  # KV block store name -> its node id
 
     def router(self, token: str | None = None, replica: bool = False) -> Router:
         """A KV-aware router over the engines; `replica`: it keeps a replica of the prefix index
@@ -64,8 +65,29 @@ def deploy(cfg: DeployConfig) -> Deployment:
         cfg.token = ray.get(allocator.token.remote())  # the allocator's own (generated) token
     with KVServiceClient(target, cfg.token, retries=2, timeout_s=10, **cfg.client_tls()) as client:
         client.open_session()  # fails here, readably, on a wrong token or an unreachable allocator
-    engines, created = ensure_pools(cfg, target)
-    return Deployment(target, allocator, engines, created, cfg.token, cfg.client_tls())
+    stores = ensure_stores(cfg, target) if cfg.stores else {}
+    engines, created = ensure_pools(cfg, target) if cfg.pools != 0 or cfg.add_pools else ({}, [])
+    return Deployment(target, allocator, engines, created, cfg.token, cfg.client_tls(), stores)
+
+
+def ensure_stores(cfg: DeployConfig, target: str) -> dict[str, str]:
+    """A KV block store on every alive node (the one up is reused), named after the node
+    (`node-<node id prefix>`): vLLM engines there select it with the connector's `store: auto`."""
+    import ray
+
+    from kvservice.blockstore.actor import node_store_name, start_store
+    if cfg.store_page_bytes <= 0:
+        raise RuntimeError("--stores needs --store-page-bytes: one block of every layer of the engines' model "
+                           "(num_layers * num_kv_heads * block_size * 2 * head_dim * dtype bytes on vLLM's CPU "
+                           "attention)")
+    stores = {}
+    for node in ray.nodes():
+        if node["Alive"]:
+            name = node_store_name(node["NodeID"])
+            start_store(name, target, cfg.store_pages, cfg.store_page_bytes, cfg.block_size, node_id=node["NodeID"],
+                        token=cfg.token, directory=cfg.store_dir, detached=cfg.detached, tls_ca=cfg.tls_ca)
+            stores[name] = node["NodeID"]
+    return stores
 
 
 def ensure_allocator(cfg: DeployConfig) -> tuple[object | None, str]:
@@ -270,11 +292,11 @@ def teardown(timeout_s: float = 30.0) -> list[str]:
             actor = ray.get_actor(name, namespace=NAMESPACE)
         except ValueError:
             continue  # already gone
-        if is_allocator(name):
+        if is_allocator(name) or name.startswith("kvservice-store-"):  # a store frees its shared memory
             try:
                 ray.get(actor.stop.remote(), timeout=timeout_s)
-            except Exception as exc:  # noqa: BLE001 - a dead allocator is killed all the same
-                print(f"  allocator did not stop cleanly ({exc!r}); killing it", file=sys.stderr)
+            except Exception as exc:  # noqa: BLE001 - a dead allocator or store is killed all the same
+                print(f"  {name} did not stop cleanly ({exc!r}); killing it", file=sys.stderr)
         ray.kill(actor, no_restart=True)
     for info in ray.util.placement_group_table().values():
         if info["name"].startswith(("kvservice-pool-", ALLOCATORS_GROUP)) and info["state"] != "REMOVED":

@@ -58,3 +58,4 @@ class Tracked:
     cache_salt: str | None
     block_ids: list[int] = field(default_factory=list)
     saved: bool = False
+    loaded_blocks: int = 0  # the whole blocks its admission loaded from a store (the engine's hit included)

@@ -139,6 +139,9 @@ class SchedulerSide:
             self._unpin(hit)  # vLLM took none of it (skip_reading_prefix_cache, a capped hit)
             return
         self.loaded[request.request_id] = num_external_tokens
+        tracked = self.tracked.get(request.request_id)
+        if tracked is not None:
+            tracked.loaded_blocks = hit.num_tokens // self.block_size
         start = (hit.num_tokens - num_external_tokens) // self.block_size
         end = hit.num_tokens // self.block_size
         self.pending.append(Load(request.request_id, hit.pool_id, hit.pin_id, hit.generation,
@@ -175,12 +178,15 @@ class SchedulerSide:
         return loads, saves
 
     def _maybe_done(self, done: list, req_id: str, tracked: Tracked, computed: int) -> None:
-        """After this step the prompt's whole blocks are computed: they are saved once."""
+        """After this step the prompt's whole blocks are computed: they are saved once, unless a store gave
+        them all."""
         if tracked.saved or computed < len(tracked.prompt):
             return
         tracked.saved = True
         num_tokens = len(tracked.prompt) // self.block_size * self.block_size
-        if num_tokens and self.saves_on:
+        # A prompt whose whole blocks were all loaded from a store is not saved again: the pages would only
+        # be copied to where they already are, or replicated to this node on the step's time.
+        if num_tokens // self.block_size > tracked.loaded_blocks and self.saves_on:
             done.append((req_id, tracked, num_tokens))
 
     def _allocate_saves(self, done: list[tuple[str, Tracked, int]]) -> list[Save]:

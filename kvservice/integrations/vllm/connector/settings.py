@@ -15,7 +15,8 @@ class ConnectorSettings:
         token: the bearer token; its tenant must own the stores (a store's pool belongs to the tenant that
             started it), and an engine finds and reads only its tenant's blocks.
         store: the store on this engine's node, where it saves (default: $KVSERVICE_STORE). Without one
-            the engine only loads.
+            the engine only loads. "auto": the store `kvservice deploy --stores` started on this Ray node
+            (when this process is in Ray), else the one store running on this node.
         stores: the stores to load from (default: every store pool the tenant sees).
         ray_address: the Ray cluster of the stores, for loads from other nodes (default: the Ray this
             process already joined, else "auto").
@@ -47,6 +48,8 @@ class ConnectorSettings:
         if not extra.get("address"):
             raise ValueError("kv_connector_extra_config.address: required, the kvservice allocator's host:port")
         extra.setdefault("store", os.environ.get(ENV_STORE) or None)
+        if extra["store"] == "auto":
+            extra["store"] = auto_store(extra.get("shm_dir", defaults["shm_dir"]))
         stores = extra.get("stores", ())
         if isinstance(stores, str):
             stores = tuple(s for s in stores.split(",") if s)
@@ -60,3 +63,20 @@ class ConnectorSettings:
             raise ValueError(f"kv_connector_extra_config.load_failure: {extra['load_failure']!r} is not "
                              f"'recompute' or 'fail'")
         return cls(**extra)
+
+
+def auto_store(shm_dir: str) -> str:
+    """`store: auto`: this Ray node's deploy store, or the only live store of this node."""
+    try:
+        import ray
+        if ray.is_initialized():
+            from kvservice.blockstore.actor import node_store_name
+            return node_store_name(ray.get_runtime_context().get_node_id())
+    except ImportError:
+        pass
+    from kvservice.blockstore.segment import live_descriptors
+    live = sorted({d.name for d in live_descriptors(shm_dir)})
+    if len(live) != 1:
+        raise ValueError(f"kv_connector_extra_config.store: 'auto' is not in Ray and found {len(live)} live stores "
+                         f"in {shm_dir} ({', '.join(live) or 'none'}); name this node's store")
+    return live[0]

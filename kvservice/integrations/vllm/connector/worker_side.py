@@ -16,6 +16,7 @@ import warnings
 
 import torch
 
+from kvservice.blockstore.actor import NAMESPACE, actor_name
 from kvservice.blockstore.segment import Segment, read_descriptor
 from kvservice.errors import session_lost
 from kvservice.integrations.vllm.connector.plan import Load, Save, store_name
@@ -25,11 +26,25 @@ from kvservice.ops import AllocateOp, FreeOp, OpStatus, UnpinOp
 logger = logging.getLogger(__name__)
 
 
+def runs(a: list[int], b: list[int]) -> list[tuple[int, int]]:
+    """(position, length) of the maximal stretches where both id lists count up by one: each is one strided
+    copy per layer instead of one per block."""
+    out, i, n = [], 0, len(a)
+    while i < n:
+        k = 1
+        while i + k < n and a[i + k] == a[i] + k and b[i + k] == b[i] + k:
+            k += 1
+        out.append((i, k))
+        i += k
+    return out
+
+
 class PageLayout:
-    """Where each layer's block sits in a page."""
+    """Where each layer's block sits in a page: layer by layer in the order of their names, each layer's block
+    as its bytes (`kv_layer[block_id]`, contiguous with the blocks on dim 0)."""
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int | None = None) -> None:
-        self.layers: list[tuple[str, torch.Tensor, int, int]] = []
+        self.layers: list[tuple[torch.Tensor, int, int]] = []  # (the layer as [num_blocks, bytes], offset, bytes)
         offset = 0
         for name in sorted(kv_caches):
             t = kv_caches[name]
@@ -38,23 +53,24 @@ class PageLayout:
                                  f"blocks on dim 0 ({num_blocks} of them), as vLLM's CPU attention lays them out")
             if not t.is_contiguous():
                 raise ValueError(f"KVServiceConnector: layer {name!r}'s KV tensor is not contiguous")
-            size = t[0].numel() * t.element_size()
-            self.layers.append((name, t, offset, size))
-            offset += size
+            flat = t.view(t.shape[0], -1).view(torch.uint8)
+            self.layers.append((flat, offset, flat.shape[1]))
+            offset += flat.shape[1]
         self.page_bytes = offset
 
-    def gather(self, block_ids: list[int]) -> torch.Tensor:
-        """The pages of the engine's blocks, `[n, page_bytes]` uint8."""
-        idx = torch.tensor(block_ids, dtype=torch.long)
-        return torch.cat([t.index_select(0, idx).reshape(len(block_ids), -1).view(torch.uint8)
-                          for _, t, _, _ in self.layers], dim=1)
+    def save(self, pages: torch.Tensor, block_ids: list[int], page_ids: list[int]) -> None:
+        """The engine's blocks into rows `page_ids` of `pages` (`[rows, page_bytes]` uint8)."""
+        for i, k in runs(block_ids, page_ids):
+            b, p = block_ids[i], page_ids[i]
+            for flat, offset, size in self.layers:
+                pages[p:p + k, offset:offset + size].copy_(flat[b:b + k])
 
-    def scatter(self, block_ids: list[int], pages: torch.Tensor) -> None:
-        idx = torch.tensor(block_ids, dtype=torch.long)
-        n = len(block_ids)
-        for _, t, offset, size in self.layers:
-            part = pages[:, offset:offset + size].contiguous().view(t.dtype).reshape(n, *t.shape[1:])
-            t.index_copy_(0, idx, part)
+    def load(self, pages: torch.Tensor, page_ids: list[int], block_ids: list[int]) -> None:
+        """Rows `page_ids` of `pages` into the engine's blocks."""
+        for i, k in runs(block_ids, page_ids):
+            b, p = block_ids[i], page_ids[i]
+            for flat, offset, size in self.layers:
+                flat[b:b + k].copy_(pages[p:p + k, offset:offset + size])
 
 
 class Stores:
@@ -86,30 +102,32 @@ class Stores:
         if actor is None:
             import ray
             if not ray.is_initialized():
-                ray.init(address=self.settings.ray_address or "auto", namespace="kvservice",
+                ray.init(address=self.settings.ray_address or "auto", namespace=NAMESPACE,
                          ignore_reinit_error=True, log_to_driver=False)
-            actor = ray.get_actor(f"kvstore:{name}", namespace="kvservice")
+            actor = ray.get_actor(actor_name(name), namespace=NAMESPACE)
             self.actors[name] = actor
         return actor
 
-    def read(self, name: str, generation: int, block_ids: list[int]) -> torch.Tensor:
+    def read(self, name: str, generation: int, page_ids: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """Where the pages are: this node's segment and their rows in it, or a copy fetched from the store's
+        actor (another node) and rows 0..n-1."""
         pages = self.local(name, generation)
         if pages is not None:
             self.num_local_reads += 1
-            return pages[torch.tensor(block_ids, dtype=torch.long)]
+            return pages, page_ids
         import ray
-        data = ray.get(self.actor(name).read.remote(block_ids, self.settings.token, generation), timeout=60)
+        data = ray.get(self.actor(name).read.remote(page_ids, self.settings.token, generation), timeout=60)
         self.num_remote_reads += 1
         with warnings.catch_warnings():  # Ray's zero-copy arrays are read-only; they are only read here
             warnings.simplefilter("ignore", UserWarning)
-            return torch.from_numpy(data)
+            return torch.from_numpy(data), list(range(len(page_ids)))
 
-    def write(self, name: str, generation: int, block_ids: list[int], data: torch.Tensor) -> None:
+    def writable(self, name: str, generation: int) -> torch.Tensor:
         pages = self.local(name, generation)
         if pages is None:
             raise LookupError(f"store {name!r} is not this node's store ({self.settings.store!r}): saves go to "
                               f"the local store only")
-        pages[torch.tensor(block_ids, dtype=torch.long)] = data
+        return pages
 
 
 class WorkerSide:
@@ -135,9 +153,9 @@ class WorkerSide:
         for load in loads:
             try:
                 if load.store_block_ids:
-                    pages = self.stores.read(store_name(load.pool_id), load.generation, load.store_block_ids)
+                    pages, rows = self.stores.read(store_name(load.pool_id), load.generation, load.store_block_ids)
                     self._check_pages(pages, load.pool_id)
-                    self.layout.scatter(load.local_block_ids, pages)
+                    self.layout.load(pages, rows, load.local_block_ids)
                     self.num_loaded_blocks += len(load.local_block_ids)
             except Exception as exc:  # noqa: BLE001 - any failure: vLLM recomputes these blocks
                 self._failed(load, f"{type(exc).__name__}: {exc}")
@@ -177,8 +195,9 @@ class WorkerSide:
                 if self.failed_blocks.intersection(save.local_block_ids):
                     raise LookupError("its blocks' load failed this step (they are recomputed, not saved)")
                 if save.store_block_ids:
-                    pages = self.layout.gather(save.local_block_ids)
-                    self.stores.write(store_name(save.pool_id), save.generation, save.store_block_ids, pages)
+                    pages = self.stores.writable(store_name(save.pool_id), save.generation)
+                    self._check_pages(pages, save.pool_id)
+                    self.layout.save(pages, save.local_block_ids, save.store_block_ids)
                     self.num_saved_blocks += len(save.store_block_ids)
             except Exception as exc:  # noqa: BLE001 - not saved: free the store pages uncached
                 logger.warning("kvservice connector: saving %s into %s failed (%s: %s)", save.req_id,
