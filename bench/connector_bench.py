@@ -57,6 +57,9 @@ class Timed:
         stats = self.engine.connector_stats()
         return sum(stats["loaded"].values())
 
+    def stats(self) -> dict:
+        return self.engine.connector_stats()
+
 
 def bandwidth(stores, page_bytes: int, num_pages: int, node_b_resource: str) -> dict:
     """GB/s of the connector's copies (kvservice.integrations.vllm.connector.worker_side) against torch's
@@ -140,7 +143,7 @@ def run(args) -> dict:
                "kv_connector_extra_config": {"shared_storage_path": str(disk)}}
     results: dict = {"model": MODEL, "lengths": lengths, "trials": args.trials, "page_bytes": page,
                      "ttft_s": {s: {str(n): [] for n in lengths} for s in SIDES}, "loaded": {}, "writer_s": {},
-                     "floor_s": {}}
+                     "floor_s": {}, "save_copy_s": {}}
     try:
         with joined_cluster({"num_cpus": 1, "resources": {"node_a": 1}}, {"num_cpus": 1, "resources": {"node_b": 1}},
                             namespace="kvservice"):
@@ -171,17 +174,21 @@ def run(args) -> dict:
             for n in lengths:
                 for trial in range(args.trials):
                     prompt = [rng.randrange(1, e.VOCAB) for _ in range(n + 2)]
-                    written = ray.get([w.ttft.remote(prompt) for w in writers.values()])
+                    written = [ray.get(w.ttft.remote(prompt)) for w in writers.values()]  # one at a time
                     results["writer_s"].setdefault(str(n), []).append(written[0][0])
                     order = SIDES[trial % len(SIDES):] + SIDES[:trial % len(SIDES)]
                     firsts = {}
                     for side in order:
-                        before = ray.get(readers[side].loaded.remote()) if "kvservice" in side else 0
+                        before = ray.get(readers[side].stats.remote()) if "kvservice" in side else {}
                         seconds, firsts[side] = ray.get(readers[side].ttft.remote(prompt))
                         results["ttft_s"][side][str(n)].append(seconds)
                         if "kvservice" in side:
-                            results["loaded"].setdefault(side, []).append(ray.get(readers[side].loaded.remote())
-                                                                          - before)
+                            after = ray.get(readers[side].stats.remote())
+                            spent = {k: after[k] - before[k] for k in ("fetch_s", "copy_in_s", "unpin_s")}
+                            spent["loaded"] = sum(after["loaded"].values()) - sum(before["loaded"].values())
+                            results["loaded"].setdefault(side, {}).setdefault(str(n), []).append(spent)
+                    results["save_copy_s"].setdefault(str(n), []).append(
+                        ray.get(writers["kvservice"].stats.remote())["copy_out_s"])
                     seconds, firsts[FLOOR] = ray.get(writers["kvservice"].ttft.remote(prompt))
                     results["floor_s"].setdefault(str(n), []).append(seconds)
                     assert len(set(firsts.values())) == 1, f"first tokens differ at {n}: {firsts}"

@@ -1,4 +1,4 @@
-"""`kvservice serve | status | demo | generate | bench | deploy`."""
+"""`kvservice serve | status | shards | store | demo | generate | bench | deploy`."""
 
 from __future__ import annotations
 
@@ -53,6 +53,24 @@ def build_parser() -> argparse.ArgumentParser:
     shards.add_argument("--pool", help="move: the pool")
     shards.add_argument("--to", help="move: the destination shard")
     shards.add_argument("--dry-run", action="store_true", help="rebalance: print the moves, make none")
+
+    store = sub.add_parser("store", help="a KV block store on this node (the store tier of vLLM's KVServiceConnector) "
+                                         "where Ray is absent; runs until SIGTERM or Ctrl-C",
+                           description="A KV block store: a shared-memory segment of pages here and its pool "
+                                       "kvstore:NAME on the allocator; vLLM engines on this node with "
+                                       "KVServiceConnector (store NAME) save and load prefixes through it.")
+    store.add_argument("--name", required=True, help="the store's name (its pool: kvstore:NAME)")
+    store.add_argument("--target", default="127.0.0.1:50051", help="the allocator (default: %(default)s)")
+    store.add_argument("--pages", type=int, required=True, help="pages of the segment (page 0 is never used)")
+    store.add_argument("--page-bytes", type=int, required=True,
+                       help="one block of every layer of the engines' model (num_layers * num_kv_heads * "
+                            "block_size * 2 * head_dim * dtype bytes on vLLM's CPU attention)")
+    store.add_argument("--block-size", type=int, required=True, help="the engines' block size (= the allocator's "
+                                                                     "--hash-block-size)")
+    store.add_argument("--dir", default="/dev/shm", help="where the segment lives (default: %(default)s)")
+    store.add_argument("--token", help="bearer token: the store's pool belongs to its tenant")
+    store.add_argument("--token-file", help="read the bearer token from this file (its first token)")
+    store.add_argument("--tls-ca", help="CA that signed the server's certificate (PEM): turns on TLS")
 
     sub.add_parser("demo", help="end-to-end demo (allocator + Ray workers + a tiny model); options after it go "
                                "to worker/demo.py (e.g. --requests, --dcp, --backend, --num-blocks)", add_help=False)
@@ -192,6 +210,33 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo_main(args.demo_args)
 
 
+def cmd_store(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from kvservice.blockstore import BlockStore
+    from kvservice.errors import KVServiceError
+    token = client_token(args, "store")
+    if token is False:
+        return 2
+    try:
+        store = BlockStore(args.name, args.target, args.pages, args.page_bytes, args.block_size, token=token,
+                           directory=args.dir, tls_ca=args.tls_ca)
+    except (KVServiceError, ValueError, OSError) as exc:
+        print(f"kvservice store: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"kvservice store {args.name}: pool {store.pool_id} at epoch {store.generation}, {args.pages} pages of "
+          f"{args.page_bytes} bytes in {store.descriptor.path}", flush=True)
+    try:
+        stop.wait()
+    finally:
+        store.close()
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from worker.generate import main as generate_main  # torch and transformers load only for generate
     return generate_main(args.demo_args)
@@ -210,8 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         subcommand.error(f"unrecognized arguments: {' '.join(extra)}")  # its usage, and the flag meant
     args.demo_args = args.deploy_args = extra
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return {"serve": cmd_serve, "status": cmd_status, "shards": cmd_shards, "demo": cmd_demo, "bench": cmd_bench,
-            "deploy": cmd_deploy, "generate": cmd_generate}[args.command](args)
+    return {"serve": cmd_serve, "status": cmd_status, "shards": cmd_shards, "store": cmd_store, "demo": cmd_demo,
+            "bench": cmd_bench, "deploy": cmd_deploy, "generate": cmd_generate}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -225,3 +225,34 @@ def test_a_store_registers_again_when_the_allocator_returns_without_it(tmp_path)
     finally:
         store.close()
         (second or first).stop()
+
+
+def test_kvservice_store_runs_a_store_until_sigterm(server, tmp_path):
+    """`kvservice store` (where Ray is absent): the pool is up while it runs; SIGTERM frees the segment, and
+    the pool leaves the index when the store's lease lapses."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.service_helpers import REPO
+    (tmp_path / "token").write_text("tok-a\n")
+    proc = subprocess.Popen([sys.executable, "-m", "kvservice.cli", "store", "--name", "cli", "--target", server.target,
+                             "--pages", "8", "--page-bytes", str(PAGE), "--block-size", str(BS), "--dir",
+                             str(tmp_path), "--token-file", str(tmp_path / "token")],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "kvservice store cli: pool kvstore:cli" in line, line + proc.stderr.read()
+        d = read_descriptor("cli", str(tmp_path))
+        with server.client("tok-a", client_name="engine", hash_block_size=BS) as c:
+            assert c.get_stats().pools["kvstore:cli"].epoch == d.generation
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(20) == 0
+            assert not (tmp_path / d.path.rsplit("/", 1)[-1]).exists() and read_descriptor("cli", str(tmp_path)) is None
+            deadline = time.monotonic() + 15
+            while c.get_stats().pools["kvstore:cli"].epoch == d.generation and time.monotonic() < deadline:
+                time.sleep(0.3)
+            assert c.get_stats().pools["kvstore:cli"].epoch == d.generation + 1  # retired: empty
+    finally:
+        if proc.poll() is None:
+            proc.kill()

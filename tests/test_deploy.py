@@ -101,9 +101,30 @@ def test_deploy_again_reuses_pools_and_adds_new_ones(up, config):
     up.engines["p2"] = more.engines["p2"]  # not detached: a pool lives while its driver holds its engine
 
 
-def test_teardown_removes_every_named_actor(up):
+def test_deploy_stores_puts_a_kv_block_store_on_every_node(up, config, tmp_path_factory):
+    """--stores: a store actor per node (for vLLM's KVServiceConnector), its pool on the allocator; teardown
+    stops them and frees their shared memory."""
+    shm = tmp_path_factory.mktemp("stores")
+    config.add_pools, config.stores, config.store_pages, config.store_page_bytes = 0, True, 16, 64
+    config.store_dir = str(shm)
+    more = deploy.deploy(config)
+    up.store_actors.update(more.store_actors)  # not detached: a store lives while its driver holds it
+    assert len(more.stores) == 2 and len(set(more.stores.values())) == 2  # one per node
+    from kvservice.blockstore.actor import actor_name
+    for name, node in more.stores.items():
+        assert ray.get(ray.get_actor(actor_name(name), namespace=deploy.NAMESPACE).descriptor.remote()).node_id == node
+    with more.router().client as client:
+        pools = client.get_stats().pools
+    assert all(pools[f"kvstore:{n}"].num_blocks == 16 for n in more.stores)
+    assert len(list(shm.glob("kvservice-store-*"))) == 4  # a segment and a descriptor each
+    config.stores = False
+
+
+def test_teardown_removes_every_named_actor(up, config):
     names = deploy.teardown()
-    assert deploy.ALLOCATOR_NAME in names and deploy.rank_name("p2", 0) in names and len(names) == 7
+    assert deploy.ALLOCATOR_NAME in names and deploy.rank_name("p2", 0) in names and len(names) == 9
+    assert sum(n.startswith("kvservice-store-") for n in names) == 2
+    assert not list(Path(config.store_dir).glob("kvservice-store-*"))  # the stores freed their memory
     assert deploy.named_actors() == []
     groups = [g for g in ray.util.placement_group_table().values() if g["name"].startswith("kvservice-pool-")]
     assert groups and all(g["state"] == "REMOVED" for g in groups)

@@ -4,6 +4,7 @@ the node that reads or writes it, and a small JSON descriptor beside it that nam
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -74,16 +75,18 @@ class Segment:
                              f"{page_bytes}")
         self.path, self.num_blocks, self.page_bytes = path, num_blocks, page_bytes
         size = num_blocks * page_bytes
-        if create:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.ftruncate(fd, size)
-            finally:
-                os.close(fd)
-        elif os.path.getsize(path) != size:
+        if not create and os.path.getsize(path) != size:
             raise ValueError(f"store segment {path}: {os.path.getsize(path)} bytes, expected {num_blocks} pages of "
                              f"{page_bytes} bytes")
-        self.pages = np.memmap(path, dtype=np.uint8, mode="r+", shape=(num_blocks, page_bytes))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600) if create else os.open(path, os.O_RDWR)
+        try:
+            if create:
+                os.posix_fallocate(fd, 0, size)  # the memory now, not page by page under the first copies
+            # Mapped with every page in place (MAP_POPULATE): no page faults on the copies' path.
+            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        finally:
+            os.close(fd)
+        self.pages = np.frombuffer(self._map, dtype=np.uint8).reshape(num_blocks, page_bytes)
 
     @classmethod
     def attach(cls, d: Descriptor) -> Segment:
@@ -107,7 +110,8 @@ class Segment:
         self.pages[ids] = data
 
     def close(self, unlink: bool = False) -> None:
-        self.pages = None  # the mapping goes with the last view of it
+        self.pages = None  # the mapping goes with the last view of it (views a caller still holds keep it)
+        self._map = None
         if unlink:
             try:
                 os.unlink(self.path)

@@ -53,7 +53,8 @@ class Engine:
                 "lookups": side.num_lookups, "failures": side.num_failures,
                 "loaded_blocks": worker.num_loaded_blocks, "saved_blocks": worker.num_saved_blocks,
                 "failed_loads": worker.num_failed_loads, "local_reads": worker.stores.num_local_reads,
-                "remote_reads": worker.stores.num_remote_reads}
+                "remote_reads": worker.stores.num_remote_reads, "fetch_s": worker.fetch_s,
+                "copy_in_s": worker.copy_in_s, "unpin_s": worker.unpin_s, "copy_out_s": worker.copy_out_s}
 
     def close(self) -> None:
         e.close(self.llm)

@@ -46,6 +46,7 @@ class Deployment:
     token: str | None = None  # what clients of the allocator send
     tls: dict[str, str] = field(default_factory=dict)  # their TLS options (DeployConfig.client_tls)
     stores: dict[str, str] = field(default_factory=dict)  # KV block store name -> its node id
+    store_actors: dict[str, object] = field(default_factory=dict)  # ...-> its actor (not detached: held here)
 
     def router(self, token: str | None = None, replica: bool = False) -> Router:
         """A KV-aware router over the engines; `replica`: it keeps a replica of the prefix index
@@ -65,12 +66,14 @@ def deploy(cfg: DeployConfig) -> Deployment:
         cfg.token = ray.get(allocator.token.remote())  # the allocator's own (generated) token
     with KVServiceClient(target, cfg.token, retries=2, timeout_s=10, **cfg.client_tls()) as client:
         client.open_session()  # fails here, readably, on a wrong token or an unreachable allocator
-    stores = ensure_stores(cfg, target) if cfg.stores else {}
+    store_actors = ensure_stores(cfg, target) if cfg.stores else {}
+    stores = {name: node for name, (node, _) in store_actors.items()}
     engines, created = ensure_pools(cfg, target) if cfg.pools != 0 or cfg.add_pools else ({}, [])
-    return Deployment(target, allocator, engines, created, cfg.token, cfg.client_tls(), stores)
+    return Deployment(target, allocator, engines, created, cfg.token, cfg.client_tls(), stores,
+                      {name: actor for name, (_, actor) in store_actors.items()})
 
 
-def ensure_stores(cfg: DeployConfig, target: str) -> dict[str, str]:
+def ensure_stores(cfg: DeployConfig, target: str) -> dict[str, tuple[str, object]]:
     """A KV block store on every alive node (the one up is reused), named after the node
     (`node-<node id prefix>`): vLLM engines there select it with the connector's `store: auto`."""
     import ray
@@ -84,9 +87,10 @@ def ensure_stores(cfg: DeployConfig, target: str) -> dict[str, str]:
     for node in ray.nodes():
         if node["Alive"]:
             name = node_store_name(node["NodeID"])
-            start_store(name, target, cfg.store_pages, cfg.store_page_bytes, cfg.block_size, node_id=node["NodeID"],
-                        token=cfg.token, directory=cfg.store_dir, detached=cfg.detached, tls_ca=cfg.tls_ca)
-            stores[name] = node["NodeID"]
+            actor = start_store(name, target, cfg.store_pages, cfg.store_page_bytes, cfg.block_size,
+                                node_id=node["NodeID"], token=cfg.token, directory=cfg.store_dir,
+                                detached=cfg.detached, tls_ca=cfg.tls_ca)
+            stores[name] = (node["NodeID"], actor)
     return stores
 
 

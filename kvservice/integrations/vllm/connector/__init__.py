@@ -10,6 +10,16 @@ across nodes through Ray.
 The settings (`kv_connector_extra_config`) are listed in `settings.py`.
 """
 
-from kvservice.integrations.vllm.connector.connector import KVServiceConnector, KVServiceConnectorMetadata
+_CLASSES = ("KVServiceConnector", "KVServiceConnectorMetadata")
 
-__all__ = ["KVServiceConnector", "KVServiceConnectorMetadata"]
+
+def __getattr__(name: str):
+    # Lazy: only the connector class imports vLLM (its two sides and the store tier do not).
+    if name in _CLASSES:
+        from kvservice.integrations.vllm.connector import connector
+
+        return getattr(connector, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = list(_CLASSES)

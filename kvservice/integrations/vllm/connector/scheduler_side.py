@@ -139,11 +139,12 @@ class SchedulerSide:
             self._unpin(hit)  # vLLM took none of it (skip_reading_prefix_cache, a capped hit)
             return
         self.loaded[request.request_id] = num_external_tokens
+        # The engine's own hit, then the external tokens vLLM took (all of the answer, or less when capped).
+        start = hit.num_computed_tokens // self.block_size
+        end = min(hit.num_tokens, hit.num_computed_tokens + num_external_tokens) // self.block_size
         tracked = self.tracked.get(request.request_id)
         if tracked is not None:
-            tracked.loaded_blocks = hit.num_tokens // self.block_size
-        start = (hit.num_tokens - num_external_tokens) // self.block_size
-        end = hit.num_tokens // self.block_size
+            tracked.loaded_blocks = end
         self.pending.append(Load(request.request_id, hit.pool_id, hit.pin_id, hit.generation,
                                  hit.store_block_ids[start:end], list(block_ids[start:end])))
 

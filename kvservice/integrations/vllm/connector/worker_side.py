@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import warnings
 
 import torch
@@ -137,6 +138,8 @@ class WorkerSide:
         self.stores = Stores(settings)
         self.failed_blocks: set[int] = set()
         self.num_loaded_blocks = self.num_saved_blocks = self.num_failed_loads = 0
+        # seconds on the step's path: fetching pages (another node's), copying them in, the unpin Step, saves
+        self.fetch_s = self.copy_in_s = self.unpin_s = self.copy_out_s = 0.0
         self._tell: queue.Queue = queue.Queue()
         self._teller: threading.Thread | None = None
         self._client = None
@@ -153,13 +156,18 @@ class WorkerSide:
         for load in loads:
             try:
                 if load.store_block_ids:
+                    start = time.perf_counter()
                     pages, rows = self.stores.read(store_name(load.pool_id), load.generation, load.store_block_ids)
+                    fetched = time.perf_counter()
                     self._check_pages(pages, load.pool_id)
                     self.layout.load(pages, rows, load.local_block_ids)
+                    self.fetch_s += fetched - start
+                    self.copy_in_s += time.perf_counter() - fetched
                     self.num_loaded_blocks += len(load.local_block_ids)
             except Exception as exc:  # noqa: BLE001 - any failure: vLLM recomputes these blocks
                 self._failed(load, f"{type(exc).__name__}: {exc}")
             unpins.setdefault(load.pool_id, []).append(load)
+        start = time.perf_counter()
         for pool_id, group in unpins.items():
             try:
                 results = self._step(pool_id, [UnpinOp(load.pin_id) for load in group])
@@ -169,6 +177,7 @@ class WorkerSide:
             for load, r in zip(group, results):
                 if r is None or r.status != OpStatus.OK:
                     self._failed(load, reason if r is None else f"its pin was gone ({r.message})")
+        self.unpin_s += time.perf_counter() - start
 
     def _failed(self, load: Load, reason: str) -> None:
         if self.failed_blocks.isdisjoint(load.local_block_ids):
@@ -195,9 +204,11 @@ class WorkerSide:
                 if self.failed_blocks.intersection(save.local_block_ids):
                     raise LookupError("its blocks' load failed this step (they are recomputed, not saved)")
                 if save.store_block_ids:
+                    start = time.perf_counter()
                     pages = self.stores.writable(store_name(save.pool_id), save.generation)
                     self._check_pages(pages, save.pool_id)
                     self.layout.save(pages, save.local_block_ids, save.store_block_ids)
+                    self.copy_out_s += time.perf_counter() - start
                     self.num_saved_blocks += len(save.store_block_ids)
             except Exception as exc:  # noqa: BLE001 - not saved: free the store pages uncached
                 logger.warning("kvservice connector: saving %s into %s failed (%s: %s)", save.req_id,
