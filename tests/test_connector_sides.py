@@ -153,3 +153,9 @@ def test_settings_name_the_bad_key():
 def test_a_layout_with_blocks_elsewhere_is_refused():
     with pytest.raises(ValueError, match="blocks on dim 0"):
         PageLayout({"l0": torch.zeros(2, NUM_BLOCKS, 4)}, NUM_BLOCKS)
+
+
+def test_store_auto_is_the_nodes_only_live_store(server, store, tmp_path):
+    assert ConnectorSettings.from_extra({"address": "x", "store": "auto", "shm_dir": store.directory}).store == "n1"
+    with pytest.raises(ValueError, match="found 0 live stores"):
+        ConnectorSettings.from_extra({"address": "x", "store": "auto", "shm_dir": str(tmp_path / "none")})

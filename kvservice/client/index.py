@@ -111,6 +111,11 @@ class PrefixIndex:
             hits, missing = hits + answer.hits, answer.missing_shards
         return LookupResult(hits, best_pool(hits, raw[0] if raw else None), missing)
 
+    def pool_stats(self, pool_id: str) -> PoolStats | None:
+        """The pool's stats as of the last refresh (its epoch, free blocks), or None for a pool not seen."""
+        with self._lock:
+            return self._stats.get(pool_id)
+
     def _local(self, pool_id: str) -> dict[bytes, int] | None:
         """The pool's replicated hashes, or None when this replica cannot answer for it now."""
         stats = self._stats.get(pool_id)

@@ -50,7 +50,7 @@ class Engine:
         worker = get_kv_transfer_group().worker_side
         worker.flush()
         return {"loaded": dict(side.loaded), "pins": side.num_pins, "saves": side.num_saves,
-                "lookups": side.num_lookups, "failures": side.num_failures,
+                "lookups": side.num_lookups, "lookup_rpcs": side.num_lookup_rpcs, "failures": side.num_failures,
                 "loaded_blocks": worker.num_loaded_blocks, "saved_blocks": worker.num_saved_blocks,
                 "failed_loads": worker.num_failed_loads, "local_reads": worker.stores.num_local_reads,
                 "remote_reads": worker.stores.num_remote_reads, "fetch_s": worker.fetch_s,

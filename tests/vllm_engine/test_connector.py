@@ -92,11 +92,13 @@ def fleet_env(tmp_path_factory):
                                     node_id=nodes[f"node_{name}"], directory=str(shm)) for name in ("a", "b")}
         engines = {}
 
-        def engine(label: str, node: str, store: str | None = "same", token: str = "tok-a", **kw):
+        def engine(label: str, node: str, store: str | None = "same", token: str = "tok-a", scheduler=None,
+                   kvservice=None, **kw):
             if label not in engines:
                 config = fleet.connector_config(allocator.target, node if store == "same" else store,
                                                 token=token, shm_dir=str(shm), retry_after_s=2.0, **kw)
-                engines[label] = fleet.start_engine(model, f"node_{node}", config)
+                owned = {"scheduler": scheduler, "kvservice": kvservice} if scheduler else {}
+                engines[label] = fleet.start_engine(model, f"node_{node}", config, **owned)
             return engines[label]
 
         def close(label: str) -> None:
@@ -116,6 +118,22 @@ def fleet_env(tmp_path_factory):
             allocator.proc.stop()
 
 
+def wait_saved(env, prompts: list[list[int]], store: str | None = None) -> None:
+    """Until a store holds each prompt's whole blocks (a writer's commits run off its step), and a moment for
+    the readers' prefix-index replicas to hear of them."""
+    pools = [f"kvstore:{store}"] if store else []
+    with env["allocator"].tenant_a() as client:
+        def saved() -> bool:
+            for p in prompts:
+                hits = client.lookup(p, pool_ids=pools).hits
+                if max((h.num_cached_tokens for h in hits if h.pool_id.startswith("kvstore:")), default=0) \
+                        < whole_blocks(len(p) - 1):
+                    return False
+            return True
+        wait_for(saved, "the writer's pages committed")
+    time.sleep(0.5)
+
+
 def stock_tokens(env, prompts, max_tokens: int = 8) -> list:
     from vllm import SamplingParams
     return e.generate(env["stock"], prompts, SamplingParams(max_tokens=max_tokens, temperature=0)).tokens
@@ -127,12 +145,14 @@ def test_a_prefix_computed_on_one_node_is_loaded_on_another(fleet_env):
     assert ray.get(a.node.remote()) != ray.get(b.node.remote())
     _, prompts = family(1)
     ray.get(a.generate.remote(prompts(10)))
+    wait_saved(env, prompts(10))
     mine = prompts(11)
     got = ray.get(b.generate.remote(mine))
     stats = ray.get(b.connector_stats.remote())
     # B's external hit is each shared prefix in whole blocks, read from node a's store through Ray.
     assert sorted(stats["loaded"].values()) == [whole_blocks(n) for n in PREFIXES], stats
     assert stats["remote_reads"] == 3 and stats["local_reads"] == 0 and stats["failed_loads"] == 0, stats
+    assert stats["pins"] == 3 and stats["lookup_rpcs"] == 0, stats  # one RPC per new request: its pin
     assert got == stock_tokens(env, mine)
 
 
@@ -141,6 +161,7 @@ def test_on_the_same_node_pages_come_through_shared_memory(fleet_env):
     a, c = env["engine"]("A", "a"), env["engine"]("C", "a")
     _, prompts = family(2)
     ray.get(a.generate.remote(prompts(20)))
+    wait_saved(env, prompts(20))
     mine = prompts(21)
     got = ray.get(c.generate.remote(mine))
     stats = ray.get(c.connector_stats.remote())
@@ -149,12 +170,30 @@ def test_on_the_same_node_pages_come_through_shared_memory(fleet_env):
     assert got == stock_tokens(env, mine)
 
 
+def test_kvservices_own_scheduler_with_the_connector(fleet_env):
+    """An engine whose blocks kvservice owns (scheduler_cls) loads through the connector too."""
+    env = fleet_env
+    a = env["engine"]("A", "a")
+    k = env["engine"]("K", "a", scheduler="AsyncScheduler",
+                      kvservice={"address": env["allocator"].target, "token": "tok-a", "pool_id": "engine-k"})
+    _, prompts = family(8)
+    ray.get(a.generate.remote(prompts(80)))
+    wait_saved(env, prompts(80))
+    mine = prompts(81)
+    got = ray.get(k.generate.remote(mine))
+    stats = ray.get(k.connector_stats.remote())
+    assert sorted(stats["loaded"].values()) == [whole_blocks(n) for n in PREFIXES], stats
+    assert got == stock_tokens(env, mine)
+    env["close"]("K")
+
+
 def test_the_tokens_depend_on_the_loaded_pages(fleet_env):
     """The check above can fail: with node a's pages overwritten, C's tokens are no longer the stock ones."""
     env = fleet_env
     a, c = env["engine"]("A", "a"), env["engine"]("C", "a")
     _, prompts = family(3, lengths=(200,))
     ray.get(a.generate.remote(prompts(30)))
+    wait_saved(env, prompts(30))
     d = read_descriptor("a", str(env["shm"]))
     seg = Segment.attach(d)
     saved = np.array(seg.pages)
@@ -174,6 +213,7 @@ def test_another_tenants_engine_finds_nothing_of_tenant_a(fleet_env):
     a, t = env["engine"]("A", "a"), env["engine"]("T", "a", store=None, token="tok-b")
     _, prompts = family(4)
     ray.get(a.generate.remote(prompts(40)))
+    wait_saved(env, prompts(40))
     mine = prompts(41)
     got = ray.get(t.generate.remote(mine))
     stats = ray.get(t.connector_stats.remote())
@@ -191,6 +231,7 @@ def test_prefill_on_a_producer_and_decode_on_a_consumer(fleet_env):
     _, prompts = family(5)
     mine = prompts(50)
     ray.get(producer.generate.remote(mine, max_tokens=1))
+    wait_saved(env, mine)
     got = ray.get(consumer.generate.remote(mine, max_tokens=8))
     made, used = ray.get(producer.connector_stats.remote()), ray.get(consumer.connector_stats.remote())
     assert made["lookups"] == 0 and made["saves"] == 3, made  # a producer never loads
@@ -235,6 +276,7 @@ def test_engines_serve_on_without_the_allocator_and_share_again_when_it_returns(
     wait_for(lambda: stores_registered(env), "both stores registered again")
     time.sleep(2.5)  # the engines' retry_after_s
     ray.get(a.generate.remote(prompts(61)))
+    wait_saved(env, prompts(61))
     before = ray.get(c.connector_stats.remote())["loaded"]
     mine = prompts(62)
     got = ray.get(c.generate.remote(mine))
@@ -250,6 +292,7 @@ def test_a_store_node_that_dies_is_recomputed_and_leaves_the_index(fleet_env):
     b, c = env["engine"]("B", "b"), env["engine"]("C", "a")
     _, prompts = family(7)
     ray.get(b.generate.remote(prompts(70)))
+    wait_saved(env, prompts(70), store="b")
     probe = prompts(71)[1]
     with env["allocator"].tenant_a() as client:
         assert client.lookup(probe, pool_ids=["kvstore:b"]).tokens("kvstore:b") == whole_blocks(PREFIXES[1])

@@ -1,10 +1,12 @@
 """The connector's scheduler side (vLLM's EngineCore process): finds and pins a new request's prefix in the
 store tier, and allocates store pages for the prompts the engine computed.
 
-Calls to the allocator, per scheduler step: one Lookup (over every store pool) for each new request, plus a
-Step that pins on the store with the longest hit when it beats the engine's own cache; one Step for all the
-saves the step asks for. Copies, commits and unpins are the worker side's. A failed call turns sharing off
-for `retry_after_s`: requests are then computed, never answered from memory that may be gone.
+Calls to the allocator, per scheduler step: none for a new request that no store holds more of than the
+engine (hits are found in a replica of the store pools' prefix index, kvservice.client.PrefixIndex, kept from
+the allocator's events), else one Step that pins on the store with the longest hit; one Step for all the
+saves the step asks for. With `index` off, one Lookup RPC per new request as well. Copies, commits and
+unpins are the worker side's. A failed call turns sharing off for `retry_after_s`: requests are then
+computed, never answered from memory that may be gone.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class SchedulerSide:
         self.loads_on, self.saves_on = loads, saves and settings.store is not None
         self.local_pool = STORE_PREFIX + settings.store if settings.store else None
         self._client = None
+        self._index = None  # the PrefixIndex replica (settings.index), started on first use
         self.down_until = 0.0
         self.hits: dict[str, Hit] = {}  # request id -> its pinned, not yet loaded prefix
         self.pending: list[Load] = []  # loads for the next metadata
@@ -37,6 +40,12 @@ class SchedulerSide:
         self.loaded: dict[str, int] = {}  # request id -> the tokens its last admission loaded (stats, tests)
         self.epochs_at = -1e9
         self.num_pins = self.num_saves = self.num_lookups = self.num_failures = 0
+        self.num_lookup_rpcs = 0  # Lookups sent to the allocator (not answered by the replica)
+        if loads and settings.index:
+            try:  # now, so the replica has synced by the first request (else it starts on first use)
+                self.index()
+            except Exception as exc:  # noqa: BLE001 - the allocator away at start-up: the engine starts all the same
+                self.failed("starting the prefix-index replica", exc)
         self._serial = 0
 
     # ---- the allocator ------------------------------------------------------------------------
@@ -67,7 +76,29 @@ class SchedulerSide:
                            "computed)", what, type(exc).__name__, exc, self.settings.retry_after_s)
         self.down_until = time.monotonic() + self.settings.retry_after_s
 
+    def index(self):
+        if self._index is None and self.settings.index:
+            from kvservice.client import PrefixIndex
+            self._index = PrefixIndex(self.client())
+        return self._index
+
+    def find(self, tracked: Tracked):
+        """Per store pool, the cached prefix of the prompt: from the replica, else by a Lookup RPC."""
+        pool_ids = [STORE_PREFIX + s for s in self.settings.stores]
+        index = self.index()
+        if index is not None:
+            before = index.remote_lookups
+            found = index.lookup(tracked.prompt, cache_salt=tracked.cache_salt, pool_ids=pool_ids)
+            self.num_lookup_rpcs += index.remote_lookups - before
+            return found
+        self.num_lookup_rpcs += 1
+        return self.client().lookup(tracked.prompt, cache_salt=tracked.cache_salt, pool_ids=pool_ids)
+
     def generation(self, pool_id: str) -> int | None:
+        index = self._index
+        stats = index.pool_stats(pool_id) if index is not None else None
+        if stats is not None:
+            return stats.epoch
         now = time.monotonic()
         if pool_id not in self.epochs or now - self.epochs_at > EPOCH_REFRESH_S:
             pools = self.client().get_stats().pools
@@ -107,8 +138,7 @@ class SchedulerSide:
     def _pin(self, req_id: str, tracked: Tracked, num_computed_tokens: int) -> int:
         client = self.client()
         self.num_lookups += 1
-        found = client.lookup(tracked.prompt, cache_salt=tracked.cache_salt,
-                              pool_ids=[STORE_PREFIX + s for s in self.settings.stores])
+        found = self.find(tracked)
         hits = [h for h in found.hits if h.pool_id.startswith(STORE_PREFIX)
                 and h.num_cached_tokens > num_computed_tokens]
         if not hits:
@@ -238,5 +268,7 @@ class SchedulerSide:
             self._unpin(hit)
 
     def close(self) -> None:
+        if self._index is not None:
+            self._index.close()
         if self._client is not None:
             self._client.close()

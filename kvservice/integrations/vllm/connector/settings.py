@@ -20,6 +20,9 @@ class ConnectorSettings:
         stores: the stores to load from (default: every store pool the tenant sees).
         ray_address: the Ray cluster of the stores, for loads from other nodes (default: the Ray this
             process already joined, else "auto").
+        index: find hits in a replica of the store pools' prefix index kept from the allocator's events
+            (kvservice.client.PrefixIndex, True): a new request costs no RPC unless a store holds more of it
+            than the engine (then one PinOp); False: one Lookup RPC per new request as well.
         timeout_s: per call to the allocator (1.0). A failed call turns sharing off for `retry_after_s`
             (5.0): the engine serves on, computing what it would have loaded.
         load_failure: "recompute" (default; sets vLLM's kv_load_failure_policy) or "fail" (vLLM's).
@@ -31,6 +34,7 @@ class ConnectorSettings:
     store: str | None = None
     stores: tuple[str, ...] = ()
     ray_address: str | None = None
+    index: bool = True
     timeout_s: float = 1.0
     retry_after_s: float = 5.0
     load_failure: str = "recompute"
