@@ -149,12 +149,16 @@ def test_a_store_that_ends_takes_its_blocks_out_of_the_index(server, engine, tmp
     commit(engine, store, "s", 12)
     epoch = engine.get_stats().pools[store.pool_id].epoch
     assert hit(engine, store, prompt + [1]) == 12
-    store.client._closed.set()  # noqa: SLF001 - renewals stop as when the process is killed
-    deadline = time.monotonic() + 15
-    while hit(engine, store, prompt + [1]) and time.monotonic() < deadline:
-        time.sleep(0.3)
-    assert hit(engine, store, prompt + [1]) == 0
-    assert engine.get_stats().pools[store.pool_id].epoch == epoch + 1
+    store._stop.set()  # noqa: SLF001 - its watcher and lease renewals stop, as when the process is killed
+    store.client._closed.set()  # noqa: SLF001
+    try:
+        deadline = time.monotonic() + 15
+        while hit(engine, store, prompt + [1]) and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert hit(engine, store, prompt + [1]) == 0
+        assert engine.get_stats().pools[store.pool_id].epoch == epoch + 1
+    finally:
+        store.close()
 
 
 def test_a_restarted_store_starts_empty_and_drops_the_old_segment(server, engine, tmp_path):

