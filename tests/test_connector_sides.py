@@ -159,3 +159,59 @@ def test_store_auto_is_the_nodes_only_live_store(server, store, tmp_path):
     assert ConnectorSettings.from_extra({"address": "x", "store": "auto", "shm_dir": store.directory}).store == "n1"
     with pytest.raises(ValueError, match="found 0 live stores"):
         ConnectorSettings.from_extra({"address": "x", "store": "auto", "shm_dir": str(tmp_path / "none")})
+
+
+def test_a_hit_asked_again_answers_and_loads_from_the_engines_new_hit(server, store):
+    """vLLM asks again when it could not admit the request; the engine's own hit may have shrunk meanwhile:
+    the answer and the load follow the last ask (every block past the engine's hit is loaded)."""
+    a = WorkerSide(settings(server, store), BS, "a")
+    a.register(kv(5), NUM_BLOCKS)
+    writer = SchedulerSide(settings(server, store, index=False), BS, "a", loads=True, saves=True)
+    prompt = list(range(40, 57))  # 4 whole blocks + 1
+    writer.on_new_request(request("w", prompt))
+    _, saves = writer.build(scheduled("w", prompt, [1, 2, 3, 4, 5], 0, len(prompt)))
+    a.save(saves)
+    a.flush()
+    reader = SchedulerSide(settings(server, store, index=False), BS, "b", loads=True, saves=False)
+    reader.on_new_request(request("r", prompt))
+    assert reader.num_new_matched_tokens(request("r", prompt), 8) == 8  # the engine had 2 blocks
+    assert reader.num_new_matched_tokens(request("r", prompt), 0) == 16  # ...then none (evicted)
+    reader.after_alloc(request("r", prompt), [6, 7, 8, 9, 10], 16)
+    (load,), _ = reader.build(scheduled("r", prompt, [6, 7, 8, 9, 10], 16, 1))
+    assert load.local_block_ids == [6, 7, 8, 9] and len(load.store_block_ids) == 4
+    for side in (a, writer, reader):
+        side.close()
+
+
+def test_no_save_copies_the_blocks_of_a_request_whose_load_failed(server, store):
+    """The load fails in one step; the prompt completes in a later one (async scheduling schedules it before
+    vLLM hears of the failure): its save is dropped, so no store page gets the failed blocks."""
+    from kvservice.integrations.vllm.connector.plan import Save
+    side = WorkerSide(settings(server, store), BS, "w")
+    side.register(kv(6), NUM_BLOCKS)
+    side.load([Load("r", store.pool_id, "gone", store.generation, [1], [3])])
+    assert side.take_failed_blocks() == {3}
+    side.save([Save("r", "s", store.pool_id, store.generation, 4, [3], [1])])
+    assert side.num_saved_blocks == 0
+    side.close()
+
+
+def test_a_load_named_by_an_older_generation_fails_after_the_store_registered_again(server, store):
+    side = WorkerSide(settings(server, store), BS, "w")
+    side.register(kv(7), NUM_BLOCKS)
+    old = store.generation
+    side.stores.local("n1", old)  # mapped at the old generation
+    store._register(old + 10)  # noqa: SLF001 - as the watcher does when the allocator lost the pool
+    side.load([Load("r", store.pool_id, "p", old, [1], [2])])
+    assert side.take_failed_blocks() == {2}
+    side.close()
+
+
+def test_a_dead_stores_segment_is_swept_by_the_next_store(server, tmp_path):
+    from kvservice.blockstore.segment import Descriptor, write_descriptor
+    from kvservice.blockstore.store import sweep_dead
+    (tmp_path / "kvservice-store-ghost-1").write_bytes(b"\0" * 64)
+    write_descriptor(Descriptor("ghost", "kvstore:ghost", str(tmp_path / "kvservice-store-ghost-1"), 2, 32, BS, 1,
+                                pid=2 ** 22 + 12345), str(tmp_path))
+    assert sweep_dead(str(tmp_path)) == ["ghost"]
+    assert not list(tmp_path.glob("kvservice-store-ghost*"))

@@ -130,8 +130,11 @@ class Allocator:
             for session_id in closed:
                 self.book.close_session(session_id)
             ended = set(closed)
-            for pool_id in [p.pool_id for p in self.state.pools.values() if p.bound_session in ended]:
-                self.registry.bump_epoch(pool_id)  # its memory went with the session's process
+            # Its memory went with the session's process. A pool moving between shards stays frozen as it is:
+            # the store registers it again wherever it lands.
+            for pool_id in [p.pool_id for p in self.state.pools.values()
+                            if p.bound_session in ended and not p.moving_to]:
+                self.registry.bump_epoch(pool_id)
             return Applied(closed, True)
         if kind is ResetPrefixCache:
             return self._reset(command, guard)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 import os
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -53,6 +55,7 @@ class BlockStore:
         self.config = KVCacheConfig(num_blocks, [FullAttentionSpec(block_size)])
         self.max_model_len, self.page_bytes, self.block_size = max_model_len, page_bytes, block_size
         self.generation = time.time_ns()
+        sweep_dead(directory)
         path = os.path.join(directory, f"kvservice-store-{name}-{self.generation}")
         self.segment = Segment(path, num_blocks, page_bytes, create=True)
         self.pool_id = store_pool_id(name)
@@ -94,12 +97,13 @@ class BlockStore:
         session lapsed while the allocator was away), gets it again at a new epoch, empty."""
         while not self._stop.wait(every_s):
             try:
-                stats = self.client.get_stats().pools.get(self.pool_id)
-                if stats is not None and stats.epoch not in (self.generation, self.generation + 1):
-                    logger.warning("store %s: another store of this name registered its pool (epoch %d); this "
-                                   "one stops serving it", self.name, stats.epoch)
+                here = read_descriptor(self.name, self.directory)
+                if here is not None and here.path != self.segment.path:
+                    logger.warning("store %s: another store of this name started on this node (%s); this one "
+                                   "stops serving its pool", self.name, here.path)
                     return
-                if stats is None or stats.epoch == self.generation + 1:
+                stats = self.client.get_stats().pools.get(self.pool_id)
+                if stats is None or stats.epoch != self.generation:
                     generation = max(time.time_ns(), (stats.epoch + 1) if stats is not None else 0)
                     self._register(generation)
                     logger.warning("store %s: its pool was %s; registered again at epoch %d, empty", self.name,
@@ -148,6 +152,28 @@ class BlockStore:
             except (FileNotFoundError, ValueError, TypeError):
                 pass
             self.segment.close(unlink=True)
+
+
+def sweep_dead(directory: str) -> list[str]:
+    """Frees the segments of stores of this node whose process is gone (a kill -9, a node renamed): their
+    memory would otherwise stay taken. Returns the names swept."""
+    swept = []
+    for path in Path(directory).glob("kvservice-store-*.json"):
+        try:
+            d = Descriptor(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            continue
+        try:
+            os.kill(d.pid, 0)
+            continue  # alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # another user's live process
+        _unlink(d.path)
+        _unlink(str(path))
+        swept.append(d.name)
+    return swept
 
 
 def _old_segment(name: str, directory: str) -> str | None:

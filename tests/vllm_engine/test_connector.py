@@ -188,6 +188,39 @@ def test_kvservices_own_scheduler_with_the_connector(fleet_env):
     env["close"]("K")
 
 
+def test_a_store_at_its_memory_bound_evicts_lru_and_serves_no_stale_hit(fleet_env):
+    """A store of 19 usable pages: W saves five 6-page prompts into it, so the oldest are evicted (LRU). C then
+    asks for prompts over each prefix: it loads exactly what the store still holds (a Lookup of the store
+    says so), the evicted prefixes are computed, and every token is the stock engine's."""
+    env = fleet_env
+    tiny = start_store("tiny", env["allocator"].target, 20, fleet.page_bytes(), e.BLOCK, token="tok-a",
+                       node_id=env["nodes"]["node_a"], directory=str(env["shm"]))
+    try:
+        w = env["engine"]("W", "a", store="tiny", stores=["tiny"])
+        c = env["engine"]("C", "a")
+        families = [family(90 + i, lengths=(200,)) for i in range(5)]
+        for _, prompts in families:  # one at a time: each save lands before the next
+            ray.get(w.generate.remote(prompts(0)))
+            wait_saved(env, prompts(0), store="tiny")
+        with env["allocator"].tenant_a() as client:
+            held = [client.lookup(prompts(1)[0], pool_ids=["kvstore:tiny"]).tokens("kvstore:tiny")
+                    for _, prompts in families]
+        assert held[-1] == 192 and min(held) < 192, held  # the newest is there, the oldest went
+        before = dict(ray.get(c.connector_stats.remote())["loaded"])
+        for (_, prompts), has in zip(families, held):
+            mine = prompts(1)
+            got = ray.get(c.generate.remote(mine, max_tokens=6))
+            assert got == stock_tokens(env, mine, max_tokens=6)
+            now = ray.get(c.connector_stats.remote())["loaded"]
+            new = [v for k, v in now.items() if k not in before]
+            before = dict(now)
+            assert new == ([has] if has else []), (has, new)  # what the store holds, never more
+        env["close"]("W")
+    finally:
+        ray.get(tiny.stop.remote())
+        ray.kill(tiny)
+
+
 def test_the_tokens_depend_on_the_loaded_pages(fleet_env):
     """The check above can fail: with node a's pages overwritten, C's tokens are no longer the stock ones."""
     env = fleet_env

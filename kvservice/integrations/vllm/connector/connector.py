@@ -3,6 +3,7 @@ roles; the scheduler side and the worker side are separate objects in separate p
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,15 @@ from kvservice.integrations.vllm.connector.plan import Load, Save
 from kvservice.integrations.vllm.connector.settings import ConnectorSettings
 
 logger = logging.getLogger(__name__)
+
+
+def model_namespace(vllm_config) -> str:
+    """What must be equal for two engines' pages to be interchangeable: the model, its dtype, the KV cache's
+    dtype and the block size (a short fingerprint, salted into the prompts' hashes)."""
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    identity = "|".join(str(x) for x in (model.model, getattr(model, "revision", None), model.dtype,
+                                         cache.cache_dtype, cache.block_size))
+    return "kvc-" + hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -49,7 +59,8 @@ class KVServiceConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             from kvservice.integrations.vllm.connector.scheduler_side import SchedulerSide
             self.scheduler_side = SchedulerSide(self.settings, self.block_size, engine_id,
-                                                loads=transfer.is_kv_consumer, saves=transfer.is_kv_producer)
+                                                loads=transfer.is_kv_consumer, saves=transfer.is_kv_producer,
+                                                namespace=model_namespace(vllm_config))
         else:
             from kvservice.integrations.vllm.connector.worker_side import WorkerSide
             self.worker_side = WorkerSide(self.settings, self.block_size, engine_id)

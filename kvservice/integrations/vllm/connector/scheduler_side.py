@@ -28,8 +28,10 @@ LOADED_KEPT = 4096
 
 class SchedulerSide:
     def __init__(self, settings: ConnectorSettings, block_size: int, engine_id: str, *, loads: bool,
-                 saves: bool) -> None:
+                 saves: bool, namespace: str = "") -> None:
         self.settings, self.block_size, self.engine_id = settings, block_size, engine_id
+        # Salted into every prompt's hashes: engines of another model, dtype or layout never share pages.
+        self.namespace = settings.namespace or namespace
         self.loads_on, self.saves_on = loads, saves and settings.store is not None
         self.local_pool = STORE_PREFIX + settings.store if settings.store else None
         self._client = None
@@ -115,16 +117,19 @@ class SchedulerSide:
 
     # ---- loads ---------------------------------------------------------------------------------
     def on_new_request(self, request) -> None:
-        if request.mm_features or request.lora_request is not None:
-            return  # multimodal and LoRA prompts are neither saved nor loaded
+        if request.mm_features or request.lora_request is not None or getattr(request, "prompt_embeds", None) \
+                is not None:
+            return  # multimodal, LoRA and embedding prompts are neither saved nor loaded (their ids say too little)
+        salt = getattr(request, "cache_salt", None)
         self.tracked[request.request_id] = Tracked(list(request.prompt_token_ids or ()),
-                                                   getattr(request, "cache_salt", None))
+                                                   f"{self.namespace}|{salt}" if salt else self.namespace or None)
 
     def num_new_matched_tokens(self, request, num_computed_tokens: int) -> int:
         """The tokens past the engine's own hit a store holds, pinned for this request (whole blocks)."""
         req_id = request.request_id
         hit = self.hits.get(req_id)
-        if hit is not None:
+        if hit is not None:  # asked again (not admitted last time): the engine's own hit may have changed
+            hit.num_computed_tokens = num_computed_tokens
             return max(0, hit.num_tokens - num_computed_tokens)
         tracked = self.tracked.get(req_id)
         if not self.loads_on or tracked is None or not self.available():

@@ -20,6 +20,9 @@ class ConnectorSettings:
         stores: the stores to load from (default: every store pool the tenant sees).
         ray_address: the Ray cluster of the stores, for loads from other nodes (default: the Ray this
             process already joined, else "auto").
+        namespace: salted into every prompt's block hashes, so only engines with the same one share pages
+            (default: a fingerprint of the model, its dtype, the KV cache dtype and the block size). Set the
+            same value on engines that load one model from different paths.
         index: find hits in a replica of the store pools' prefix index kept from the allocator's events
             (kvservice.client.PrefixIndex, True): a new request costs no RPC unless a store holds more of it
             than the engine (then one PinOp); False: one Lookup RPC per new request as well.
@@ -34,6 +37,7 @@ class ConnectorSettings:
     store: str | None = None
     stores: tuple[str, ...] = ()
     ray_address: str | None = None
+    namespace: str = ""
     index: bool = True
     timeout_s: float = 1.0
     retry_after_s: float = 5.0

@@ -14,6 +14,7 @@ import queue
 import threading
 import time
 import warnings
+from collections import OrderedDict
 
 import torch
 
@@ -25,6 +26,11 @@ from kvservice.integrations.vllm.connector.settings import ConnectorSettings
 from kvservice.ops import AllocateOp, FreeOp, OpStatus, UnpinOp
 
 logger = logging.getLogger(__name__)
+
+REMOTE_READ_TIMEOUT_S = 10.0  # a load from another node's store that takes longer fails (and is recomputed)
+FAILED_KEPT = 4096  # requests whose load failed, remembered so that no later save copies their blocks
+RETRY_S = 1.0  # unpins and frees the allocator did not take are sent again this much later
+MAX_TRIES = 600
 
 
 def runs(a: list[int], b: list[int]) -> list[tuple[int, int]]:
@@ -87,14 +93,16 @@ class Stores:
         """The pages of the store `name` if it runs on this node at `generation` (else None)."""
         if name != self.settings.store:
             return None
+        # The descriptor as it is now, every time: a store that restarted (or registered again) since the pin
+        # or the page allocation was taken names another generation, and its pages mean something else.
+        d = read_descriptor(name, self.settings.shm_dir)
+        if d is None or d.generation != generation:
+            raise LookupError(f"store {name!r} on this node is not at generation {generation} (it restarted, "
+                              f"registered again or stopped): the pages named are gone")
         have = self.segments.get(name)
-        if have is None or have[0] != generation:
-            d = read_descriptor(name, self.settings.shm_dir)
-            if d is None or d.generation != generation:
-                raise LookupError(f"store {name!r} on this node is not at generation {generation} (it restarted "
-                                  f"or stopped): the pages are gone")
+        if have is None or have[0] != d.path:
             seg = Segment.attach(d)
-            have = (generation, seg, torch.from_numpy(seg.pages))
+            have = (d.path, seg, torch.from_numpy(seg.pages))
             self.segments[name] = have
         return have[2]
 
@@ -117,7 +125,12 @@ class Stores:
             self.num_local_reads += 1
             return pages, page_ids
         import ray
-        data = ray.get(self.actor(name).read.remote(page_ids, self.settings.token, generation), timeout=60)
+        try:
+            data = ray.get(self.actor(name).read.remote(page_ids, self.settings.token, generation),
+                           timeout=REMOTE_READ_TIMEOUT_S)
+        except Exception:
+            self.actors.pop(name, None)  # look the store up again next time (it may have been restarted)
+            raise
         self.num_remote_reads += 1
         with warnings.catch_warnings():  # Ray's zero-copy arrays are read-only; they are only read here
             warnings.simplefilter("ignore", UserWarning)
@@ -137,12 +150,15 @@ class WorkerSide:
         self.layout: PageLayout | None = None
         self.stores = Stores(settings)
         self.failed_blocks: set[int] = set()
+        self.failed_requests: OrderedDict[str, None] = OrderedDict()  # loads failed, in any earlier step
         self.num_loaded_blocks = self.num_saved_blocks = self.num_failed_loads = 0
         # seconds on the step's path: fetching pages (another node's), copying them in, the unpin Step, saves
         self.fetch_s = self.copy_in_s = self.unpin_s = self.copy_out_s = 0.0
         self._tell: queue.Queue = queue.Queue()
         self._teller: threading.Thread | None = None
         self._client = None
+        self._client_lock = threading.Lock()  # the step's unpins and the teller's commits share one client
+        self._retry: list[tuple[float, int, str, list]] = []  # (when, tries, pool, ops) the allocator did not take
 
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int | None = None) -> None:
         self.layout = PageLayout(kv_caches, num_blocks)
@@ -174,6 +190,7 @@ class WorkerSide:
             except Exception as exc:  # noqa: BLE001 - unconfirmed pins: their blocks are recomputed
                 results = [None] * len(group)
                 reason = f"the allocator did not confirm the pins ({type(exc).__name__}: {exc})"
+                self._later(pool_id, [UnpinOp(load.pin_id) for load in group])  # released once it answers
             for load, r in zip(group, results):
                 if r is None or r.status != OpStatus.OK:
                     self._failed(load, reason if r is None else f"its pin was gone ({r.message})")
@@ -185,6 +202,9 @@ class WorkerSide:
             logger.warning("kvservice connector: loading %d blocks of %s from %s failed (%s); they are recomputed",
                            len(load.local_block_ids), load.req_id, load.pool_id, reason)
         self.failed_blocks.update(load.local_block_ids)
+        self.failed_requests[load.req_id] = None
+        if len(self.failed_requests) > FAILED_KEPT:
+            self.failed_requests.popitem(last=False)
 
     def _check_pages(self, pages: torch.Tensor, pool_id: str) -> None:
         if pages.shape[1] != self.layout.page_bytes:
@@ -201,8 +221,8 @@ class WorkerSide:
             ops = [AllocateOp(save.save_id, num_computed_tokens=save.num_tokens + 1, cache_tokens=save.num_tokens),
                    FreeOp(save.save_id)]
             try:
-                if self.failed_blocks.intersection(save.local_block_ids):
-                    raise LookupError("its blocks' load failed this step (they are recomputed, not saved)")
+                if save.req_id in self.failed_requests or self.failed_blocks.intersection(save.local_block_ids):
+                    raise LookupError("a load of its blocks failed (they are recomputed, not saved)")
                 if save.store_block_ids:
                     start = time.perf_counter()
                     pages = self.stores.writable(store_name(save.pool_id), save.generation)
@@ -226,38 +246,57 @@ class WorkerSide:
     def _tell_loop(self) -> None:
         stop = False
         while not stop:
-            batch = [self._tell.get()]
+            try:
+                batch = [self._tell.get(timeout=RETRY_S if self._retry else None)]
+            except queue.Empty:
+                batch = []
             while True:  # everything queued meanwhile goes in one Step per pool
                 try:
                     batch.append(self._tell.get_nowait())
                 except queue.Empty:
                     break
             stop = None in batch
-            self._send([b for b in batch if b is not None])
+            now = time.monotonic()
+            due = [(tries, pool, ops) for when, tries, pool, ops in self._retry if when <= now]
+            self._retry = [r for r in self._retry if r[0] > now]
+            self._send([(pool, ops, 0) for pool, ops in (b for b in batch if b is not None)]
+                       + [(pool, ops, tries) for tries, pool, ops in due])
             for _ in batch:
                 self._tell.task_done()
 
-    def _send(self, batch: list[tuple[str, list]]) -> None:
-        by_pool: dict[str, list] = {}
-        for pool_id, ops in batch:
-            by_pool.setdefault(pool_id, []).extend(ops)
-        for pool_id, ops in by_pool.items():
+    def _send(self, batch: list[tuple[str, list, int]]) -> None:
+        by_pool: dict[str, tuple[list, int]] = {}
+        for pool_id, ops, tries in batch:
+            have, most = by_pool.get(pool_id, ([], 0))
+            by_pool[pool_id] = (have + ops, max(most, tries))
+        for pool_id, (ops, tries) in by_pool.items():
             try:
                 results = self._step(pool_id, ops)
                 bad = [r for r in results if r.status not in (OpStatus.OK, OpStatus.NOT_FOUND)]
                 if bad:
                     logger.warning("kvservice connector: %s refused %s", pool_id, bad[0].message)
-            except Exception as exc:  # noqa: BLE001 - store requests go with the session's lease
-                logger.warning("kvservice connector: telling %s failed (%s: %s)", pool_id, type(exc).__name__, exc)
+            except Exception as exc:  # noqa: BLE001 - sent again later: a pin or page must not stay held
+                if tries + 1 < MAX_TRIES:
+                    self._retry.append((time.monotonic() + RETRY_S, tries + 1, pool_id, self._retryable(ops)))
+                if tries == 0:
+                    logger.warning("kvservice connector: telling %s failed (%s: %s); trying again", pool_id,
+                                   type(exc).__name__, exc)
+
+    @staticmethod
+    def _retryable(ops: list) -> list:
+        """What is safe to send again: unpins and frees (NOT_FOUND once done); a commit after a failure
+        becomes a plain free (its pages are not known to have been cached)."""
+        return [op for op in ops if isinstance(op, (UnpinOp, FreeOp))]
 
     def _step(self, pool_id: str, ops: list):
-        try:
-            return self.client().step(pool_id, ops)
-        except Exception as exc:
-            if not session_lost(exc):
-                raise
-            self.client().open_session()  # the allocator restarted without our session: a new one
-            return self.client().step(pool_id, ops)
+        with self._client_lock:
+            try:
+                return self.client().step(pool_id, ops)
+            except Exception as exc:
+                if not session_lost(exc):
+                    raise
+                self.client().open_session()  # the allocator restarted without our session: a new one
+                return self.client().step(pool_id, ops)
 
     def client(self):
         if self._client is None:
