@@ -56,6 +56,10 @@ class Engine:
                 "remote_reads": worker.stores.num_remote_reads, "fetch_s": worker.fetch_s,
                 "copy_in_s": worker.copy_in_s, "unpin_s": worker.unpin_s, "copy_out_s": worker.copy_out_s}
 
+    def namespace(self) -> str:
+        """The connector's salt of this engine's prompts (what a test's own lookups must hash with)."""
+        return e.scheduler_of(self.llm).connector.scheduler_side.namespace
+
     def close(self) -> None:
         e.close(self.llm)
 

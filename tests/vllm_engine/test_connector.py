@@ -119,14 +119,21 @@ def fleet_env(tmp_path_factory):
             allocator.proc.stop()
 
 
-def wait_saved(env, prompts: list[list[int]], store: str | None = None) -> None:
+def salt(env, engine) -> str:
+    """The engines' namespace (one model: one for all), which the connector salts every prompt with."""
+    if "salt" not in env:
+        env["salt"] = ray.get(engine.namespace.remote())
+    return env["salt"]
+
+
+def wait_saved(env, writer, prompts: list[list[int]], store: str | None = None) -> None:
     """Until a store holds each prompt's whole blocks (a writer's commits run off its step), and a moment for
     the readers' prefix-index replicas to hear of them."""
     pools = [f"kvstore:{store}"] if store else []
     with env["allocator"].tenant_a() as client:
         def saved() -> bool:
             for p in prompts:
-                hits = client.lookup(p, pool_ids=pools).hits
+                hits = client.lookup(p, cache_salt=salt(env, writer), pool_ids=pools).hits
                 if max((h.num_cached_tokens for h in hits if h.pool_id.startswith("kvstore:")), default=0) \
                         < whole_blocks(len(p) - 1):
                     return False
@@ -146,7 +153,7 @@ def test_a_prefix_computed_on_one_node_is_loaded_on_another(fleet_env):
     assert ray.get(a.node.remote()) != ray.get(b.node.remote())
     _, prompts = family(1)
     ray.get(a.generate.remote(prompts(10)))
-    wait_saved(env, prompts(10))
+    wait_saved(env, a, prompts(10))
     mine = prompts(11)
     got = ray.get(b.generate.remote(mine))
     stats = ray.get(b.connector_stats.remote())
@@ -162,7 +169,7 @@ def test_on_the_same_node_pages_come_through_shared_memory(fleet_env):
     a, c = env["engine"]("A", "a"), env["engine"]("C", "a")
     _, prompts = family(2)
     ray.get(a.generate.remote(prompts(20)))
-    wait_saved(env, prompts(20))
+    wait_saved(env, a, prompts(20))
     mine = prompts(21)
     got = ray.get(c.generate.remote(mine))
     stats = ray.get(c.connector_stats.remote())
@@ -179,7 +186,7 @@ def test_kvservices_own_scheduler_with_the_connector(fleet_env):
                       kvservice={"address": env["allocator"].target, "token": "tok-a", "pool_id": "engine-k"})
     _, prompts = family(8)
     ray.get(a.generate.remote(prompts(80)))
-    wait_saved(env, prompts(80))
+    wait_saved(env, a, prompts(80))
     mine = prompts(81)
     got = ray.get(k.generate.remote(mine))
     stats = ray.get(k.connector_stats.remote())
@@ -201,9 +208,10 @@ def test_a_store_at_its_memory_bound_evicts_lru_and_serves_no_stale_hit(fleet_en
         families = [family(90 + i, lengths=(200,)) for i in range(5)]
         for _, prompts in families:  # one at a time: each save lands before the next
             ray.get(w.generate.remote(prompts(0)))
-            wait_saved(env, prompts(0), store="tiny")
+            wait_saved(env, w, prompts(0), store="tiny")
         with env["allocator"].tenant_a() as client:
-            held = [client.lookup(prompts(1)[0], pool_ids=["kvstore:tiny"]).tokens("kvstore:tiny")
+            held = [client.lookup(prompts(1)[0], cache_salt=salt(env, w), pool_ids=["kvstore:tiny"])
+                    .tokens("kvstore:tiny")
                     for _, prompts in families]
         assert held[-1] == 192 and min(held) < 192, held  # the newest is there, the oldest went
         before = dict(ray.get(c.connector_stats.remote())["loaded"])
@@ -227,7 +235,7 @@ def test_the_tokens_depend_on_the_loaded_pages(fleet_env):
     a, c = env["engine"]("A", "a"), env["engine"]("C", "a")
     _, prompts = family(3, lengths=(200,))
     ray.get(a.generate.remote(prompts(30)))
-    wait_saved(env, prompts(30))
+    wait_saved(env, a, prompts(30))
     d = read_descriptor("a", str(env["shm"]))
     seg = Segment.attach(d)
     saved = np.array(seg.pages)
@@ -247,7 +255,7 @@ def test_another_tenants_engine_finds_nothing_of_tenant_a(fleet_env):
     a, t = env["engine"]("A", "a"), env["engine"]("T", "a", store=None, token="tok-b")
     _, prompts = family(4)
     ray.get(a.generate.remote(prompts(40)))
-    wait_saved(env, prompts(40))
+    wait_saved(env, a, prompts(40))
     mine = prompts(41)
     got = ray.get(t.generate.remote(mine))
     stats = ray.get(t.connector_stats.remote())
@@ -265,7 +273,7 @@ def test_prefill_on_a_producer_and_decode_on_a_consumer(fleet_env):
     _, prompts = family(5)
     mine = prompts(50)
     ray.get(producer.generate.remote(mine, max_tokens=1))
-    wait_saved(env, mine)
+    wait_saved(env, producer, mine)
     got = ray.get(consumer.generate.remote(mine, max_tokens=8))
     made, used = ray.get(producer.connector_stats.remote()), ray.get(consumer.connector_stats.remote())
     assert made["lookups"] == 0 and made["saves"] == 3, made  # a producer never loads
@@ -310,7 +318,7 @@ def test_engines_serve_on_without_the_allocator_and_share_again_when_it_returns(
     wait_for(lambda: stores_registered(env), "both stores registered again")
     time.sleep(2.5)  # the engines' retry_after_s
     ray.get(a.generate.remote(prompts(61)))
-    wait_saved(env, prompts(61))
+    wait_saved(env, a, prompts(61))
     before = ray.get(c.connector_stats.remote())["loaded"]
     mine = prompts(62)
     got = ray.get(c.generate.remote(mine))
@@ -326,10 +334,11 @@ def test_a_store_node_that_dies_is_recomputed_and_leaves_the_index(fleet_env):
     b, c = env["engine"]("B", "b"), env["engine"]("C", "a")
     _, prompts = family(7)
     ray.get(b.generate.remote(prompts(70)))
-    wait_saved(env, prompts(70), store="b")
+    wait_saved(env, b, prompts(70), store="b")
     probe = prompts(71)[1]
     with env["allocator"].tenant_a() as client:
-        assert client.lookup(probe, pool_ids=["kvstore:b"]).tokens("kvstore:b") == whole_blocks(PREFIXES[1])
+        assert client.lookup(probe, cache_salt=salt(env, b), pool_ids=["kvstore:b"]).tokens("kvstore:b") \
+            == whole_blocks(PREFIXES[1])
     (node_b,) = env["cluster"].worker_nodes
     env["cluster"].remove_node(node_b)
     failed_before = ray.get(c.connector_stats.remote())["failed_loads"]
@@ -338,5 +347,5 @@ def test_a_store_node_that_dies_is_recomputed_and_leaves_the_index(fleet_env):
     assert ray.get(c.connector_stats.remote())["failed_loads"] > failed_before
     assert got == stock_tokens(env, mine)
     with env["allocator"].tenant_a() as client:
-        wait_for(lambda: client.lookup(probe, pool_ids=["kvstore:b"]).tokens("kvstore:b") == 0,
+        wait_for(lambda: client.lookup(probe, cache_salt=env["salt"], pool_ids=["kvstore:b"]).tokens("kvstore:b") == 0,
                  "store b's blocks out of the index", timeout_s=40)
