@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from kvservice.blockstore import BlockStore, Segment, read_descriptor
+from kvservice.blockstore.saves import admit_save, commit_save
 from kvservice.errors import InvalidArgument
 from kvservice.ops import AddRequestOp, AllocateOp, FreeOp, OpStatus, PinOp, UnpinOp
 from tests.service_helpers import start_server
@@ -48,8 +49,7 @@ def save(client, store: BlockStore, save_id: str, prompt: list[int], data: dict[
     """The connector's save: a store request over the prompt's whole blocks plus one token, admitted with
     delay_cache_blocks; the pages written; then cached and freed. Returns (hit tokens, new pages)."""
     n = len(prompt) // BS * BS
-    _, r = client.step(store.pool_id, [AddRequestOp(save_id, token_ids=prompt[:n] + [0]),
-                                       AllocateOp(save_id, num_new_tokens=n + 1, delay_cache_blocks=True)])
+    _, r = client.step(store.pool_id, admit_save(save_id, prompt, n))
     assert r.status == OpStatus.OK, r
     pages = list(r.new_block_ids[0][r.num_computed_tokens // BS:n // BS])
     for i, page in enumerate(pages):
@@ -58,8 +58,7 @@ def save(client, store: BlockStore, save_id: str, prompt: list[int], data: dict[
 
 
 def commit(client, store: BlockStore, save_id: str, n: int) -> None:
-    results = client.step(store.pool_id, [AllocateOp(save_id, num_computed_tokens=n + 1, cache_tokens=n),
-                                          FreeOp(save_id)])
+    results = client.step(store.pool_id, commit_save(save_id, n))
     assert all(r.status == OpStatus.OK for r in results), results
 
 

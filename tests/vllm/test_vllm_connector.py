@@ -24,9 +24,10 @@ from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvservice.blockstore import BlockStore  # noqa: E402
+from kvservice.blockstore.saves import admit_save, commit_save  # noqa: E402
 from kvservice.integrations.vllm.connector import KVServiceConnectorMetadata  # noqa: E402
 from kvservice.integrations.vllm.connector.connector import model_namespace  # noqa: E402
-from kvservice.ops import AddRequestOp, AllocateOp, FreeOp, OpStatus  # noqa: E402
+from kvservice.ops import OpStatus  # noqa: E402
 from tests.service_helpers import start_server  # noqa: E402
 from tests.vllm import scheduler_harness as h  # noqa: E402
 
@@ -66,10 +67,9 @@ def scheduler(model_dir, server, store, namespace: str | None = None) -> Schedul
 def seed_store(client, store: BlockStore, prompt: list[int], salt: str) -> int:
     """What a writer engine's connector leaves in the store: the prompt's whole blocks, committed."""
     n = len(prompt) // BS * BS
-    _, r = client.step(store.pool_id, [AddRequestOp("w", token_ids=prompt[:n] + [0], cache_salt=salt),
-                                       AllocateOp("w", num_new_tokens=n + 1, delay_cache_blocks=True)])
+    _, r = client.step(store.pool_id, admit_save("w", prompt, n, salt))
     assert r.status == OpStatus.OK
-    client.step(store.pool_id, [AllocateOp("w", num_computed_tokens=n + 1, cache_tokens=n), FreeOp("w")])
+    client.step(store.pool_id, commit_save("w", n))
     return n
 
 

@@ -142,6 +142,15 @@ def wait_saved(env, writer, prompts: list[list[int]], store: str | None = None) 
     time.sleep(0.5)
 
 
+def relay(env, writer, reader, written: list[list[int]], mine: list[list[int]]) -> tuple[list, dict]:
+    """`writer` computes `written` and its pages land in a store; then `reader` generates `mine`. Returns the
+    reader's tokens and its connector's stats."""
+    ray.get(writer.generate.remote(written))
+    wait_saved(env, writer, written)
+    got = ray.get(reader.generate.remote(mine))
+    return got, ray.get(reader.connector_stats.remote())
+
+
 def stock_tokens(env, prompts, max_tokens: int = 8) -> list:
     from vllm import SamplingParams
     return e.generate(env["stock"], prompts, SamplingParams(max_tokens=max_tokens, temperature=0)).tokens
@@ -152,11 +161,8 @@ def test_a_prefix_computed_on_one_node_is_loaded_on_another(fleet_env):
     a, b = env["engine"]("A", "a"), env["engine"]("B", "b")
     assert ray.get(a.node.remote()) != ray.get(b.node.remote())
     _, prompts = family(1)
-    ray.get(a.generate.remote(prompts(10)))
-    wait_saved(env, a, prompts(10))
     mine = prompts(11)
-    got = ray.get(b.generate.remote(mine))
-    stats = ray.get(b.connector_stats.remote())
+    got, stats = relay(env, a, b, prompts(10), mine)
     # B's external hit is each shared prefix in whole blocks, read from node a's store through Ray.
     assert sorted(stats["loaded"].values()) == [whole_blocks(n) for n in PREFIXES], stats
     assert stats["remote_reads"] == 3 and stats["local_reads"] == 0 and stats["failed_loads"] == 0, stats
@@ -168,11 +174,8 @@ def test_on_the_same_node_pages_come_through_shared_memory(fleet_env):
     env = fleet_env
     a, c = env["engine"]("A", "a"), env["engine"]("C", "a")
     _, prompts = family(2)
-    ray.get(a.generate.remote(prompts(20)))
-    wait_saved(env, a, prompts(20))
     mine = prompts(21)
-    got = ray.get(c.generate.remote(mine))
-    stats = ray.get(c.connector_stats.remote())
+    got, stats = relay(env, a, c, prompts(20), mine)
     assert sorted(stats["loaded"].values()) == [whole_blocks(n) for n in PREFIXES], stats
     assert stats["local_reads"] == 3 and stats["remote_reads"] == 0, stats
     assert got == stock_tokens(env, mine)
@@ -185,11 +188,8 @@ def test_kvservices_own_scheduler_with_the_connector(fleet_env):
     k = env["engine"]("K", "a", scheduler="AsyncScheduler",
                       kvservice={"address": env["allocator"].target, "token": "tok-a", "pool_id": "engine-k"})
     _, prompts = family(8)
-    ray.get(a.generate.remote(prompts(80)))
-    wait_saved(env, a, prompts(80))
     mine = prompts(81)
-    got = ray.get(k.generate.remote(mine))
-    stats = ray.get(k.connector_stats.remote())
+    got, stats = relay(env, a, k, prompts(80), mine)
     assert sorted(stats["loaded"].values()) == [whole_blocks(n) for n in PREFIXES], stats
     assert got == stock_tokens(env, mine)
     env["close"]("K")
@@ -254,11 +254,8 @@ def test_another_tenants_engine_finds_nothing_of_tenant_a(fleet_env):
     env = fleet_env
     a, t = env["engine"]("A", "a"), env["engine"]("T", "a", store=None, token="tok-b")
     _, prompts = family(4)
-    ray.get(a.generate.remote(prompts(40)))
-    wait_saved(env, a, prompts(40))
     mine = prompts(41)
-    got = ray.get(t.generate.remote(mine))
-    stats = ray.get(t.connector_stats.remote())
+    got, stats = relay(env, a, t, prompts(40), mine)
     assert stats["lookups"] == 3 and stats["pins"] == 0 and not stats["loaded"], stats  # tenant a's pools: unseen
     assert got == stock_tokens(env, mine)
     env["close"]("T")

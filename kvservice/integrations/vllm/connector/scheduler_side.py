@@ -15,10 +15,11 @@ import logging
 import time
 from collections import OrderedDict
 
+from kvservice.blockstore.saves import admit_save
 from kvservice.errors import session_lost
 from kvservice.integrations.vllm.connector.plan import STORE_PREFIX, Hit, Load, Save, Tracked
 from kvservice.integrations.vllm.connector.settings import ConnectorSettings
-from kvservice.ops import AddRequestOp, AllocateOp, FreeOp, OpStatus, PinOp, UnpinOp
+from kvservice.ops import FreeOp, OpStatus, PinOp, UnpinOp
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +57,7 @@ class SchedulerSide:
     # ---- the allocator ------------------------------------------------------------------------
     def client(self):
         if self._client is None:
-            from kvservice.client import KVServiceClient
-            self._client = KVServiceClient(self.settings.address, self.settings.token,
-                                           client_name=f"kvconnector:{self.engine_id}:scheduler",
-                                           hash_block_size=self.block_size, timeout_s=self.settings.timeout_s,
-                                           retries=1)
+            self._client = self.settings.client(self.block_size, f"kvconnector:{self.engine_id}:scheduler", 1)
         return self._client
 
     def available(self) -> bool:
@@ -239,9 +236,7 @@ class SchedulerSide:
         for req_id, tracked, num_tokens in done:
             save_id = self.next_id(req_id, "save")
             ids.append(save_id)
-            ops.append(AddRequestOp(save_id, token_ids=tracked.prompt[:num_tokens] + [0],
-                                    cache_salt=tracked.cache_salt))
-            ops.append(AllocateOp(save_id, num_new_tokens=num_tokens + 1, delay_cache_blocks=True))
+            ops += admit_save(save_id, tracked.prompt, num_tokens, tracked.cache_salt)
         try:
             generation = self.generation(pool_id)
             if generation is None:

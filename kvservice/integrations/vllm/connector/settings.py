@@ -44,6 +44,12 @@ class ConnectorSettings:
     load_failure: str = "recompute"
     shm_dir: str = "/dev/shm"
 
+    def client(self, block_size: int, client_name: str, retries: int):
+        """A client of the allocator as the connector's sides use it (short calls: a failure means compute)."""
+        from kvservice.client import KVServiceClient
+        return KVServiceClient(self.address, self.token, client_name=client_name, hash_block_size=block_size,
+                               timeout_s=self.timeout_s, retries=retries)
+
     @classmethod
     def from_extra(cls, extra: dict | None) -> ConnectorSettings:
         extra = dict(extra or {})

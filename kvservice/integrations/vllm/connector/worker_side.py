@@ -19,11 +19,12 @@ from collections import OrderedDict
 import torch
 
 from kvservice.blockstore.actor import NAMESPACE, actor_name
+from kvservice.blockstore.saves import commit_save
 from kvservice.blockstore.segment import Segment, read_descriptor
 from kvservice.errors import session_lost
 from kvservice.integrations.vllm.connector.plan import Load, Save, store_name
 from kvservice.integrations.vllm.connector.settings import ConnectorSettings
-from kvservice.ops import AllocateOp, FreeOp, OpStatus, UnpinOp
+from kvservice.ops import FreeOp, OpStatus, UnpinOp
 
 logger = logging.getLogger(__name__)
 
@@ -218,8 +219,7 @@ class WorkerSide:
     # ---- saves: after the forward (wait_for_save) ------------------------------------------------------
     def save(self, saves: list[Save]) -> None:
         for save in saves:
-            ops = [AllocateOp(save.save_id, num_computed_tokens=save.num_tokens + 1, cache_tokens=save.num_tokens),
-                   FreeOp(save.save_id)]
+            ops = commit_save(save.save_id, save.num_tokens)
             try:
                 if save.req_id in self.failed_requests or self.failed_blocks.intersection(save.local_block_ids):
                     raise LookupError("a load of its blocks failed (they are recomputed, not saved)")
@@ -300,11 +300,7 @@ class WorkerSide:
 
     def client(self):
         if self._client is None:
-            from kvservice.client import KVServiceClient
-            self._client = KVServiceClient(self.settings.address, self.settings.token,
-                                           client_name=f"kvconnector:{self.engine_id}:worker",
-                                           hash_block_size=self.block_size, timeout_s=self.settings.timeout_s,
-                                           retries=2)
+            self._client = self.settings.client(self.block_size, f"kvconnector:{self.engine_id}:worker", 2)
         return self._client
 
     def flush(self) -> None:
