@@ -265,13 +265,14 @@ def check_pool(scheduler, where: str) -> None:
         assert 0 <= lag <= BLOCK, f"{where}: request {request_id!r} lags {lag} tokens"
 
 
-def run_pair(workload: Workload, mode: Mode, config: VllmConfig, address: str, pool_id: str) -> Outcome:
-    """Runs the stock and the kvservice-backed scheduler through `workload`; raises AssertionError naming
-    the step and the difference at the first divergence."""
+def run_pair(workload: Workload, mode: Mode, config: VllmConfig, address: str, pool_id: str,
+             settings: dict | None = None) -> Outcome:
+    """Runs the stock and the kvservice-backed scheduler (`settings`: more of its kvservice settings) through
+    `workload`; raises AssertionError naming the step and the difference at the first divergence."""
     sc = config.scheduler_config
     sc.max_num_batched_tokens, sc.max_num_seqs, sc.watermark = (workload.max_num_batched_tokens,
                                                                 workload.max_num_seqs, workload.watermark)
-    config.additional_config = {"kvservice": {"address": address, "pool_id": pool_id}}
+    config.additional_config = {"kvservice": {"address": address, "pool_id": pool_id, **(settings or {})}}
     config.cache_config.num_gpu_blocks = workload.num_blocks
     config.kv_transfer_config = (features.connector_config(workload.seed, mode.connector == "async")
                                  if mode.connector else None)

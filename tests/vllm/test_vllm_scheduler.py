@@ -57,6 +57,20 @@ def test_schedules_equal_the_stock_scheduler(server, model_dir, mode):
     assert totals.preemptions > 10 and totals.hits > 50 and totals.chunked > 20 and totals.n_gt_1 > 20, totals
 
 
+@pytest.mark.parametrize("mode", [h.DEFAULT, h.Mode(async_scheduling=False)], ids=["async", "sync"])
+def test_steps_coalesced_within_step_interval_ms(server, model_dir, mode):
+    """step_interval_ms: steps within it of the last Step send none, their ops going with a later Step; the
+    schedules stay the stock scheduler's, and the pool equals the replica at every check (check_pool sends
+    what waits, every 10 steps)."""
+    config = h.make_vllm_config(model_dir, mode)
+    steps = rpcs = 0
+    for seed in range(6):
+        out = h.run_pair(h.Workload.random(seed, num_steps=100), mode, config, server.target,
+                         f"coalesced-{mode.async_scheduling:d}-{seed}", {"step_interval_ms": 60_000})
+        steps, rpcs = steps + out.steps, rpcs + out.rpcs
+    assert steps > 300 and rpcs <= steps // 5, (steps, rpcs)
+
+
 def test_scheduler_cls_resolves_and_registers_the_pool(server, model_dir):
     config = h.make_vllm_config(model_dir, h.DEFAULT)
     for path, cls in (("kvservice.integrations.vllm.AsyncScheduler", AsyncScheduler),
@@ -234,6 +248,16 @@ def test_the_pipeline_setting(monkeypatch):
     assert settings({"pipeline": "on"}).pipeline is True  # the config wins over the environment
     with pytest.raises(UnsupportedConfig, match=r"\['pipeline'\] \(or KVSERVICE_PIPELINE\) must be a boolean"):
         settings({"pipeline": "sometimes"})
+    assert settings({"pipeline": True}).step_interval_ms == 0.0
+    assert settings({"pipeline": True, "step_interval_ms": "50"}).step_interval_ms == 50.0
+    monkeypatch.setenv("KVSERVICE_STEP_INTERVAL_MS", "20")
+    assert settings({"pipeline": True}).step_interval_ms == 20.0
+    for bad in (-1, "soon", float("nan"), 10**6):
+        with pytest.raises(UnsupportedConfig, match=r"\['step_interval_ms'\] \(or KVSERVICE_STEP_INTERVAL_MS\) "
+                                                    r"must be a number of milliseconds from 0 to 60000, got"):
+            settings({"pipeline": True, "step_interval_ms": bad})
+    with pytest.raises(UnsupportedConfig, match=r"step_interval_ms'\] = 20.0 needs pipeline on"):
+        settings({"pipeline": False})
 
 
 def test_a_reply_the_checks_cannot_read_is_a_divergence():

@@ -51,16 +51,20 @@ def models(tmp_path_factory):
     return {arch: e.save_model(arch, root / arch) for arch in e.ARCHITECTURES}
 
 
-def side_by_side(model_dir, server, pool_id: str, scheduler: str, batch, params, **engine) -> tuple[e.Run, e.Run]:
-    """The stock engine's run and the kvservice-backed one's (pool checked after it)."""
+def side_by_side(model_dir, server, pool_id: str, scheduler: str, batch, params, settings: dict | None = None,
+                 **engine) -> tuple[e.Run, e.Run]:
+    """The stock engine's run and the kvservice-backed one's (pool checked after it; `settings`: more of its
+    kvservice settings)."""
     stock = e.make_llm(model_dir, scheduler, **engine)
     try:
         want = e.generate(stock, batch, params)
     finally:
         e.close(stock)
-    remote = e.make_llm(model_dir, scheduler, kvservice={"address": server.target, "pool_id": pool_id}, **engine)
+    remote = e.make_llm(model_dir, scheduler, kvservice={"address": server.target, "pool_id": pool_id,
+                                                         **(settings or {})}, **engine)
     try:
         got = e.generate(remote, batch, params)
+        got.num_steps = e.scheduler_of(remote).kv_cache_manager.num_steps
         got.pool = e.check_pool(e.scheduler_of(remote), server.client())
     finally:
         e.close(remote)
@@ -77,6 +81,18 @@ def test_prefix_caching_chunked_prefill_and_preemption(models, server, scheduler
     assert got.tokens == want.tokens
     assert want.num_preemptions > 0 and got.num_preemptions == want.num_preemptions
     assert got.pool["cached_blocks"] > 0 and got.pool["hits"] > 0
+
+
+def test_steps_coalesced_by_step_interval_ms(models, server):
+    """step_interval_ms: the steps within 10 s of the last Step send none (their ops go with a later one, or
+    with the idle engine's); the tokens, the preemptions and the drained pool are as with a Step per step."""
+    want, got = side_by_side(models["llama"], server, "coalesced", "Scheduler", prompts(seed=2), GREEDY,
+                             {"step_interval_ms": 10_000}, enable_prefix_caching=True, max_num_batched_tokens=64,
+                             num_gpu_blocks_override=17, max_model_len=512)
+    assert got.tokens == want.tokens
+    assert want.num_preemptions > 0 and got.num_preemptions == want.num_preemptions
+    # The first step's Step, the idle engine's, and check_pool's (none left to send): 3 RPCs for every step.
+    assert got.num_steps > 50 and got.pool["rpcs"] <= 3, (got.num_steps, got.pool)
 
 
 def test_seeded_sampling_and_n_gt_1(models, server):

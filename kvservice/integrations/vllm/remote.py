@@ -17,13 +17,13 @@ difference raises `PoolDiverged`, and so does every later step. Pipelined (the d
 and checked by a background thread while the scheduler goes on, and its outcome is raised by the next
 flush (the next schedule()), before that step's output leaves: the step's own output came from the replica,
 which is exact for this engine; the check guards the pool the fleet sees. Unpipelined, flush() waits and
-checks before the step's output leaves.
+checks before the step's output leaves. With `step_interval_s`, `end_step()` (what schedule() calls) sends
+at most one Step per interval: the steps in between add their ops to the next one (sending.py).
 """
 
 from __future__ import annotations
 
-import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
 from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -31,7 +31,8 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.request import RequestStatus
 
 from kvservice.integrations.vllm.deferred import DeferredFrees, RecordingBlockPool
-from kvservice.integrations.vllm.expected import Expected, InFlight, PoolDiverged, Rows, check_step
+from kvservice.integrations.vllm.expected import Expected, InFlight, PoolDiverged, Rows
+from kvservice.integrations.vllm.sending import StepSender
 from kvservice.integrations.vllm.version import VLLM
 from kvservice.ops import (
     ROW_WIDTH,
@@ -51,25 +52,28 @@ __all__ = ["Expected", "InFlight", "PoolDiverged", "RemoteKVCacheManager", "Rows
 
 _WAITING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 _NOTHING: tuple[list[bytes], int] = ([], 0)  # no new hashes, no new tokens (never appended to)
-logger = logging.getLogger("kvservice.integrations.vllm")
 
 
-class RemoteKVCacheManager(KVCacheManager):
+class RemoteKVCacheManager(StepSender, KVCacheManager):
     """Args: `client` (a kvservice client on the allocator), `pool_id` (the registered pool), `pipeline`
-    (check each Step's reply in the background, raising at the next flush), then vLLM's KVCacheManager's
-    arguments, by keyword."""
+    (check each Step's reply in the background, raising at the next flush), `step_interval_s` (pipelined:
+    the least time between two Steps sent by `end_step`), then vLLM's KVCacheManager's arguments, by
+    keyword."""
 
     num_spec_tokens = 0  # speculative decoding's draft tokens per step (set by __init__)
 
     def __init__(self, client, pool_id: str, *, hash_block_size: int, pipeline: bool = True, num_spec_tokens: int = 0,
-                 **kwargs) -> None:
+                 step_interval_s: float = 0.0, **kwargs) -> None:
         super().__init__(hash_block_size=hash_block_size, **kwargs)
         self.num_spec_tokens = num_spec_tokens  # speculative decoding's draft tokens per step
         self.hash_block_size = hash_block_size
         self.client = client
         self.pool_id = pool_id
         self.pipeline = pipeline
+        self.step_interval_s = step_interval_s if pipeline else 0.0
+        self._sent_at = float("-inf")  # when the last Step left (time.monotonic())
         self.num_rpcs = 0
+        self.num_steps = 0  # scheduler steps ended (end_step): num_rpcs / num_steps is the Step rate
         self.num_idle_rpcs = 0  # of num_rpcs: sent when the engine went idle (the scheduler's update_from_output)
         self.last_result: StepResult | None = None
         self._ops: list[Op] = []
@@ -296,95 +300,3 @@ class RemoteKVCacheManager(KVCacheManager):
         super().evict_blocks(block_ids)
         if block_ids:
             self._record(EvictBlocksOp(block_ids))
-
-    # ---- the step's one RPC ----------------------------------------------------------------------
-    @property
-    def num_pending_ops(self) -> int:
-        return len(self._ops)
-
-    def flush(self) -> StepResult | None:
-        """Sends the recorded ops as one Step (none: no RPC). First the Step before it is waited for: its
-        failure or divergence raises here. Unpipelined this Step is waited for and checked too; its result is
-        returned (pipelined: the one before it, None if there was none)."""
-        previous = self.wait()
-        if not self._ops:
-            return previous
-        ops, expected = self._ops, self._expected
-        self._ops, self._expected, self._rows = [], [], None
-        self._cache_rows.clear()
-        self._position = self._last_barrier = 0
-        sent = InFlight(Future(), ops, expected, self.block_pool.get_num_free_blocks())
-        self.num_rpcs += 1
-        if self.pipeline:
-            try:
-                if self._executor is None:
-                    self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"kvservice-step-{self.pool_id}")
-                sent.future = self._executor.submit(self._send, sent)
-            except BaseException as exc:  # never sent: the replica is ahead of the pool
-                self._failed = repr(exc)
-                raise
-            self._in_flight = sent
-            # The sending thread takes the GIL now and keeps it until its call waits on the network: a scheduler
-            # that went on at once would hold the GIL for a switch interval (5 ms) before the Step left.
-            sent.started.wait()
-            return previous
-        try:
-            sent.future.set_result(self._send(sent))
-        except Exception as exc:
-            sent.future.set_exception(exc)
-        self._in_flight = sent
-        return self.wait()
-
-    def wait(self) -> StepResult | None:
-        """The Step in flight, answered and checked (None: none in flight). Raises what failed it, or
-        PoolDiverged — and, once one has, PoolDiverged on every later call."""
-        sent, self._in_flight = self._in_flight, None
-        if sent is not None:
-            try:
-                result = sent.future.result()
-            except PoolDiverged as exc:
-                self._failed = str(exc)
-                raise
-            except Exception as exc:  # the replica applied them, the pool may not have: nothing may follow
-                self._failed = repr(exc)
-                raise PoolDiverged(
-                    f"kvservice allocator at {self.client.target}: the Step RPC for pool {self.pool_id!r} failed "
-                    f"({exc}); this engine's scheduler cannot go on without it (its replica is ahead of the pool). "
-                    f"Restart the allocator if it is down, then restart the engine: it registers the pool at a new "
-                    f"epoch and its requests are recomputed") from exc
-            self.last_result = result
-            return result
-        if self._failed is not None:
-            raise PoolDiverged(f"kvservice pool {self.pool_id!r} at {self.client.target}: an earlier Step failed "
-                               f"({self._failed}); the replica is ahead of the pool: restart the engine (a new pool "
-                               f"epoch)")
-        return None
-
-    def close(self) -> None:
-        """Sends what is recorded, waits for it, and stops the sending thread (after a failed Step nothing
-        more is sent: the engine is shutting down on that error, already raised)."""
-        try:
-            if self._failed is not None:
-                logger.warning("pool %r: closing after a failed Step; nothing more is sent", self.pool_id)
-                return
-            self.flush()
-            self.wait()
-        finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
-
-    def _send(self, sent: InFlight) -> StepResult:
-        """One Step and its check (on the sending thread when pipelined: it reads only what `sent` holds)."""
-        sent.started.set()
-        result = self.client.step(self.pool_id, sent.ops)
-        try:
-            check_step(self.pool_id, sent, result, self.num_kv_cache_groups)
-        except PoolDiverged as exc:
-            logger.error("%s", exc)
-            raise
-        except Exception as exc:  # a reply the checks cannot even read
-            logger.error("pool %r: malformed Step reply: %r", self.pool_id, exc)
-            raise PoolDiverged(f"pool {self.pool_id!r} answered a Step the scheduler cannot read ({exc!r}); "
-                               f"restart the engine (a new pool epoch)") from exc
-        return result

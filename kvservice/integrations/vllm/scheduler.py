@@ -47,7 +47,8 @@ class KVServiceScheduling:
             dcp_world_size=self.dcp_world_size, pcp_world_size=1, metrics_collector=self.kv_metrics_collector,
             watermark=self.scheduler_config.watermark,
             enable_mamba_shared_prefix_checkpoint=self.cache_config.enable_mamba_shared_prefix_checkpoint,
-            pipeline=settings.pipeline, num_spec_tokens=self.num_spec_tokens)
+            pipeline=settings.pipeline, num_spec_tokens=self.num_spec_tokens,
+            step_interval_s=settings.step_interval_ms / 1000)
         # What vLLM's __init__ bound to its own manager, bound to this one.
         if self.connector is not None:
             self.connector.bind_kv_cache_manager(self.kv_cache_manager)
@@ -83,10 +84,11 @@ class KVServiceScheduling:
 
     def schedule(self, *args, **kwargs):
         output = super().schedule(*args, **kwargs)
-        # The step's one RPC; the step before it (pipelined) or this one is checked before the output leaves.
+        # The step's one RPC (or none, within step_interval_ms of the last); the step before it (pipelined, every
+        # step) or this one is checked before the output leaves.
         manager = self.kv_cache_manager
         if isinstance(manager, RemoteKVCacheManager):  # (not when a test swapped vLLM's own back in)
-            manager.flush()
+            manager.end_step()
         return output
 
     def update_from_output(self, *args, **kwargs):
