@@ -84,8 +84,8 @@ class KVServiceScheduling:
 
     def schedule(self, *args, **kwargs):
         output = super().schedule(*args, **kwargs)
-        # The step's one RPC (or none, within step_interval_ms of the last); the step before it (pipelined, every
-        # step) or this one is checked before the output leaves.
+        # The step's one RPC (none within step_interval_ms of the last). Unpipelined, this step's Step is checked
+        # before the output leaves; pipelined, the one before it (with an interval: once it was answered).
         manager = self.kv_cache_manager
         if isinstance(manager, RemoteKVCacheManager):  # (not when a test swapped vLLM's own back in)
             manager.end_step()
