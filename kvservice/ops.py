@@ -130,6 +130,15 @@ class EvictBlocksOp:
 
 
 @dataclass(slots=True)
+class RemoveSkippedBlocksOp:
+    """vLLM's remove_skipped_blocks outside an allocation (a KV connector's finished request): frees the request's
+    blocks no token after its first `processed_computed_tokens` reads (a sliding window's, below the window)."""
+
+    request_id: str
+    processed_computed_tokens: int
+
+
+@dataclass(slots=True)
 class ResetPrefixCacheOp:
     """Drops the pool's cached prefixes (vLLM's reset_prefix_cache): FAILED_PRECONDITION while a block is in use."""
 
@@ -223,7 +232,7 @@ class AdmitBatchOp:
 
 
 Op = (AddRequestOp | AllocateOp | ForkOp | FreeOp | DecodeBatchOp | AdmitBatchOp | AllocateBatchOp | PinOp | UnpinOp
-      | ResetPrefixCacheOp)
+      | ResetPrefixCacheOp | EvictBlocksOp | RemoveSkippedBlocksOp)
 
 
 @dataclass(slots=True)

@@ -147,3 +147,22 @@ def test_allocate_slots_reports_the_entries_copy_on_write_swapped():
     new = m.allocate_slots(p, 1)
     assert new.get_block_ids() == ([],) and new.replaced == [(0, 1, 3)]  # group 0, index 1 -> block 3
     assert m.take_block_copies() == [(2, 3)]
+
+
+def test_a_write_into_the_writers_own_cached_blocks_copies_nothing():
+    """vLLM's bounded replay recomputes a hit's last window: the request writes into shared blocks cached under
+    its own hashes. Their KV is already its own, so nothing is copied (as vLLM copies nothing); a fork child
+    whose tokens differ from a shared block's still gets a copy (the tests above)."""
+    m = full_manager(20, block_size=4)
+    a = Request("a", tokens(0, 16), 4)
+    admit(m, a)
+    b = Request("b", tokens(0, 20), 4)
+    hits, num_hit = m.get_computed_blocks(b)
+    assert num_hit == 16
+    assert m.allocate_slots(b, 4, num_hit, hits) is not None
+    held = m.get_block_ids("b")
+    b.num_computed_tokens = 8  # replayed from the window's first block: blocks 2 and 3 are written again
+    assert m.allocate_slots(b, 12) is not None
+    assert m.get_block_ids("b") == held and m.take_block_copies() == []
+    assert ref_cnts(m)[held[0][2]] == 2 and ref_cnts(m)[held[0][3]] == 2  # still shared with a
+    check_invariants(m)

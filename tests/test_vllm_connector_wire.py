@@ -7,6 +7,8 @@ as vLLM's scheduler calls its KVCacheManager:
 - vLLM's deferred free (`defer_block_free`): FreeOp(popped=True) frees in the order of pop_blocks_for_free
   followed by free_blocks(reversed(...)), which differs from a plain free with two groups;
 - evict_blocks (a connector's failed loads): the blocks leave the prefix cache;
+- remove_skipped_blocks at a connector's finished request: the window's settled blocks are freed then, in
+  that place among the step's ops (their place in the free queue shows in the next allocation);
 - cross attention: an encoder-decoder admission's encoder tokens get their static blocks;
 - the pool options EAGLE's block drop and hash lookahead travel with RegisterPool;
 and bad input is refused naming the field, with the pool unchanged.
@@ -19,7 +21,7 @@ from kvservice.commands import VllmOptions
 from kvservice.core import CrossAttentionSpec, FullAttentionSpec, KVCacheConfig, Request, SlidingWindowSpec
 from kvservice.errors import InvalidArgument
 from kvservice.hashing import HashSpec
-from kvservice.ops import AddRequestOp, AllocateOp, EvictBlocksOp, FreeOp, OpStatus
+from kvservice.ops import AddRequestOp, AllocateOp, EvictBlocksOp, FreeOp, OpStatus, RemoveSkippedBlocksOp
 from tests.service_helpers import start_server
 
 BS = 4
@@ -183,6 +185,41 @@ def test_bad_evictions_and_deferred_frees_are_refused_naming_the_field(client, r
     with pytest.raises(InvalidArgument, match=r"ops\[0\]\.allocate\.num_external_computed_tokens.*257"):
         client.step(p.pool_id, [AllocateOp("a", num_new_tokens=1, num_external_computed_tokens=MAX_LEN + 1)])
     assert p.state("a", list(range(13))) == before
+
+
+def test_settled_window_blocks_are_freed_where_the_scheduler_frees_them(client, request):
+    """vLLM frees a finished request's out-of-window blocks before its connector gets the table, and the
+    whole request later: the window's blocks reach the free queue first, so later blocks come back first."""
+    p = _two_group_pool(client, request.node.name)
+    _admit_and_run(p, "a", list(range(16)))
+    (r,) = client.step(p.pool_id, [RemoveSkippedBlocksOp("a", 16)])
+    p.core.remove_skipped_blocks("a", 16, 16)
+    assert r.status == OpStatus.OK
+    table = client.get_request(p.pool_id, "a").block_ids
+    assert table == p.core.get_block_ids("a") and table[1][:2] == [0, 0]  # below the window: null
+    assert p.free_blocks() == p.core.block_pool.get_num_free_blocks()
+    client.step(p.pool_id, [FreeOp("a")])
+    p.core.free(p.requests.pop("a"))
+    client.reset_prefix_cache([p.pool_id])
+    p.core.reset_prefix_cache()
+    _admit_and_run(p, "b", list(range(500, 536)))  # the freed blocks, in the core's order
+
+
+def test_bad_settled_window_frees_are_refused_naming_the_field(client, request):
+    p = _two_group_pool(client, request.node.name)
+    _admit_and_run(p, "a", list(range(12)))
+    before = p.state("a", list(range(13)))
+    with pytest.raises(InvalidArgument, match=r"ops\[1\]\.remove_skipped_blocks\.processed_computed_tokens.*257"):
+        client.step(p.pool_id, [FreeOp("a"), RemoveSkippedBlocksOp("a", MAX_LEN + 1)])
+    with pytest.raises(InvalidArgument, match=r"ops\[0\]\.remove_skipped_blocks\.request_id"):
+        client.step(p.pool_id, [RemoveSkippedBlocksOp("", 4)])
+    (r,) = client.step(p.pool_id, [RemoveSkippedBlocksOp("nobody", 4)])
+    assert r.status == OpStatus.NOT_FOUND
+    assert p.state("a", list(range(13))) == before
+    plain = "plain-" + request.node.name[:40]
+    client.register_pool(plain, KVCacheConfig(8, [FullAttentionSpec(BS)]), max_model_len=MAX_LEN)
+    with pytest.raises(InvalidArgument, match=r"ops\[0\]\.remove_skipped_blocks.*vllm options"):
+        client.step(plain, [RemoveSkippedBlocksOp("x", 4)])
 
 
 def test_an_encoder_decoder_admission_gets_its_cross_attention_blocks(client, request):

@@ -342,6 +342,14 @@ class EvictBlocksOp(_message.Message):
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class RemoveSkippedBlocksOp(_message.Message):
+    __slots__ = ("request_id", "processed_computed_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROCESSED_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    processed_computed_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., processed_computed_tokens: _Optional[int] = ...) -> None: ...
+
 class ResetPrefixCacheOp(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -389,7 +397,7 @@ class AdmitBatchOp(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[bytes] = ..., num_prompt_tokens: _Optional[bytes] = ..., num_new_tokens: _Optional[bytes] = ..., num_lookahead_tokens: _Optional[int] = ..., cache_salts: _Optional[_Iterable[str]] = ..., lora_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Op(_message.Message):
-    __slots__ = ("add", "allocate", "fork", "free", "pin", "unpin", "decode", "admit", "reset_prefix_cache", "allocate_batch", "evict_blocks")
+    __slots__ = ("add", "allocate", "fork", "free", "pin", "unpin", "decode", "admit", "reset_prefix_cache", "allocate_batch", "evict_blocks", "remove_skipped_blocks")
     ADD_FIELD_NUMBER: _ClassVar[int]
     ALLOCATE_FIELD_NUMBER: _ClassVar[int]
     FORK_FIELD_NUMBER: _ClassVar[int]
@@ -401,6 +409,7 @@ class Op(_message.Message):
     RESET_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     ALLOCATE_BATCH_FIELD_NUMBER: _ClassVar[int]
     EVICT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REMOVE_SKIPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     add: AddRequestOp
     allocate: AllocateOp
     fork: ForkOp
@@ -412,7 +421,8 @@ class Op(_message.Message):
     reset_prefix_cache: ResetPrefixCacheOp
     allocate_batch: AllocateBatchOp
     evict_blocks: EvictBlocksOp
-    def __init__(self, add: _Optional[_Union[AddRequestOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., fork: _Optional[_Union[ForkOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., pin: _Optional[_Union[PinOp, _Mapping]] = ..., unpin: _Optional[_Union[UnpinOp, _Mapping]] = ..., decode: _Optional[_Union[DecodeBatchOp, _Mapping]] = ..., admit: _Optional[_Union[AdmitBatchOp, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheOp, _Mapping]] = ..., allocate_batch: _Optional[_Union[AllocateBatchOp, _Mapping]] = ..., evict_blocks: _Optional[_Union[EvictBlocksOp, _Mapping]] = ...) -> None: ...
+    remove_skipped_blocks: RemoveSkippedBlocksOp
+    def __init__(self, add: _Optional[_Union[AddRequestOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., fork: _Optional[_Union[ForkOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., pin: _Optional[_Union[PinOp, _Mapping]] = ..., unpin: _Optional[_Union[UnpinOp, _Mapping]] = ..., decode: _Optional[_Union[DecodeBatchOp, _Mapping]] = ..., admit: _Optional[_Union[AdmitBatchOp, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheOp, _Mapping]] = ..., allocate_batch: _Optional[_Union[AllocateBatchOp, _Mapping]] = ..., evict_blocks: _Optional[_Union[EvictBlocksOp, _Mapping]] = ..., remove_skipped_blocks: _Optional[_Union[RemoveSkippedBlocksOp, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("session_id", "sequence", "pool_id", "ops")

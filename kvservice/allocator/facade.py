@@ -57,6 +57,7 @@ from kvservice.ops import (
     OpResult,
     OpStatus,
     PinOp,
+    RemoveSkippedBlocksOp,
     ResetPrefixCacheOp,
     StepResult,
 )
@@ -209,6 +210,8 @@ class Allocator:
             elif kind is EvictBlocksOp:
                 pool.manager.evict_blocks(op.block_ids)
                 append(OpResult(""))
+            elif kind is RemoveSkippedBlocksOp:
+                append(self.book.remove_skipped_blocks(pool, tenant, op))
             else:
                 append(self.pins.unpin(pool, session, op))
         manager = pool.manager

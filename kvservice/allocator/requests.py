@@ -13,7 +13,7 @@ from kvservice.allocator.sessions import Session
 from kvservice.allocator.state import AllocatorState
 from kvservice.allocator.transfers import Transfer
 from kvservice.core import Request
-from kvservice.ops import AddRequestOp, ForkOp, FreeOp, OpResult, OpStatus
+from kvservice.ops import AddRequestOp, ForkOp, FreeOp, OpResult, OpStatus, RemoveSkippedBlocksOp
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +102,17 @@ class RequestBook:
             pool.tombstones.pop(key, None)  # the client knows now: later ops answer NOT_FOUND
             return result
         self.free(pool, session.tenant, key, op.popped)
+        return OpResult(op.request_id)
+
+    def remove_skipped_blocks(self, pool: Pool, tenant: str, op: RemoveSkippedBlocksOp) -> OpResult:
+        """vLLM's remove_skipped_blocks for a live request (its blocks no later token reads are freed)."""
+        key = request_key(tenant, op.request_id)
+        req = pool.requests.get(key)
+        if req is None:
+            return self.missing(pool, key, op.request_id)
+        pool.manager.remove_skipped_blocks(key, op.processed_computed_tokens, req.num_prompt_tokens)
+        if self.state.usage.quotas:
+            self.state.usage.update(tenant, pool, key)
         return OpResult(op.request_id)
 
     def free(self, pool: Pool, tenant: str, key: str, popped: bool = False) -> None:

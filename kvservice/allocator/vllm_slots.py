@@ -244,7 +244,7 @@ def _takes_no_block(manager, m, key: str, req: Request, num_computed: int, num_n
     total = num_computed if num_computed < max_len else max_len
     num_main = total + num_new
     num_need = min(num_main + lookahead, max_len)
-    if -(-num_need // m.block_size) > len(m.req_to_blocks.get(key, ())) or m.cow_indices(key, total, num_need):
+    if -(-num_need // m.block_size) > len(m.req_to_blocks.get(key, ())) or m.cow_indices(key, total, num_need, req):
         return False
     if manager.enable_caching and m.enable_caching and not delay:
         m.cache_blocks(req, num_main if num_main < req.num_tokens else req.num_tokens)

@@ -133,8 +133,13 @@ class BlockPool:
                 continue
             else:  # keyed at a boundary inside it (a partial entry): re-keyed at its end
                 if block._block_hash_num_tokens is None or block._block_hash_num_tokens >= num_tokens:
-                    raise RuntimeError(f"block {block.block_id} is cached under another hash than "
-                                       f"request {request.request_id!r}'s block {i}")
+                    # Cached whole under another prefix: only a client that counted tokens computed which
+                    # it never had slots for gets here (a block it shares was filled by the other holder).
+                    # Shared, the other holder's key stands; held by this request alone, its key wins.
+                    if block.ref_cnt > 1:
+                        continue
+                    logger.warning("block %d was cached under another prefix than request %r's block %d: "
+                                   "re-keyed", block.block_id, request.request_id, i)
                 self._emit_block_removed_events(self._remove_cached_block_hashes(block))
                 self._insert_block_hash(key, block, num_tokens)
             if events:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvservice.core.block import KVCacheBlock
 from kvservice.core.block_pool import BlockPool
@@ -24,6 +24,9 @@ from kvservice.core.specs import (
     effective_block_size,
 )
 from kvservice.hashing import BlockHash
+
+if TYPE_CHECKING:
+    from kvservice.core.request import Request
 
 
 def replay_boundaries(num_prompt_tokens: int, scheduler_block_size: int, use_eagle: bool) -> tuple[int, ...]:
@@ -118,8 +121,9 @@ class KVCacheCoordinator:
                                    new_computed_blocks: Sequence[Sequence[KVCacheBlock]], num_encoder_tokens: int,
                                    total_computed_tokens: int, num_local_computed_tokens: int,
                                    num_tokens_main_model: int, apply_admission_cap: bool = False,
-                                   prefill_end: int = 0) -> int:
-        """Free blocks the allocation consumes: new ones, rescued hits and copy-on-write copies."""
+                                   prefill_end: int = 0, writer: Request | None = None) -> int:
+        """Free blocks the allocation consumes: new ones, rescued hits and copy-on-write copies (`writer`:
+        the request, see SingleTypeManager.cow_indices)."""
         if self.retention_interval != 0:
             prefill_end = 0  # dense retention publishes a state on every chunk
         total = 0
@@ -132,7 +136,7 @@ class KVCacheCoordinator:
                                                   total_computed_tokens, num_local_computed_tokens,
                                                   num_tokens_main_model, apply_admission_cap=apply_admission_cap,
                                                   prefill_end=prefill_end)
-            total += len(m.cow_indices(request_id, total_computed_tokens, num_tokens))
+            total += len(m.cow_indices(request_id, total_computed_tokens, num_tokens, writer))
         return total
 
     def allocate_new_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[Sequence[KVCacheBlock]],
@@ -159,12 +163,12 @@ class KVCacheCoordinator:
         return tuple(m.allocate_new_blocks(request_id, num_encoder_tokens if isinstance(m, CrossAttentionManager)
                                            else num_tokens, main) for m in self.single_type_managers)
 
-    def apply_copy_on_write(self, request_id: str, total_computed_tokens: int,
-                            num_tokens: int) -> list[tuple[int, int, int]]:
+    def apply_copy_on_write(self, request_id: str, total_computed_tokens: int, num_tokens: int,
+                            writer: Request | None = None) -> list[tuple[int, int, int]]:
         """(group, index, new block id) of every table entry swapped by fork copy-on-write."""
         swapped: list[tuple[int, int, int]] = []
         for g, m in enumerate(self.single_type_managers):
-            for index, block_id in m.apply_copy_on_write(request_id, total_computed_tokens, num_tokens):
+            for index, block_id in m.apply_copy_on_write(request_id, total_computed_tokens, num_tokens, writer):
                 swapped.append((g, index, block_id))
         return swapped
 
@@ -291,18 +295,18 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
     # The general path's per-step calls, for one manager without the loops (the base's results).
     def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, num_encoder_tokens,
                                    total_computed_tokens, num_local_computed_tokens, num_tokens_main_model,
-                                   apply_admission_cap=False, prefill_end=0) -> int:
+                                   apply_admission_cap=False, prefill_end=0, writer=None) -> int:
         m = self.single_type_managers[0]
         if isinstance(m, CrossAttentionManager):
             return super().get_num_blocks_to_allocate(
                 request_id, num_tokens, new_computed_blocks, num_encoder_tokens, total_computed_tokens,
-                num_local_computed_tokens, num_tokens_main_model, apply_admission_cap, prefill_end)
+                num_local_computed_tokens, num_tokens_main_model, apply_admission_cap, prefill_end, writer)
         if self.retention_interval != 0:
             prefill_end = 0
         n = m.get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks[0], total_computed_tokens,
                                          num_local_computed_tokens, num_tokens_main_model, apply_admission_cap,
                                          prefill_end)
-        return n + len(m.cow_indices(request_id, total_computed_tokens, num_tokens))
+        return n + len(m.cow_indices(request_id, total_computed_tokens, num_tokens, writer))
 
     def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model=None, num_encoder_tokens=0):
         m = self.single_type_managers[0]
@@ -311,8 +315,9 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         return (m.allocate_new_blocks(request_id, num_tokens, num_tokens if num_tokens_main_model is None
                                       else num_tokens_main_model),)
 
-    def apply_copy_on_write(self, request_id, total_computed_tokens, num_tokens):
-        swaps = self.single_type_managers[0].apply_copy_on_write(request_id, total_computed_tokens, num_tokens)
+    def apply_copy_on_write(self, request_id, total_computed_tokens, num_tokens, writer=None):
+        swaps = self.single_type_managers[0].apply_copy_on_write(request_id, total_computed_tokens, num_tokens,
+                                                                 writer)
         return [(0, i, b) for i, b in swaps] if swaps else swaps
 
     def remove_skipped_blocks(self, request_id, processed_computed_tokens, num_prompt_tokens=None) -> None:

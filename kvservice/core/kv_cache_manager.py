@@ -190,7 +190,7 @@ class KVCacheManager(ConnectorHooks):
         need = min(main + num_lookahead_tokens, self.max_model_len)
         prefill_end = max(request.num_prompt_tokens, (request.num_tokens if num_tokens is None else num_tokens) - 1)
         return self.coordinator.get_num_blocks_to_allocate(request.request_id, need, hits, 0, local, local, main,
-                                                           prefill_end=prefill_end)
+                                                           prefill_end=prefill_end, writer=request)
 
     def _hit_groups(self, new_computed_blocks: KVCacheBlocks | None, num_reused_tokens: int):
         """The hit blocks per group an allocation adopts: retained-hit groups keep only those the reused
@@ -251,7 +251,8 @@ class KVCacheManager(ConnectorHooks):
         if full_sequence_must_fit:
             full = min(request.num_tokens, self.max_model_len)
             needed = coordinator.get_num_blocks_to_allocate(request_id, full, hits, num_encoder_tokens, total, local,
-                                                            full, apply_admission_cap=True, prefill_end=prefill_end)
+                                                            full, apply_admission_cap=True, prefill_end=prefill_end,
+                                                            writer=request)
             if needed + watermark > self.block_pool.get_num_free_blocks():
                 return None
         num_main = total + num_new_tokens
@@ -262,13 +263,13 @@ class KVCacheManager(ConnectorHooks):
                                           request.num_prompt_tokens)
         needed = coordinator.get_num_blocks_to_allocate(request_id, num_need, hits, num_encoder_tokens,
                                                         local + num_external_computed_tokens, local, num_main,
-                                                        prefill_end=prefill_end)
+                                                        prefill_end=prefill_end, writer=request)
         if needed + watermark > self.block_pool.get_num_free_blocks() - reserved_blocks:
             return None
         if hits is not self._empty or num_external_computed_tokens > 0:
             coordinator.allocate_new_computed_blocks(request_id, hits, local, num_external_computed_tokens,
                                                      skip_zeroing_group_ids)
-        replaced = coordinator.apply_copy_on_write(request_id, total, num_need)
+        replaced = coordinator.apply_copy_on_write(request_id, total, num_need, request)
         new_blocks = coordinator.allocate_new_blocks(request_id, num_need, num_main, num_encoder_tokens)
         if self.track_running and request_id not in coordinator.single_type_managers[0].num_cached_block:
             for m in coordinator.single_type_managers:

@@ -20,6 +20,7 @@ from kvservice.ops import (
     FreeOp,
     Op,
     PinOp,
+    RemoveSkippedBlocksOp,
     ResetPrefixCacheOp,
     UnpinOp,
 )
@@ -84,6 +85,8 @@ def decode_ops(ops: Sequence[pb.Op], spec: PoolSpec, hash_block_size: int, field
             append(FreeOp(check_id((field, i, "free", "request_id"), op.free.request_id), op.free.popped))
         elif kind == "evict_blocks":
             append(decode_evict(op.evict_blocks, spec, vllm, f"{field}[{i}].evict_blocks"))
+        elif kind == "remove_skipped_blocks":
+            append(decode_remove_skipped(op.remove_skipped_blocks, spec, vllm, f"{field}[{i}].remove_skipped_blocks"))
         elif kind == "fork":
             f = op.fork
             append(ForkOp(check_id((field, i, "fork", "parent_request_id"), f.parent_request_id),
@@ -96,7 +99,8 @@ def decode_ops(ops: Sequence[pb.Op], spec: PoolSpec, hash_block_size: int, field
             append(ResetPrefixCacheOp())
         else:
             raise InvalidArgument(f"{field}[{i}]", "{}", "set one of add, allocate, allocate_batch, decode, admit, "
-                                                         "fork, free, pin, unpin, reset_prefix_cache, evict_blocks")
+                                                         "fork, free, pin, unpin, reset_prefix_cache, evict_blocks, "
+                                                         "remove_skipped_blocks")
     return out
 
 
@@ -287,6 +291,17 @@ def decode_evict(e: pb.EvictBlocksOp, spec: PoolSpec, vllm: bool, field: str) ->
         raise InvalidArgument(f"{field}.block_ids", bad, f"must be in [1, {spec.config.num_blocks - 1}] (block 0 is "
                                                          f"the null block)")
     return EvictBlocksOp(ids)
+
+
+def decode_remove_skipped(r: pb.RemoveSkippedBlocksOp, spec: PoolSpec, vllm: bool,
+                          field: str) -> RemoveSkippedBlocksOp:
+    """vLLM's remove_skipped_blocks outside an allocation: a request id and a processed-token count."""
+    if not vllm:
+        raise InvalidArgument(field, "...", "only a pool registered with vllm options takes it (vLLM's "
+                                            "remove_skipped_blocks)")
+    request_id = check_id(f"{field}.request_id", r.request_id)
+    num = check_count(f"{field}.processed_computed_tokens", r.processed_computed_tokens, spec.max_model_len)
+    return RemoveSkippedBlocksOp(request_id, num)
 
 
 def decode_external(e: pb.ExternalSource, max_len: int, field: Field) -> ExternalSource:

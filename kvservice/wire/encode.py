@@ -26,6 +26,7 @@ from kvservice.ops import (
     FreeOp,
     Op,
     PinOp,
+    RemoveSkippedBlocksOp,
     ResetPrefixCacheOp,
     UnpinOp,
 )
@@ -102,6 +103,9 @@ def encode_op(op: Op, msg: pb.Op) -> None:
         msg.free.popped = op.popped
     elif isinstance(op, EvictBlocksOp):
         msg.evict_blocks.block_ids.extend(op.block_ids)
+    elif isinstance(op, RemoveSkippedBlocksOp):
+        r = msg.remove_skipped_blocks
+        r.request_id, r.processed_computed_tokens = op.request_id, op.processed_computed_tokens
     elif isinstance(op, PinOp):
         p = msg.pin
         p.pin_id = op.pin_id

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-from kvservice.core.block import KVCacheBlock, trim_null_head
+from kvservice.core.block import KVCacheBlock, make_block_hash_with_group_id, trim_null_head
 from kvservice.core.block_pool import BlockPool
 from kvservice.core.specs import (
     ChunkedLocalAttentionSpec,
@@ -25,6 +25,9 @@ from kvservice.core.specs import (
     effective_block_size,
 )
 from kvservice.hashing import BlockHash
+
+if TYPE_CHECKING:
+    from kvservice.core.request import Request
 
 _NO_INDICES: list[int] = []  # shared empty results (never mutated)
 _NO_SWAPS: list[tuple[int, int]] = []
@@ -345,8 +348,12 @@ class SingleTypeManager:
         return None
 
     # ---- forks (kvservice) ---------------------------------------------------------------------
-    def cow_indices(self, request_id: str, total_computed_tokens: int, num_tokens: int) -> list[int]:
-        """Indices of held blocks this allocation writes into that another request's table holds."""
+    def cow_indices(self, request_id: str, total_computed_tokens: int, num_tokens: int,
+                    writer: Request | None = None) -> list[int]:
+        """Indices of held blocks this allocation writes into that another request's table holds. With
+        `writer` (the request) given, a block cached under the writer's own hash for that index is not
+        among them: it holds the writer's KV already (vLLM's bounded replay recomputes a hit's last
+        window into such blocks, and copies nothing)."""
         blocks = self.req_to_blocks.get(request_id)
         if not blocks:
             return _NO_INDICES
@@ -356,24 +363,31 @@ class SingleTypeManager:
         if first >= last:  # the common decode case at a block boundary: nothing held is written
             return _NO_INDICES
         out = _NO_INDICES
+        own = None
         for i in range(first, last):
             block = blocks[i]
             # ref_cnt > 1 first: the common unshared case never looks at the pins. A block keyed at a
             # boundary inside it is shared by a partial prefix hit, which copies on the hitter's side.
             if (block.ref_cnt > 1 and not block.is_null and self.cow.holders(block) > 1
                     and (block._block_hash is None or not (block._block_hash_num_tokens or 0) % bs)):
+                if block._block_hash is not None and writer is not None:
+                    if own is None:
+                        own = self.block_pool._hashes_at(writer, bs)
+                    if i < len(own) and block._block_hash == make_block_hash_with_group_id(
+                            own[i], self.kv_cache_group_id):
+                        continue
                 out = [*out, i]
         return out
 
-    def apply_copy_on_write(self, request_id: str, total_computed_tokens: int,
-                            num_tokens: int) -> list[tuple[int, int]]:
+    def apply_copy_on_write(self, request_id: str, total_computed_tokens: int, num_tokens: int,
+                            writer: Request | None = None) -> list[tuple[int, int]]:
         """Swaps a fresh block into this request's table for every shared block it will write; the
         copy (src, dst) is recorded when the shared block already holds computed tokens.
 
         Returns:
             (index, new block id) for every swapped table entry.
         """
-        indices = self.cow_indices(request_id, total_computed_tokens, num_tokens)
+        indices = self.cow_indices(request_id, total_computed_tokens, num_tokens, writer)
         if not indices:
             return _NO_SWAPS
         blocks = self.req_to_blocks[request_id]

@@ -43,6 +43,7 @@ from kvservice.ops import (
     FreeOp,
     Op,
     OpStatus,
+    RemoveSkippedBlocksOp,
     ResetPrefixCacheOp,
     StepResult,
     row_flags,
@@ -269,6 +270,14 @@ class RemoteKVCacheManager(StepSender, KVCacheManager):
         self._hit_caps.pop(request.request_id, None)
         if self._known.pop(request.request_id, None) is not None:
             self._record(FreeOp(request.request_id))
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
+        """Called outside allocate_slots (a KV connector's finished request): the pool frees the same blocks,
+        in the same place among the step's ops."""
+        super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
+        if request_id in self._known:
+            self._record(RemoveSkippedBlocksOp(request_id, processed_computed_tokens))
 
     def reset_prefix_cache(self) -> bool:
         if not super().reset_prefix_cache():
