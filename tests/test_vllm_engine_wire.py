@@ -47,15 +47,27 @@ def test_a_pool_without_prefix_caching_takes_requests_without_hashes_across_a_re
         server.stop()
 
 
-def test_a_pool_with_caching_still_needs_every_hash(tmp_path):
+def test_a_pool_with_caching_takes_trailing_hashes_never_extra_ones(tmp_path):
+    """vLLM's lookahead hasher (speculative decoding) hashes a block only once the tokens after it exist, so a
+    request's hashes may trail its full blocks: fewer are taken, and the blocks not hashed yet are not cached.
+    One more than its full blocks is refused, nothing added."""
     server = start_server("--hash-block-size", str(BS), log_dir=tmp_path)
     try:
         client = server.client(hash_block_size=BS)
         client.register_pool("c", KVCacheConfig(17, [FullAttentionSpec(BS)]), max_model_len=256,
                              hash_spec=SPEC, vllm=VllmOptions())
-        with pytest.raises(InvalidArgument, match=r"block_hashes.*10 tokens need 2 hashes"):
-            client.step("c", [AddRequestOp("a", block_hashes=NO_HASHES, num_tokens=10)])
+        three = [bytes([i]) * 32 for i in range(3)]
+        with pytest.raises(InvalidArgument, match=r"block_hashes.*10 tokens need at most 2 hashes"):
+            client.step("c", [AddRequestOp("a", block_hashes=three, num_tokens=10)])
         assert client.get_stats().pools["c"].num_requests == 0
+        (r,) = client.step("c", [AddRequestOp("a", block_hashes=three[:1], num_tokens=10)])
+        assert r.status == OpStatus.OK and client.get_request("c", "a").num_block_hashes == 1
+        (r,) = client.step("c", [AllocateOp("a", num_new_tokens=10, waiting=True)])
+        assert r.status == OpStatus.OK
+        assert client.get_stats().pools["c"].num_cached_blocks == 1  # the hashed block only
+        (r,) = client.step("c", [AllocateOp("a", num_computed_tokens=10, num_new_tokens=1, num_append_tokens=1,
+                                            append_block_hashes=three[1:2])])
+        assert r.status == OpStatus.OK and client.get_stats().pools["c"].num_cached_blocks == 2
     finally:
         server.stop()
 
@@ -84,3 +96,26 @@ def test_sparse_prefix_cache_retention_reaches_the_pool(tmp_path):
         assert "pointless" not in client.get_stats().pools
     finally:
         server.stop()
+
+
+def test_trailing_hashes_survive_a_snapshot():
+    """A request whose hashes trail its blocks, restored from a snapshot, still takes its late hashes (it is
+    not mistaken for a request of a pool without prefix caching, which takes none)."""
+    from kvservice.allocator import Allocator
+    from kvservice.commands import PoolSpec, RegisterPool
+    from kvservice.store.snapshot import dump, load
+    from tests.allocator_helpers import InProcess
+
+    a = Allocator(hash_block_size=BS)
+    s = InProcess(a)
+    spec = PoolSpec("c", KVCacheConfig(17, [FullAttentionSpec(BS)]), 256, hash_spec=SPEC, vllm=VllmOptions())
+    assert a.apply(RegisterPool("s", "", s._sequence(), spec, SPEC.fingerprint()), 0.0).reply.pool_id == "c"
+    late = hashes(list(range(12)))
+    (r,) = s.step("c", [AddRequestOp("a", block_hashes=late[:1], num_tokens=10)]).results
+    assert r.status == OpStatus.OK
+    b = Allocator(hash_block_size=BS)
+    load(dump(a), b, 0.0)
+    (r,) = InProcess.resume(b, "s").step("c", [AllocateOp("a", num_new_tokens=11, waiting=True, num_append_tokens=1,
+                                                          append_block_hashes=late[1:2])]).results
+    assert r.status == OpStatus.OK, r.message
+    assert len(b.pool("c").requests["a"].block_hashes) == 2

@@ -63,6 +63,12 @@ class Pool:
     def hash_block_size(self) -> int:
         return self.manager.hash_block_size
 
+    @property
+    def hashes_may_lag(self) -> bool:
+        """Its requests' hashes may trail their full blocks: a vLLM pool with prefix caching (vLLM's lookahead
+        hasher hashes a block once the tokens after it exist; vLLM's manager caches only hashed blocks)."""
+        return self.spec.vllm is not None and self.spec.enable_caching
+
     def request_from_tokens(self, key: str, token_ids, cache_salt: str | None = None, lora_name: str | None = None,
                             mm_items: tuple[MultiModalItem, ...] = (), namespace: bytes = b"") -> Request:
         """A request of this pool, hashed by the server in the pool's hash spec."""
@@ -76,7 +82,8 @@ class Pool:
         # Without prefix caching vLLM hashes nothing, and nothing here would read a hash.
         unhashed = not self.manager.enable_caching and not block_hashes
         req = Request.from_block_hashes(key, block_hashes, num_tokens, self.hash_block_size, lora_name=lora_name,
-                                        namespace=namespace, hash_spec=self.hash_spec, unhashed=unhashed)
+                                        namespace=namespace, hash_spec=self.hash_spec, unhashed=unhashed,
+                                        hashes_may_lag=self.hashes_may_lag and not unhashed)
         if num_prompt_tokens:
             req.num_prompt_tokens = num_prompt_tokens
         return req

@@ -99,9 +99,10 @@ def hash_append_refusal(req: Request, hashes: list[bytes] | None, num_append: in
         return (f"request {client_request_id(req.request_id)!r} was added without block hashes (its pool does not "
                 f"cache prefixes): append none") if hashes else None
     expected = num_tokens // req.block_size - len(req.block_hashes)
-    if len(hashes) != expected:
-        return (f"request {client_request_id(req.request_id)!r}: {num_tokens} tokens need {expected} new block "
-                f"hashes at block size {req.block_size}, got {len(hashes)}")
+    if len(hashes) != expected and not (req.hashes_may_lag and len(hashes) <= expected):
+        return (f"request {client_request_id(req.request_id)!r}: {num_tokens} tokens need "
+                f"{'at most ' if req.hashes_may_lag else ''}{expected} new block hashes at block size "
+                f"{req.block_size}, got {len(hashes)}")
     size = req.hash_bytes
     for i, h in enumerate(hashes):
         if not isinstance(h, bytes) or len(h) != size:

@@ -42,6 +42,9 @@ class Request:
     lora_path: str | None = None
     hash_spec: HashSpec | None = None  # None: kvservice's chain with `hash_seed`
     unhashed: bool = False  # added by hashes, of which its client computes none (a pool without prefix caching)
+    # Added by hashes that may trail its full blocks: vLLM's hasher with lookahead (num_hash_lookahead_tokens)
+    # hashes a block only once the tokens after it that the hash covers exist. Never more than one per block.
+    hashes_may_lag: bool = False
 
     def __init__(
         self,
@@ -95,13 +98,17 @@ class Request:
         namespace: bytes = b"",
         hash_spec: HashSpec | None = None,
         unhashed: bool = False,
+        hashes_may_lag: bool = False,
     ) -> Request:
         """A request whose client hashed its tokens (with `hash_spec`, kvservice's by default): one
         hash per full block of `num_tokens`. `unhashed`: the client hashes nothing (a pool without prefix
-        caching, whose hashes nothing reads: vLLM then computes none); appends then carry no hashes either."""
+        caching, whose hashes nothing reads: vLLM then computes none); appends then carry no hashes either.
+        `hashes_may_lag`: fewer hashes than full blocks are taken, here and at appends (see the attribute)."""
         req = cls.__new__(cls)
         if unhashed:
             req.unhashed = True
+        if hashes_may_lag:
+            req.hashes_may_lag = True
         if hash_spec is not None and not hash_spec.is_kvservice:
             req.hash_spec = hash_spec
         req.request_id = request_id
@@ -201,7 +208,8 @@ class Request:
 
     def append_block_hashes(self, block_hashes: Sequence[bytes], num_new_tokens: int) -> None:
         """For requests added by hashes: `num_new_tokens` more tokens whose newly full blocks have
-        these hashes (exactly one per block completed)."""
+        these hashes (exactly one per block completed; with `hashes_may_lag`, at most one per full block
+        not hashed yet)."""
         if self._token_ids is not None:
             raise ValueError(f"request {self.request_id!r} was added with token ids: append tokens, not hashes")
         if not isinstance(num_new_tokens, int) or num_new_tokens < 0:
@@ -214,9 +222,10 @@ class Request:
             self.num_tokens = num_tokens
             return
         expected = num_tokens // self.block_size - len(self.block_hashes)
-        if len(block_hashes) != expected:
-            raise ValueError(f"request {self.request_id!r}: {num_tokens} tokens need {expected} new block hashes "
-                             f"at block size {self.block_size}, got {len(block_hashes)}")
+        if len(block_hashes) != expected and not (self.hashes_may_lag and len(block_hashes) <= expected):
+            raise ValueError(f"request {self.request_id!r}: {num_tokens} tokens need "
+                             f"{'at most ' if self.hashes_may_lag else ''}{expected} new block hashes at block size "
+                             f"{self.block_size}, got {len(block_hashes)}")
         size = self.hash_bytes
         for i, h in enumerate(block_hashes):
             if not isinstance(h, bytes) or len(h) != size:
@@ -244,7 +253,7 @@ class Request:
         for name in ("block_size", "cache_salt", "lora_name", "hash_seed", "mm_items", "namespace",
                      "num_prompt_tokens", "num_tokens", "num_computed_tokens", "_chain_tip"):
             setattr(child, name, getattr(self, name))
-        for name in ("lora_path", "hash_spec", "lora_id", "session_id", "unhashed"):  # class defaults unless set
+        for name in ("lora_path", "hash_spec", "lora_id", "session_id", "unhashed", "hashes_may_lag"):  # class defaults
             if name in self.__dict__:
                 setattr(child, name, getattr(self, name))
         child.request_id = child_request_id

@@ -231,7 +231,7 @@ def _decode_pool(ps: st.PoolState, state: AllocatorState) -> Pool:
                                  tuple(m.interval_stats), m.interval_reset)
     import_manager_state(pool.manager, manager_state)
     for rs in ps.requests:
-        pool.requests[rs.key] = _decode_request(rs, pool.hash_spec)
+        pool.requests[rs.key] = _decode_request(rs, pool.hash_spec, pool.hashes_may_lag)
         if rs.owner:
             pool.owner[rs.key] = rs.owner
     for key, reason in zip(ps.tombstone_keys, ps.tombstone_reasons):
@@ -275,7 +275,7 @@ def import_pool(state: AllocatorState, data: bytes) -> str:
     return pool.pool_id
 
 
-def _decode_request(rs: st.RequestState, hash_spec: HashSpec) -> Request:
+def _decode_request(rs: st.RequestState, hash_spec: HashSpec, hashes_may_lag: bool = False) -> Request:
     req = Request.__new__(Request)
     if not hash_spec.is_kvservice:
         req.hash_spec = hash_spec
@@ -302,6 +302,8 @@ def _decode_request(rs: st.RequestState, hash_spec: HashSpec) -> Request:
     raw = rs.block_hashes
     n = hash_spec.hash_bytes
     req.block_hashes = [raw[i:i + n] + ns for i in range(0, len(raw), n)]
-    if not rs.has_token_ids and len(req.block_hashes) < rs.num_tokens // rs.block_size:
+    if hashes_may_lag and not rs.has_token_ids:
+        req.hashes_may_lag = True  # (a pool whose requests' hashes may trail their blocks, with prefix caching)
+    elif not rs.has_token_ids and len(req.block_hashes) < rs.num_tokens // rs.block_size:
         req.unhashed = True  # only an unhashed request (a pool without prefix caching) holds fewer hashes
     return req

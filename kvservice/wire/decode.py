@@ -60,6 +60,7 @@ def decode_ops(ops: Sequence[pb.Op], spec: PoolSpec, hash_block_size: int, field
     hash_bytes = spec.hash_bytes
     vllm = spec.vllm is not None
     unhashed_ok = not spec.enable_caching
+    lag_ok = vllm and spec.enable_caching  # vLLM's lookahead hasher: a block's hash waits for the tokens after it
     for i, op in enumerate(ops):
         kind = op.WhichOneof("op")
         if vllm and kind in VLLM_REFUSED:
@@ -68,7 +69,7 @@ def decode_ops(ops: Sequence[pb.Op], spec: PoolSpec, hash_block_size: int, field
         if kind == "allocate":
             append(decode_allocate(op.allocate, max_len, vocab, field, i, hash_bytes, vllm))
         elif kind == "add":
-            append(decode_add(op.add, max_len, vocab, hash_block_size, field, i, hash_bytes, unhashed_ok))
+            append(decode_add(op.add, max_len, vocab, hash_block_size, field, i, hash_bytes, unhashed_ok, lag_ok))
         elif kind == "allocate_batch":
             if not vllm:
                 raise InvalidArgument(f"{field}[{i}].allocate_batch", "...", f"pool {spec.pool_id!r} does not follow "
@@ -132,9 +133,11 @@ def ops_from_request(rpc: StepRpc, request, spec: PoolSpec, hash_block_size: int
 
 
 def decode_add(a: pb.AddRequestOp, max_len: int, vocab: int, hash_block_size: int, field: str,
-               index: int | None = None, hash_bytes: int = HASH_BYTES, unhashed_ok: bool = False) -> AddRequestOp:
+               index: int | None = None, hash_bytes: int = HASH_BYTES, unhashed_ok: bool = False,
+               lag_ok: bool = False) -> AddRequestOp:
     """One add op; (`field`, `index`) names it in errors (`field[index].add`, or `field` alone).
-    `unhashed_ok`: the pool does not cache prefixes, so `num_tokens` may come with no hashes at all."""
+    `unhashed_ok`: the pool does not cache prefixes, so `num_tokens` may come with no hashes at all.
+    `lag_ok`: fewer hashes than full blocks are taken (vLLM's lookahead hashes trail the tokens)."""
     request_id = a.request_id
     why = id_problem(request_id)
     if why is not None:
@@ -144,7 +147,7 @@ def decode_add(a: pb.AddRequestOp, max_len: int, vocab: int, hash_block_size: in
     salt, lora = a.cache_salt, a.lora_name
     if a.block_hashes or (a.num_tokens and not a.token_ids):  # a prompt under one hash block has no hashes
         return _decode_add_by_hashes(a, request_id, mm, max_len, hash_block_size, field, index, hash_bytes,
-                                     unhashed_ok)
+                                     unhashed_ok, lag_ok)
     if a.num_prompt_tokens:
         raise invalid((field, index, "add", "num_prompt_tokens"), a.num_prompt_tokens,
                       "only with block_hashes (token ids say their prompt themselves)")
@@ -169,7 +172,8 @@ def decode_add(a: pb.AddRequestOp, max_len: int, vocab: int, hash_block_size: in
 
 
 def _decode_add_by_hashes(a: pb.AddRequestOp, request_id: str, mm: tuple, max_len: int, hash_block_size: int,
-                          field: str, index: int | None, hash_bytes: int, unhashed_ok: bool = False) -> AddRequestOp:
+                          field: str, index: int | None, hash_bytes: int, unhashed_ok: bool = False,
+                          lag_ok: bool = False) -> AddRequestOp:
     if a.token_ids:
         raise invalid((field, index, "add", "token_ids"), f"<{len(a.token_ids)} bytes>",
                       "send token_ids or block_hashes, not both")
@@ -179,9 +183,10 @@ def _decode_add_by_hashes(a: pb.AddRequestOp, request_id: str, mm: tuple, max_le
     hashes = decode_hashes((field, index, "add", "block_hashes"), a.block_hashes, hash_bytes)
     if a.num_tokens == 0 or a.num_tokens > max_len:
         raise invalid((field, index, "add", "num_tokens"), a.num_tokens, f"must be in [1, max_model_len {max_len}]")
-    if len(hashes) != a.num_tokens // hash_block_size and not (unhashed_ok and not hashes):
+    full = a.num_tokens // hash_block_size
+    if len(hashes) != full and not (unhashed_ok and not hashes) and not (lag_ok and len(hashes) < full):
         raise invalid((field, index, "add", "block_hashes"), f"<{len(hashes)} hashes>",
-                      f"{a.num_tokens} tokens need {a.num_tokens // hash_block_size} hashes at hash block size "
+                      f"{a.num_tokens} tokens need {'at most ' if lag_ok else ''}{full} hashes at hash block size "
                       f"{hash_block_size}")
     if a.num_prompt_tokens > a.num_tokens:
         raise invalid((field, index, "add", "num_prompt_tokens"), a.num_prompt_tokens,

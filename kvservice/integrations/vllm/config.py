@@ -22,8 +22,6 @@ from dataclasses import dataclass
 
 from vllm.v1 import kv_cache_interface as vi
 
-from kvservice.integrations.vllm.version import num_hash_lookahead_tokens
-
 ENV = {"address": "KVSERVICE_ADDRESS", "token": "KVSERVICE_TOKEN", "pool_id": "KVSERVICE_POOL_ID",
        "pipeline": "KVSERVICE_PIPELINE", "step_interval_ms": "KVSERVICE_STEP_INTERVAL_MS"}
 KEYS = ("address", "token", "pool_id", "timeout_s", "pipeline", "step_interval_ms")
@@ -103,9 +101,6 @@ def unsupported(scheduler, kv_cache_config) -> list[str]:
     """Every setting of this scheduler the kvservice-backed one cannot honour, each as 'setting = value: why'."""
     cfg = scheduler.vllm_config
     out = []
-    if num_hash_lookahead_tokens(scheduler):
-        out.append(f"num_hash_lookahead_tokens = {num_hash_lookahead_tokens(scheduler)}: lookahead block hashes "
-                   f"(the allocator checks a block's hash once its block is full)")
     if getattr(scheduler, "num_prefill_lookahead", 0):
         out.append(f"num_prefill_lookahead = {scheduler.num_prefill_lookahead}: MTP prefill lookahead")
     if scheduler.hash_block_size != scheduler.block_size:

@@ -80,7 +80,9 @@ class RemoteKVCacheManager(StepSender, KVCacheManager):
         self._ops: list[Op] = []
         self._expected: list[Expected | Rows] = []
         self._rows: Rows | None = None  # the open AllocateBatchOp (the last of _ops), if any
-        self._known: dict[str, int] = {}  # request id -> how many of its tokens the pool has
+        # request id -> how many of its tokens and block hashes the pool has (vLLM's lookahead hasher hashes a
+        # block only once the tokens after it exist: the hashes may trail the tokens)
+        self._known: dict[str, tuple[int, int]] = {}
         self._failed: str | None = None  # why a Step failed or diverged: nothing may follow
         self._in_flight: InFlight | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -123,23 +125,22 @@ class RemoteKVCacheManager(StepSender, KVCacheManager):
         """The request's block hashes and token count since the pool last heard of it (adding it if new)."""
         request_id = request.request_id
         num_tokens = request.num_tokens
-        known = self._known.get(request_id)
-        if known is None:  # (a pool without prefix caching takes no hashes, even where the request has them)
-            self._record(AddRequestOp(request_id, block_hashes=list(request.block_hashes) if self.enable_caching
-                                      else [], num_tokens=num_tokens, num_prompt_tokens=request.num_prompt_tokens))
-            self._known[request_id] = num_tokens
+        sent = self._known.get(request_id)
+        hashes = request.block_hashes if self.enable_caching else ()
+        if sent is None:  # (a pool without prefix caching takes no hashes, even where the request has them)
+            self._record(AddRequestOp(request_id, block_hashes=list(hashes), num_tokens=num_tokens,
+                                      num_prompt_tokens=request.num_prompt_tokens))
+            self._known[request_id] = (num_tokens, len(hashes))
             return _NOTHING
-        if num_tokens == known:
+        known, num_hashes = sent
+        if num_tokens == known and len(hashes) == num_hashes:
             return _NOTHING
         if num_tokens < known:
             self._failed = f"request {request_id!r} lost tokens"
             raise PoolDiverged(f"request {request_id!r} went from {known} to {num_tokens} tokens; the pool only "
                                f"appends")
-        size = self.hash_block_size
-        self._known[request_id] = num_tokens
-        if not self.enable_caching:
-            return [], num_tokens - known
-        return request.block_hashes[known // size:num_tokens // size], num_tokens - known  # (a slice is a copy)
+        self._known[request_id] = (num_tokens, len(hashes))
+        return list(hashes[num_hashes:]), num_tokens - known
 
     def _record(self, op: Op, expected: Expected | None = None) -> None:
         """An op other than a row: it ends the open AllocateBatchOp, and rows after it may not fold before it."""
