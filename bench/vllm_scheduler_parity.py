@@ -67,7 +67,9 @@ def main() -> int:
         server.kill()
     print(table(["configuration", "identical", "steps", "preemptions", "prefix hits", "prefill chunks",
                  "n>1 requests", "RPCs/step"], rows))
-    print(f"wrote {write_json('vllm_scheduler_parity', data)}")
+    # A features run keeps its own file: the base configurations' results stay as they were.
+    name = "vllm_scheduler_parity_features" if args.modes == "features" else "vllm_scheduler_parity"
+    print(f"wrote {write_json(name, data)}")
     return 0 if all(d["identical"] == d["workloads"] for d in data.values()) else 1
 
 

@@ -63,6 +63,7 @@ class VllmOptions:
     max_in_flight_tokens: int = 0  # 0: max_model_len
     use_eagle: bool = False  # EAGLE's block drop (a hit gives back its last block)
     num_hash_lookahead_tokens: int = 0  # tokens past each block its hash covers
+    num_prefill_lookahead: int = 0  # vLLM's num_prefill_lookahead_tokens (MTP prefill lookahead)
 
 
 @dataclass(slots=True)

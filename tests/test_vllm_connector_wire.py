@@ -58,7 +58,8 @@ class Pair:
                              vllm=options)
         self.core = VllmKVCacheManager(config, MAX_LEN, enable_caching, hash_block_size=BS, enable_fast_path=False,
                                        use_eagle=options.use_eagle,
-                                       num_hash_lookahead_tokens=options.num_hash_lookahead_tokens)
+                                       num_hash_lookahead_tokens=options.num_hash_lookahead_tokens,
+                                       num_prefill_lookahead=options.num_prefill_lookahead)
         self.requests: dict[str, Request] = {}
 
     def add(self, request_id: str, tokens: list[int]) -> None:
@@ -248,6 +249,19 @@ def test_eagle_and_hash_lookahead_options_reach_the_pool(client, request):
         (r,) = client.step(p.pool_id, [AllocateOp("b", num_new_tokens=len(prompt) - hit, lookup=True,
                                                   num_new_computed_tokens=hit, waiting=True)])
         assert r.status == OpStatus.OK, r
+
+
+def test_mtp_prefill_lookahead_reaches_the_pool(client, request):
+    """vLLM's num_prefill_lookahead_tokens (an MTP drafter reads the next prompt tokens): the last L - 1 computed
+    tokens are re-prefilled, so they are not cached yet; the registered pool caches as the core does."""
+    prompt = list(range(800, 816))
+    for lookahead, cached in ((0, 16), (3, 12)):
+        p = Pair(client, f"{request.node.name}-{lookahead}", KVCacheConfig(32, [FullAttentionSpec(BS)]),
+                 VllmOptions(num_prefill_lookahead=lookahead))
+        _admit_and_run(p, "a", prompt)
+        probe = Request("probe", prompt + [1], BS, hash_spec=SPEC)
+        assert p.core.get_computed_blocks(probe)[1] == cached
+        assert client.lookup(prompt + [1], pool_ids=[p.pool_id]).tokens(p.pool_id) == cached
 
 
 def test_a_capped_hit_is_checked_against_the_same_cap(client, request):

@@ -49,7 +49,7 @@ class Pool:
                 dcp_world_size=spec.dcp_world_size, hash_block_size=hash_block_size, enable_fast_path=False,
                 scheduler_block_size=v.scheduler_block_size or None,
                 max_in_flight_tokens=v.max_in_flight_tokens or None, watermark=v.watermark, use_eagle=v.use_eagle,
-                num_hash_lookahead_tokens=v.num_hash_lookahead_tokens)
+                num_hash_lookahead_tokens=v.num_hash_lookahead_tokens, num_prefill_lookahead=v.num_prefill_lookahead)
         self.requests: dict[str, Request] = {}
         self.owner: dict[str, str] = {}  # request key -> session id
         self.owner_tenant = ""  # the tenant that registered the pool

@@ -173,7 +173,8 @@ def encode_hash_spec(spec: HashSpec) -> pb.HashSpec:
 def encode_vllm_options(options: VllmOptions) -> pb.VllmManagerOptions:
     return pb.VllmManagerOptions(watermark=options.watermark, scheduler_block_size=options.scheduler_block_size,
                                  max_in_flight_tokens=options.max_in_flight_tokens, use_eagle=options.use_eagle,
-                                 num_hash_lookahead_tokens=options.num_hash_lookahead_tokens)
+                                 num_hash_lookahead_tokens=options.num_hash_lookahead_tokens,
+                                 num_prefill_lookahead=options.num_prefill_lookahead)
 
 
 def register_request(pool_id: str, config: KVCacheConfig, max_model_len: int, epoch: int, dcp_world_size: int,

@@ -114,7 +114,9 @@ def decode_vllm_options(msg: pb.VllmManagerOptions, config: KVCacheConfig, field
                                   f"must be a multiple of every group's block size {sizes}")
     check_count(f"{field}.max_in_flight_tokens", msg.max_in_flight_tokens, MAX_MODEL_LEN)
     check_count(f"{field}.num_hash_lookahead_tokens", msg.num_hash_lookahead_tokens, MAX_MODEL_LEN)
-    return VllmOptions(msg.watermark, size, msg.max_in_flight_tokens, msg.use_eagle, msg.num_hash_lookahead_tokens)
+    check_count(f"{field}.num_prefill_lookahead", msg.num_prefill_lookahead, MAX_MODEL_LEN)
+    return VllmOptions(msg.watermark, size, msg.max_in_flight_tokens, msg.use_eagle, msg.num_hash_lookahead_tokens,
+                       msg.num_prefill_lookahead)
 
 
 def decode_hash_spec(msg: pb.HashSpec, hash_block_size: int, field: str = "hash_spec") -> HashSpec:

@@ -101,8 +101,6 @@ def unsupported(scheduler, kv_cache_config) -> list[str]:
     """Every setting of this scheduler the kvservice-backed one cannot honour, each as 'setting = value: why'."""
     cfg = scheduler.vllm_config
     out = []
-    if getattr(scheduler, "num_prefill_lookahead", 0):
-        out.append(f"num_prefill_lookahead = {scheduler.num_prefill_lookahead}: MTP prefill lookahead")
     if scheduler.hash_block_size != scheduler.block_size:
         out.append(f"hash_block_size = {scheduler.hash_block_size} != block_size {scheduler.block_size}: sub-block "
                    f"(partial) prefix hits")

@@ -71,7 +71,7 @@ class KVServiceScheduling:
         hash_spec = HashSpec(algorithm, get_none_hash_seed(), self.hash_block_size)
         options = VllmOptions(float(self.scheduler_config.watermark), self.block_size,
                               self.vllm_config.max_in_flight_tokens or 0, bool(self.use_eagle_block_drop),
-                              num_hash_lookahead_tokens(self))
+                              num_hash_lookahead_tokens(self), getattr(self, "num_prefill_lookahead", 0))
         try:
             result = client.register_pool(pool_id, core_config(self.kv_cache_config), self.max_model_len, epoch,
                                           self.dcp_world_size, self.cache_config.enable_prefix_caching,
