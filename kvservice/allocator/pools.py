@@ -50,6 +50,8 @@ class Pool:
                 scheduler_block_size=v.scheduler_block_size or None,
                 max_in_flight_tokens=v.max_in_flight_tokens or None, watermark=v.watermark, use_eagle=v.use_eagle,
                 num_hash_lookahead_tokens=v.num_hash_lookahead_tokens, num_prefill_lookahead=v.num_prefill_lookahead)
+            for m in self.manager.coordinator.single_type_managers:  # no forks here: vLLM writes in place
+                m.copy_on_write = False
         self.requests: dict[str, Request] = {}
         self.owner: dict[str, str] = {}  # request key -> session id
         self.owner_tenant = ""  # the tenant that registered the pool

@@ -110,6 +110,8 @@ class RequestBook:
         req = pool.requests.get(key)
         if req is None:
             return self.missing(pool, key, op.request_id)
+        # (Not bounded by the request's tokens here: a finishing request's last sampled tokens never reach the
+        # pool. A count past them frees only this request's own blocks, as a FreeOp would.)
         pool.manager.remove_skipped_blocks(key, op.processed_computed_tokens, req.num_prompt_tokens)
         if self.state.usage.quotas:
             self.state.usage.update(tenant, pool, key)

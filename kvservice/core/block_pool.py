@@ -135,11 +135,14 @@ class BlockPool:
                 if block._block_hash_num_tokens is None or block._block_hash_num_tokens >= num_tokens:
                     # Cached whole under another prefix: only a client that counted tokens computed which
                     # it never had slots for gets here (a block it shares was filled by the other holder).
-                    # Shared, the other holder's key stands; held by this request alone, its key wins.
+                    # Shared, the other holder's key stands; held by this request alone, whose KV it holds
+                    # is unknown: it leaves the prefix cache, cached under neither.
                     if block.ref_cnt > 1:
                         continue
                     logger.warning("block %d was cached under another prefix than request %r's block %d: "
-                                   "re-keyed", block.block_id, request.request_id, i)
+                                   "uncached", block.block_id, request.request_id, i)
+                    self._emit_block_removed_events(self._remove_cached_block_hashes(block))
+                    continue
                 self._emit_block_removed_events(self._remove_cached_block_hashes(block))
                 self._insert_block_hash(key, block, num_tokens)
             if events:

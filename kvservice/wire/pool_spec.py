@@ -91,6 +91,13 @@ def decode_pool_spec(msg: pb.RegisterPoolRequest, hash_block_size: int) -> PoolS
                                   f"size {hash_block_size}")
     hash_spec = decode_hash_spec(msg.hash_spec, hash_block_size) if msg.HasField("hash_spec") else None
     vllm = decode_vllm_options(msg.vllm, config) if msg.HasField("vllm") else None
+    if vllm is not None and vllm.num_prefill_lookahead and not msg.config.disable_prefix_caching \
+            and (config.eagle_group_ids or vllm.use_eagle):
+        size = vllm.scheduler_block_size or math.lcm(*(s.block_size for s in config.groups))
+        if size < vllm.num_prefill_lookahead:  # (as vLLM's coordinator refuses it)
+            raise InvalidArgument("vllm.num_prefill_lookahead", vllm.num_prefill_lookahead,
+                                  f"multi-module MTP with prefix caching needs it at most the scheduler block size "
+                                  f"{size}")
     retention = config.prefix_cache_retention_interval
     try:  # the pool's coordinator checks the same, at the scheduler's block size
         validate_retention_interval(retention, (vllm and vllm.scheduler_block_size) or math.lcm(

@@ -61,6 +61,9 @@ class SingleTypeManager:
     """Block tables of one KV-cache group."""
 
     supports_fine_grained_hash_lookup: ClassVar[bool] = False
+    # Fork copy-on-write (cow_indices); off in a pool with vLLM's semantics, which has no forks and whose
+    # writes into shared blocks vLLM makes in place.
+    copy_on_write: bool = True
     retains_longer_hit: ClassVar[bool] = False
 
     def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, enable_caching: bool = True,
@@ -330,8 +333,9 @@ class SingleTypeManager:
         num_skipped_tokens = self.get_num_skipped_tokens(processed_computed_tokens)
         if num_skipped_tokens <= 0:
             return
-        blocks = self.req_to_blocks[request_id]
-        self._remove_blocks_in_range(request_id, 0, min(num_skipped_tokens // self.block_size, len(blocks)))
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks:
+            self._remove_blocks_in_range(request_id, 0, min(num_skipped_tokens // self.block_size, len(blocks)))
 
     def pop_blocks_for_free(self, request_id: str) -> Sequence[KVCacheBlock]:
         """Drops the request's bookkeeping; returns its blocks (leading nulls trimmed) for the caller to
@@ -355,7 +359,7 @@ class SingleTypeManager:
         among them: it holds the writer's KV already (vLLM's bounded replay recomputes a hit's last
         window into such blocks, and copies nothing)."""
         blocks = self.req_to_blocks.get(request_id)
-        if not blocks:
+        if not blocks or not self.copy_on_write:
             return _NO_INDICES
         bs = self.block_size
         first = total_computed_tokens // bs

@@ -80,9 +80,9 @@ class RemoteKVCacheManager(StepSender, KVCacheManager):
         self._ops: list[Op] = []
         self._expected: list[Expected | Rows] = []
         self._rows: Rows | None = None  # the open AllocateBatchOp (the last of _ops), if any
-        # request id -> how many of its tokens and block hashes the pool has (vLLM's lookahead hasher hashes a
-        # block only once the tokens after it exist: the hashes may trail the tokens)
-        self._known: dict[str, tuple[int, int]] = {}
+        # request id -> how many of its tokens and block hashes the pool has, and the last hash (vLLM's lookahead
+        # hasher hashes a block only once the tokens after it exist: the hashes may trail the tokens)
+        self._known: dict[str, tuple[int, int, bytes | None]] = {}
         self._failed: str | None = None  # why a Step failed or diverged: nothing may follow
         self._in_flight: InFlight | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -130,16 +130,16 @@ class RemoteKVCacheManager(StepSender, KVCacheManager):
         if sent is None:  # (a pool without prefix caching takes no hashes, even where the request has them)
             self._record(AddRequestOp(request_id, block_hashes=list(hashes), num_tokens=num_tokens,
                                       num_prompt_tokens=request.num_prompt_tokens))
-            self._known[request_id] = (num_tokens, len(hashes))
+            self._known[request_id] = (num_tokens, len(hashes), hashes[-1] if hashes else None)
             return _NOTHING
-        known, num_hashes = sent
-        if num_tokens == known and len(hashes) == num_hashes:
+        known, num_hashes, last = sent
+        if num_tokens == known:  # (new hashes without new tokens wait for the next append)
             return _NOTHING
-        if num_tokens < known:
-            self._failed = f"request {request_id!r} lost tokens"
-            raise PoolDiverged(f"request {request_id!r} went from {known} to {num_tokens} tokens; the pool only "
-                               f"appends")
-        self._known[request_id] = (num_tokens, len(hashes))
+        if num_tokens < known or len(hashes) < num_hashes or (num_hashes and hashes[num_hashes - 1] != last):
+            self._failed = f"request {request_id!r} lost tokens or rewrote its block hashes"
+            raise PoolDiverged(f"request {request_id!r} went from {known} tokens and {num_hashes} block hashes to "
+                               f"{num_tokens} and {len(hashes)} (or rewrote them); the pool only appends")
+        self._known[request_id] = (num_tokens, len(hashes), hashes[-1] if hashes else None)
         return list(hashes[num_hashes:]), num_tokens - known
 
     def _record(self, op: Op, expected: Expected | None = None) -> None:
