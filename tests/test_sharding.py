@@ -63,6 +63,7 @@ class Worker(threading.Thread):
     def __init__(self, client: KVServiceClient, pools: list[str], seed: int) -> None:
         super().__init__(daemon=True)
         self.client, self.pools, self.rng = client, pools, random.Random(seed)
+        self.name_prefix = f"w{seed}"  # request ids unique per worker (two workers share the pools)
         self.tokens: dict[tuple[str, str], int] = {}  # (pool, request) -> acknowledged tokens
         self.steps: dict[str, int] = {p: 0 for p in pools}
         self.stop_now = threading.Event()
@@ -81,7 +82,7 @@ class Worker(threading.Thread):
         live = sorted(rid for p, rid in self.tokens if p == pool)
         self.n += 1
         if not live or self.rng.random() < 0.3:
-            rid = f"w{id(self) % 1000}-{self.n}"
+            rid = f"{self.name_prefix}-{self.n}"
             prompt = [self.rng.randrange(4)] * 16 + [self.rng.randrange(3000) for _ in range(self.rng.randint(1, 40))]
             r = self.client.step(pool, [AddRequestOp(rid, token_ids=prompt),
                                         AllocateOp(rid, num_new_tokens=len(prompt))])
