@@ -79,6 +79,7 @@ class AllocateOp:
     num_external_computed_tokens: int = 0  # a KV connector's tokens (an admission)
     num_encoder_tokens: int = 0  # cross attention's (an encoder-decoder admission)
     max_cache_hit_length: int = 0  # the cap the admission's hit was looked up with (0: none)
+    connector_lookup: bool = False  # the hit was looked up the KV connector's way (vLLM's hybrid divergent hits)
 
     @property
     def vllm_fields(self) -> bool:
@@ -86,7 +87,7 @@ class AllocateOp:
         return bool(self.num_output_placeholders or self.num_in_flight_tokens or self.waiting or self.lookup
                     or self.num_new_computed_tokens or self.full_sequence_must_fit or self.reserved_blocks
                     or self.has_scheduled_reqs or self.cache_tokens or self.num_external_computed_tokens
-                    or self.num_encoder_tokens or self.max_cache_hit_length)
+                    or self.num_encoder_tokens or self.max_cache_hit_length or self.connector_lookup)
 
 
 @dataclass(slots=True)
@@ -136,6 +137,11 @@ class RemoveSkippedBlocksOp:
 
     request_id: str
     processed_computed_tokens: int
+
+
+@dataclass(slots=True)
+class NewStepOp:
+    """vLLM's new_step_starts (a vLLM pool's scheduler step starts here): Mamba states cached before it may hit."""
 
 
 @dataclass(slots=True)
@@ -232,7 +238,7 @@ class AdmitBatchOp:
 
 
 Op = (AddRequestOp | AllocateOp | ForkOp | FreeOp | DecodeBatchOp | AdmitBatchOp | AllocateBatchOp | PinOp | UnpinOp
-      | ResetPrefixCacheOp | EvictBlocksOp | RemoveSkippedBlocksOp)
+      | ResetPrefixCacheOp | EvictBlocksOp | RemoveSkippedBlocksOp | NewStepOp)
 
 
 @dataclass(slots=True)

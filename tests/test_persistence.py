@@ -9,9 +9,11 @@ import grpc
 import pytest
 
 from kvservice._proto import allocator_pb2 as pb
-from kvservice.core import FullAttentionSpec, KVCacheConfig
+from kvservice.commands import VllmOptions
+from kvservice.core import FullAttentionSpec, KVCacheConfig, MambaSpec, Request
 from kvservice.errors import Code, KVServiceError, Unavailable
-from kvservice.ops import AddRequestOp, AdmitBatchOp, AllocateOp, ForkOp, FreeOp, OpStatus
+from kvservice.hashing import HashSpec
+from kvservice.ops import AddRequestOp, AdmitBatchOp, AllocateOp, ForkOp, FreeOp, NewStepOp, OpStatus
 from tests.redis_helpers import RedisServer
 from tests.service_helpers import start_server
 
@@ -201,6 +203,41 @@ def test_restart_is_block_for_block_and_leases_restart(redis_server, tmp_path):
     assert digest(client) == before
     s = client.stub.GetStats(pb.GetStatsRequest(), timeout=5)
     assert s.num_sessions == 1 and s.persistence == "ok"
+    proc.stop()
+
+
+def test_a_mamba_pools_step_under_way_survives_a_restart(redis_server, tmp_path):
+    """A vLLM pool with a Mamba group, restarted from a snapshot taken in the middle of a scheduler step: the
+    states cached in that step are still no hit until the next step starts (NewStepOp)."""
+    proc = allocator(redis_server, "mamba", tmp_path, "--snapshot-every", "1", "--hash-block-size", "4")
+    client = proc.client(hash_block_size=4)
+    spec = HashSpec("sha256", None, 4)
+    client.register_pool("m", KVCacheConfig(40, [FullAttentionSpec(4), MambaSpec(4)]), max_model_len=256,
+                         hash_spec=spec, vllm=VllmOptions())
+    prompt = list(range(12))
+
+    def add(rid, tokens):
+        return AddRequestOp(rid, block_hashes=list(Request(rid, tokens, 4, hash_spec=spec).block_hashes),
+                            num_tokens=len(tokens))
+
+    (_, _, r) = client.step("m", [NewStepOp(), add("a", prompt), AllocateOp("a", num_new_tokens=12, waiting=True)])
+    assert r.status == OpStatus.OK
+    redis = redis_server.client()
+    deadline = time.monotonic() + 20
+    last = redis.xrevrange("mamba:wal", count=1)[0][0]
+    while redis.get("mamba:snapshot:wal_id") != last and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert redis.get("mamba:snapshot:wal_id") == last  # the snapshot holds everything: nothing is replayed
+    before = digest(client)
+    kill(proc)
+    proc = allocator(redis_server, "mamba", tmp_path, "--hash-block-size", "4")
+    client = proc.client(hash_block_size=4)
+    assert digest(client) == before
+    admit_b = AllocateOp("b", num_new_tokens=1, lookup=True, num_new_computed_tokens=12, waiting=True)
+    (_, r) = client.step("m", [add("b", prompt + [7]), admit_b])
+    assert r.status == OpStatus.NO_SPACE  # the states `a` cached are written by this step's forward
+    (_, r) = client.step("m", [NewStepOp(), admit_b])
+    assert r.status == OpStatus.OK, r
     proc.stop()
 
 

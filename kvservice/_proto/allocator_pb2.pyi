@@ -91,10 +91,12 @@ class ChunkedLocalAttention(_message.Message):
     def __init__(self, block_size: _Optional[int] = ..., attention_chunk_size: _Optional[int] = ...) -> None: ...
 
 class Mamba(_message.Message):
-    __slots__ = ("block_size",)
+    __slots__ = ("block_size", "mamba_cache_mode")
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAMBA_CACHE_MODE_FIELD_NUMBER: _ClassVar[int]
     block_size: int
-    def __init__(self, block_size: _Optional[int] = ...) -> None: ...
+    mamba_cache_mode: str
+    def __init__(self, block_size: _Optional[int] = ..., mamba_cache_mode: _Optional[str] = ...) -> None: ...
 
 class KVCacheGroup(_message.Message):
     __slots__ = ("full_attention", "sliding_window", "chunked_local", "mamba", "cross_attention")
@@ -241,7 +243,7 @@ class AddRequestOp(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., block_hashes: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., mm_items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class AllocateOp(_message.Message):
-    __slots__ = ("request_id", "num_computed_tokens", "num_new_tokens", "append_token_ids", "append_block_hashes", "num_append_tokens", "num_lookahead_tokens", "delay_cache_blocks", "allow_transfer", "external_source", "num_output_placeholders", "num_in_flight_tokens", "waiting", "lookup", "num_new_computed_tokens", "full_sequence_must_fit", "reserved_blocks", "has_scheduled_reqs", "cache_tokens", "num_external_computed_tokens", "num_encoder_tokens", "max_cache_hit_length")
+    __slots__ = ("request_id", "num_computed_tokens", "num_new_tokens", "append_token_ids", "append_block_hashes", "num_append_tokens", "num_lookahead_tokens", "delay_cache_blocks", "allow_transfer", "external_source", "num_output_placeholders", "num_in_flight_tokens", "waiting", "lookup", "num_new_computed_tokens", "full_sequence_must_fit", "reserved_blocks", "has_scheduled_reqs", "cache_tokens", "num_external_computed_tokens", "num_encoder_tokens", "max_cache_hit_length", "connector_lookup")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +266,7 @@ class AllocateOp(_message.Message):
     NUM_EXTERNAL_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ENCODER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_CACHE_HIT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CONNECTOR_LOOKUP_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_computed_tokens: int
     num_new_tokens: int
@@ -286,7 +289,8 @@ class AllocateOp(_message.Message):
     num_external_computed_tokens: int
     num_encoder_tokens: int
     max_cache_hit_length: int
-    def __init__(self, request_id: _Optional[str] = ..., num_computed_tokens: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., append_token_ids: _Optional[bytes] = ..., append_block_hashes: _Optional[bytes] = ..., num_append_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ..., delay_cache_blocks: _Optional[bool] = ..., allow_transfer: _Optional[bool] = ..., external_source: _Optional[_Union[ExternalSource, _Mapping]] = ..., num_output_placeholders: _Optional[int] = ..., num_in_flight_tokens: _Optional[int] = ..., waiting: _Optional[bool] = ..., lookup: _Optional[bool] = ..., num_new_computed_tokens: _Optional[int] = ..., full_sequence_must_fit: _Optional[bool] = ..., reserved_blocks: _Optional[int] = ..., has_scheduled_reqs: _Optional[bool] = ..., cache_tokens: _Optional[int] = ..., num_external_computed_tokens: _Optional[int] = ..., num_encoder_tokens: _Optional[int] = ..., max_cache_hit_length: _Optional[int] = ...) -> None: ...
+    connector_lookup: bool
+    def __init__(self, request_id: _Optional[str] = ..., num_computed_tokens: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., append_token_ids: _Optional[bytes] = ..., append_block_hashes: _Optional[bytes] = ..., num_append_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ..., delay_cache_blocks: _Optional[bool] = ..., allow_transfer: _Optional[bool] = ..., external_source: _Optional[_Union[ExternalSource, _Mapping]] = ..., num_output_placeholders: _Optional[int] = ..., num_in_flight_tokens: _Optional[int] = ..., waiting: _Optional[bool] = ..., lookup: _Optional[bool] = ..., num_new_computed_tokens: _Optional[int] = ..., full_sequence_must_fit: _Optional[bool] = ..., reserved_blocks: _Optional[int] = ..., has_scheduled_reqs: _Optional[bool] = ..., cache_tokens: _Optional[int] = ..., num_external_computed_tokens: _Optional[int] = ..., num_encoder_tokens: _Optional[int] = ..., max_cache_hit_length: _Optional[int] = ..., connector_lookup: _Optional[bool] = ...) -> None: ...
 
 class ExternalSource(_message.Message):
     __slots__ = ("pin_id", "src_pool_id", "src_block_ids", "num_tokens")
@@ -352,6 +356,10 @@ class RemoveSkippedBlocksOp(_message.Message):
     processed_computed_tokens: int
     def __init__(self, request_id: _Optional[str] = ..., processed_computed_tokens: _Optional[int] = ...) -> None: ...
 
+class NewStepOp(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class ResetPrefixCacheOp(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -399,7 +407,7 @@ class AdmitBatchOp(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[bytes] = ..., num_prompt_tokens: _Optional[bytes] = ..., num_new_tokens: _Optional[bytes] = ..., num_lookahead_tokens: _Optional[int] = ..., cache_salts: _Optional[_Iterable[str]] = ..., lora_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Op(_message.Message):
-    __slots__ = ("add", "allocate", "fork", "free", "pin", "unpin", "decode", "admit", "reset_prefix_cache", "allocate_batch", "evict_blocks", "remove_skipped_blocks")
+    __slots__ = ("add", "allocate", "fork", "free", "pin", "unpin", "decode", "admit", "reset_prefix_cache", "allocate_batch", "evict_blocks", "remove_skipped_blocks", "new_step")
     ADD_FIELD_NUMBER: _ClassVar[int]
     ALLOCATE_FIELD_NUMBER: _ClassVar[int]
     FORK_FIELD_NUMBER: _ClassVar[int]
@@ -412,6 +420,7 @@ class Op(_message.Message):
     ALLOCATE_BATCH_FIELD_NUMBER: _ClassVar[int]
     EVICT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     REMOVE_SKIPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NEW_STEP_FIELD_NUMBER: _ClassVar[int]
     add: AddRequestOp
     allocate: AllocateOp
     fork: ForkOp
@@ -424,7 +433,8 @@ class Op(_message.Message):
     allocate_batch: AllocateBatchOp
     evict_blocks: EvictBlocksOp
     remove_skipped_blocks: RemoveSkippedBlocksOp
-    def __init__(self, add: _Optional[_Union[AddRequestOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., fork: _Optional[_Union[ForkOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., pin: _Optional[_Union[PinOp, _Mapping]] = ..., unpin: _Optional[_Union[UnpinOp, _Mapping]] = ..., decode: _Optional[_Union[DecodeBatchOp, _Mapping]] = ..., admit: _Optional[_Union[AdmitBatchOp, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheOp, _Mapping]] = ..., allocate_batch: _Optional[_Union[AllocateBatchOp, _Mapping]] = ..., evict_blocks: _Optional[_Union[EvictBlocksOp, _Mapping]] = ..., remove_skipped_blocks: _Optional[_Union[RemoveSkippedBlocksOp, _Mapping]] = ...) -> None: ...
+    new_step: NewStepOp
+    def __init__(self, add: _Optional[_Union[AddRequestOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., fork: _Optional[_Union[ForkOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., pin: _Optional[_Union[PinOp, _Mapping]] = ..., unpin: _Optional[_Union[UnpinOp, _Mapping]] = ..., decode: _Optional[_Union[DecodeBatchOp, _Mapping]] = ..., admit: _Optional[_Union[AdmitBatchOp, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheOp, _Mapping]] = ..., allocate_batch: _Optional[_Union[AllocateBatchOp, _Mapping]] = ..., evict_blocks: _Optional[_Union[EvictBlocksOp, _Mapping]] = ..., remove_skipped_blocks: _Optional[_Union[RemoveSkippedBlocksOp, _Mapping]] = ..., new_step: _Optional[_Union[NewStepOp, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("session_id", "sequence", "pool_id", "ops")

@@ -53,6 +53,7 @@ from kvservice.ops import (
     EvictBlocksOp,
     ForkOp,
     FreeOp,
+    NewStepOp,
     Op,
     OpResult,
     OpStatus,
@@ -65,6 +66,15 @@ from kvservice.results import LookupResult, PoolStats, RequestInfo, ResetResult,
 from kvservice.settings import AllocatorSettings
 
 logger = logging.getLogger(__name__)
+
+
+def _start_step(pool: Pool) -> None:
+    """vLLM's new_step_starts: Mamba states cached so far may hit from now on. The boundary states a KV connector
+    would offload (vLLM's scheduler hands them to it each step) are dropped: a pool has no connector."""
+    for m in pool.manager.coordinator.single_type_managers:
+        m.new_step_starts()
+        if m._pending_boundary_state_offloads:
+            m.take_pending_boundary_state_offloads()
 EXTERNAL_COMMANDS = (IngestEvents, RegisterExternalPool, RemoveExternalPool)
 Guard = Callable[[], None]  # raises when a mutation must not happen now (e.g. persistence is down)
 
@@ -184,7 +194,8 @@ class Allocator:
         tenant = session.tenant
         results = []
         append = results.append
-        pool.manager.new_step_starts()  # a Step is one scheduler step (Mamba: states cached in it hit from the next)
+        if pool.spec.vllm is None:  # a Step is one step (Mamba: states cached in it hit from the next)
+            _start_step(pool)
         allocate = self.scheduler.allocate_op if pool.spec.vllm is None else self._vllm_allocate
         for op in ops:
             kind = type(op)
@@ -212,6 +223,9 @@ class Allocator:
                 append(OpResult(""))
             elif kind is RemoveSkippedBlocksOp:
                 append(self.book.remove_skipped_blocks(pool, tenant, op))
+            elif kind is NewStepOp:  # a vLLM scheduler's step starts (its Steps need not match its steps)
+                _start_step(pool)
+                append(OpResult(""))
             else:
                 append(self.pins.unpin(pool, session, op))
         manager = pool.manager

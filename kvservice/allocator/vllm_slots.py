@@ -155,7 +155,11 @@ class VllmSlots:
         if manager.coordinator.is_running(key) or any(manager.coordinator.get_blocks(key)):
             return _refused(request_id, f"request {client_request_id(key)!r} holds blocks: an admission (lookup) "
                                         f"is for a waiting request")
-        blocks, hit, _ = manager.find_computed_blocks(req, op.max_cache_hit_length or None, record_stats=False)
+        cap = op.max_cache_hit_length or None
+        if op.connector_lookup:  # (a hybrid Mamba pool's divergent hit: the full-attention one)
+            blocks, hit, _, _ = manager.get_computed_blocks_for_connector(req, cap)
+        else:
+            blocks, hit, _ = manager.find_computed_blocks(req, cap, record_stats=False)
         if hit != op.num_new_computed_tokens:
             return _refused(request_id, f"request {client_request_id(key)!r}: pool {pool.pool_id!r} has {hit} of its "
                                         f"tokens cached, the scheduler expected {op.num_new_computed_tokens} (its "

@@ -23,6 +23,7 @@ class GroupTables:
     block_ids: array = field(default_factory=lambda: array("I"))
     running_keys: list[str] = field(default_factory=list)
     num_cached_block: array = field(default_factory=lambda: array("I"))
+    cached_this_step: list[bytes] = field(default_factory=list)  # a Mamba group's states cached in this step
 
 
 @dataclass(slots=True)
@@ -63,6 +64,7 @@ def export_manager_state(m: KVCacheManager) -> ManagerState:
         for key, n in manager.num_cached_block.items():
             g.running_keys.append(key)
             g.num_cached_block.append(n)
+        g.cached_this_step = sorted(getattr(manager, "cached_blocks_this_step", ()))
         groups.append(g)
     totals = m.prefix_cache_totals
     stats = m.prefix_cache_stats
@@ -118,6 +120,10 @@ def import_manager_state(m: KVCacheManager, state: ManagerState) -> None:
             manager.req_to_blocks[key] = [blocks[i] for i in g.block_ids[pos:pos + count]]
             pos += count
         manager.num_cached_block.update(zip(g.running_keys, g.num_cached_block))
+        if g.cached_this_step:
+            if not hasattr(manager, "cached_blocks_this_step"):
+                raise ValueError(f"snapshot has states cached this step in a {type(manager).__name__} group")
+            manager.cached_blocks_this_step.update(g.cached_this_step)
     for src, dst in state.copies:
         m.coordinator.cow.add(blocks[src], blocks[dst])
     pool.num_evictions = state.evictions

@@ -101,7 +101,8 @@ def _encode_pool(pool: Pool) -> st.PoolState:
                         interval_reset=ms.interval_reset)
     for g in ms.groups:
         m.groups.add(request_keys=g.request_keys, num_blocks=g.num_blocks.tobytes(), block_ids=g.block_ids.tobytes(),
-                     running_keys=g.running_keys, num_cached_block=g.num_cached_block.tobytes())
+                     running_keys=g.running_keys, num_cached_block=g.num_cached_block.tobytes(),
+                     cached_this_step=g.cached_this_step)
     out = st.PoolState(register_request=reg.SerializeToString(deterministic=True), pool_id=pool.pool_id,
                        epoch=pool.epoch, manager=m, tombstone_keys=list(pool.tombstones),
                        tombstone_reasons=list(pool.tombstones.values()), owner_tenant=pool.owner_tenant,
@@ -223,7 +224,8 @@ def _decode_pool(ps: st.PoolState, state: AllocatorState) -> Pool:
     ref_cnts.frombytes(m.ref_cnts)
     groups = [GroupTables(list(g.request_keys), _from_u32(g.num_blocks, "num_blocks"),
                           _from_u32(g.block_ids, "block_ids"), list(g.running_keys),
-                          _from_u32(g.num_cached_block, "num_cached_block")) for g in m.groups]
+                          _from_u32(g.num_cached_block, "num_cached_block"), list(g.cached_this_step))
+              for g in m.groups]
     manager_state = ManagerState(ref_cnts, _from_u32(m.free_order, "free_order"), keys,
                                  _from_u32(m.index_block_ids, "index_block_ids"), groups,
                                  list(zip(_from_u32(m.copy_src, "copy_src"), _from_u32(m.copy_dst, "copy_dst"))),

@@ -18,6 +18,7 @@ from kvservice.ops import (
     ExternalSource,
     ForkOp,
     FreeOp,
+    NewStepOp,
     Op,
     PinOp,
     RemoveSkippedBlocksOp,
@@ -46,8 +47,9 @@ STEP_REQUESTS = {StepRpc.STEP: pb.StepRequest, StepRpc.ALLOCATE: pb.AllocateRequ
 # AllocateOp fields only a pool with vLLM's semantics takes, and the ops such a pool refuses (vLLM has none).
 VLLM_FIELDS = ("num_output_placeholders", "num_in_flight_tokens", "waiting", "lookup", "num_new_computed_tokens",
                "full_sequence_must_fit", "reserved_blocks", "has_scheduled_reqs", "cache_tokens",
-               "num_external_computed_tokens", "num_encoder_tokens", "max_cache_hit_length")
+               "num_external_computed_tokens", "num_encoder_tokens", "max_cache_hit_length", "connector_lookup")
 VLLM_REFUSED = frozenset({"decode", "admit", "fork", "pin"})
+NEW_STEP = NewStepOp()  # (it has no fields: one instance serves every Step)
 
 
 # ---- ops -----------------------------------------------------------------------------------------
@@ -98,10 +100,15 @@ def decode_ops(ops: Sequence[pb.Op], spec: PoolSpec, hash_block_size: int, field
             append(UnpinOp(check_id((field, i, "unpin", "pin_id"), op.unpin.pin_id)))
         elif kind == "reset_prefix_cache":
             append(ResetPrefixCacheOp())
+        elif kind == "new_step":
+            if not vllm:
+                raise InvalidArgument(f"{field}[{i}].new_step", "{}", "only a pool registered with vllm options takes "
+                                                                      "it (every Step starts a step in other pools)")
+            append(NEW_STEP)
         else:
             raise InvalidArgument(f"{field}[{i}]", "{}", "set one of add, allocate, allocate_batch, decode, admit, "
                                                          "fork, free, pin, unpin, reset_prefix_cache, evict_blocks, "
-                                                         "remove_skipped_blocks")
+                                                         "remove_skipped_blocks, new_step")
     return out
 
 
@@ -242,7 +249,8 @@ def decode_allocate(a: pb.AllocateOp, max_len: int, vocab: int, field: str, inde
         return op
     if vllm or a.num_output_placeholders or a.num_in_flight_tokens or a.waiting or a.lookup \
             or a.num_new_computed_tokens or a.full_sequence_must_fit or a.reserved_blocks or a.has_scheduled_reqs \
-            or a.cache_tokens or a.num_external_computed_tokens or a.num_encoder_tokens or a.max_cache_hit_length:
+            or a.cache_tokens or a.num_external_computed_tokens or a.num_encoder_tokens or a.max_cache_hit_length \
+            or a.connector_lookup:
         _decode_vllm_fields(a, op, max_len, vllm, field, index)
     return op
 
@@ -262,10 +270,12 @@ def _decode_vllm_fields(a: pb.AllocateOp, op: AllocateOp, max_len: int, vllm: bo
     if max(placeholders, in_flight, hit, cache, external, encoder, cap) > max_len:  # the message only for a refusal
         what = f"max_model_len {max_len}"
         for f in ("num_output_placeholders", "num_in_flight_tokens", "num_new_computed_tokens", "cache_tokens",
-                  "num_external_computed_tokens", "num_encoder_tokens", "max_cache_hit_length"):
+                  "num_external_computed_tokens", "num_encoder_tokens", "max_cache_hit_length", "connector_lookup"):
             at_most(name(f), getattr(a, f), max_len, what)
     if cap and not a.lookup:
         raise invalid(name("max_cache_hit_length"), cap, "caps an admission's hit (lookup)")
+    if a.connector_lookup and not a.lookup:
+        raise invalid(name("connector_lookup"), True, "says how an admission's hit (lookup) was looked up")
     if a.allow_transfer:
         raise invalid(name("allow_transfer"), True, "vLLM's semantics have no cross-pool transfers")
     if a.append_token_ids:
@@ -283,6 +293,7 @@ def _decode_vllm_fields(a: pb.AllocateOp, op: AllocateOp, max_len: int, vllm: bo
     op.full_sequence_must_fit, op.reserved_blocks = a.full_sequence_must_fit, a.reserved_blocks
     op.has_scheduled_reqs, op.cache_tokens = a.has_scheduled_reqs, cache
     op.num_external_computed_tokens, op.num_encoder_tokens, op.max_cache_hit_length = external, encoder, cap
+    op.connector_lookup = a.connector_lookup
 
 
 def decode_evict(e: pb.EvictBlocksOp, spec: PoolSpec, vllm: bool, field: str) -> EvictBlocksOp:

@@ -24,6 +24,7 @@ from kvservice.ops import (
     EvictBlocksOp,
     ForkOp,
     FreeOp,
+    NewStepOp,
     Op,
     PinOp,
     RemoveSkippedBlocksOp,
@@ -59,7 +60,13 @@ def encode_config(config: KVCacheConfig, max_model_len: int, dcp_world_size: int
         elif isinstance(spec, CrossAttentionSpec):
             g.cross_attention.block_size = spec.block_size
         elif isinstance(spec, MambaSpec):
+            if spec.num_speculative_blocks or spec.num_prefill_checkpoint_blocks:
+                raise ValueError(f"groups[{len(msg.groups) - 1}]: the allocator's Mamba groups carry no speculative "
+                                 f"blocks ({spec.num_speculative_blocks}) or prefill checkpoint blocks "
+                                 f"({spec.num_prefill_checkpoint_blocks})")
             g.mamba.block_size = spec.block_size
+            if spec.mamba_cache_mode != "align":
+                g.mamba.mamba_cache_mode = spec.mamba_cache_mode
         else:
             raise ValueError(f"groups[{len(msg.groups) - 1}]: the allocator carries no {type(spec).__name__} groups")
     msg.eagle_group_ids.extend(config.eagle_group_ids)
@@ -103,6 +110,8 @@ def encode_op(op: Op, msg: pb.Op) -> None:
         msg.free.popped = op.popped
     elif isinstance(op, EvictBlocksOp):
         msg.evict_blocks.block_ids.extend(op.block_ids)
+    elif isinstance(op, NewStepOp):
+        msg.new_step.SetInParent()
     elif isinstance(op, RemoveSkippedBlocksOp):
         r = msg.remove_skipped_blocks
         r.request_id, r.processed_computed_tokens = op.request_id, op.processed_computed_tokens
@@ -148,7 +157,7 @@ def encode_allocate(op: AllocateOp, a: pb.AllocateOp) -> None:
         a.full_sequence_must_fit, a.reserved_blocks = op.full_sequence_must_fit, op.reserved_blocks
         a.has_scheduled_reqs, a.cache_tokens = op.has_scheduled_reqs, op.cache_tokens
         a.num_external_computed_tokens, a.num_encoder_tokens = op.num_external_computed_tokens, op.num_encoder_tokens
-        a.max_cache_hit_length = op.max_cache_hit_length
+        a.max_cache_hit_length, a.connector_lookup = op.max_cache_hit_length, op.connector_lookup
 
 
 def encode_add(op: AddRequestOp, a: pb.AddRequestOp) -> None:

@@ -63,7 +63,14 @@ def decode_config(msg: pb.KVCacheConfig, field: str = "config") -> tuple[KVCache
         elif kind == "cross_attention":
             specs.append(CrossAttentionSpec(sub.block_size))
         else:
-            specs.append(MambaSpec(sub.block_size))
+            mode = sub.mamba_cache_mode or "align"
+            if mode not in ("align", "none", "all"):
+                raise InvalidArgument(f"{g}.mamba.mamba_cache_mode", sub.mamba_cache_mode,
+                                      "must be 'align' (or empty), 'none' or 'all'")
+            if mode != "align" and not msg.disable_prefix_caching:
+                raise InvalidArgument(f"{g}.mamba.mamba_cache_mode", mode, "prefix caching needs 'align' (or set "
+                                                                          "disable_prefix_caching)")
+            specs.append(MambaSpec(sub.block_size, mode))
         if dcp > 1 and kind not in ("full_attention", "sliding_window"):
             raise InvalidArgument(f"{field}.dcp_world_size", dcp, f"decode context parallelism needs full attention "
                                                                   f"(sharded) and sliding-window (replicated) groups "
@@ -74,7 +81,9 @@ def decode_config(msg: pb.KVCacheConfig, field: str = "config") -> tuple[KVCache
     if bad is not None or len(set(eagle)) != len(eagle):
         raise InvalidArgument(f"{field}.eagle_group_ids", list(eagle), f"must name distinct groups of the "
                                                                        f"{len(specs)} (0-based)")
-    config = KVCacheConfig(int(msg.num_blocks), specs, eagle_group_ids=eagle, prefix_cache_retention_interval=retention)
+    # (No block zeroing: the engine's workers zero new blocks, the pool would only record their ids.)
+    config = KVCacheConfig(int(msg.num_blocks), specs, eagle_group_ids=eagle, prefix_cache_retention_interval=retention,
+                           kv_cache_zeroing=False)
     return config, msg.max_model_len, dcp
 
 

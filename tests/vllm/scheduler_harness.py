@@ -32,6 +32,7 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
@@ -75,6 +76,7 @@ class Mode:
     connector: str = ""  # "sync" / "async": a KV connector's external hits (parity_features.ParityConnector)
     spec_tokens: int = 0  # ngram speculative decoding, this many draft tokens, random acceptance
     replay: int = 0  # SWA bounded replay: a second, replayed sliding-window group with this window
+    mamba: bool = False  # a hybrid model: a Mamba group ("align" cache mode) beside the attention group
 
     @property
     def name(self) -> str:
@@ -84,7 +86,8 @@ class Mode:
                 + (f", retention {self.retention}" if self.retention is not None else "")
                 + (f", {self.connector} connector" if self.connector else "")
                 + (f", ngram spec {self.spec_tokens}" if self.spec_tokens else "")
-                + (f", replay {self.replay}" if self.replay else ""))
+                + (f", replay {self.replay}" if self.replay else "")
+                + (", mamba" if self.mamba else ""))
 
 
 DEFAULT = Mode()
@@ -92,10 +95,12 @@ DEFAULT = Mode()
 MODES = (DEFAULT, Mode(async_scheduling=False), Mode(full_sequence_gate=False), Mode(sliding_window=40),
          Mode(async_scheduling=False, sliding_window=40), Mode(sliding_window=40, retention=0))
 # KV connectors (synchronous and asynchronous external hits; async scheduling defers block frees), ngram
-# speculative decoding, SWA bounded replay.
+# speculative decoding, SWA bounded replay, a hybrid Mamba model. (Not Mamba with this harness's connector:
+# stock vLLM 0.33.0 itself raises "Cannot get 1 free blocks" on some workloads there.)
 FEATURE_MODES = (Mode(connector="sync"), Mode(connector="async"), Mode(async_scheduling=False, connector="async"),
                  Mode(async_scheduling=False, spec_tokens=3), Mode(replay=32),
-                 Mode(async_scheduling=False, replay=32, connector="sync"))
+                 Mode(async_scheduling=False, replay=32, connector="sync"), Mode(mamba=True),
+                 Mode(async_scheduling=False, mamba=True))
 
 
 def make_vllm_config(model_dir: Path, mode: Mode, max_model_len: int = 2048) -> VllmConfig:
@@ -105,7 +110,8 @@ def make_vllm_config(model_dir: Path, mode: Mode, max_model_len: int = 2048) -> 
                         max_model_len=max_model_len)
     scheduler = SchedulerConfig(max_model_len=max_model_len, is_encoder_decoder=False,
                                 scheduler_reserve_full_isl=mode.full_sequence_gate)
-    config = VllmConfig(model_config=model, scheduler_config=scheduler, cache_config=CacheConfig(block_size=BLOCK))
+    cache = CacheConfig(block_size=BLOCK, mamba_cache_mode="align") if mode.mamba else CacheConfig(block_size=BLOCK)
+    config = VllmConfig(model_config=model, scheduler_config=scheduler, cache_config=cache)
     config.scheduler_config.async_scheduling = mode.async_scheduling
     if mode.spec_tokens:
         config.speculative_config = SpeculativeConfig(model="ngram", num_speculative_tokens=mode.spec_tokens)
@@ -165,6 +171,9 @@ class Side:
             groups.append(KVCacheGroupSpec(["swa"], SlidingWindowMLASpec(
                 block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=torch.bfloat16, sliding_window=mode.replay,
                 bounded_replay=True)))
+        if mode.mamba:
+            groups.append(KVCacheGroupSpec(["mamba"], MambaSpec(block_size=BLOCK, shapes=((1, 1),),
+                                                                 dtypes=(torch.float32,), mamba_cache_mode="align")))
         kv_cache_config = KVCacheConfig(num_blocks=workload.num_blocks * len(groups), kv_cache_tensors=[],
                                         kv_cache_groups=groups, prefix_cache_retention_interval=mode.retention)
         self.spec_tokens = mode.spec_tokens

@@ -71,6 +71,21 @@ def test_steps_coalesced_within_step_interval_ms(server, model_dir, mode):
     assert steps > 300 and rpcs <= steps // 5, (steps, rpcs)
 
 
+@pytest.mark.parametrize("interval_ms", [0, 60_000], ids=["every-step", "coalesced"])
+def test_a_hybrid_mamba_model_schedules_as_stock_however_steps_fall_into_rpcs(server, model_dir, interval_ms):
+    """Full attention + Mamba ("align"): a state cached in a step is no hit until the next one. With steps
+    coalesced into one Step the pool still hears where each scheduler step starts (NewStepOp), so the
+    schedules stay the stock scheduler's and the pool the replica's."""
+    mode = h.Mode(mamba=True)
+    config = h.make_vllm_config(model_dir, mode)
+    totals = h.Outcome()
+    for seed in range(4):
+        out = h.run_pair(h.Workload.random(seed, num_steps=100), mode, config, server.target,
+                         f"mamba-{interval_ms}-{seed}", {"step_interval_ms": interval_ms})
+        totals.steps, totals.hits, totals.rpcs = totals.steps + out.steps, totals.hits + out.hits, totals.rpcs + out.rpcs
+    assert totals.hits > 20 and totals.rpcs <= (totals.steps if interval_ms == 0 else totals.steps // 3), totals
+
+
 def test_scheduler_cls_resolves_and_registers_the_pool(server, model_dir):
     config = h.make_vllm_config(model_dir, h.DEFAULT)
     for path, cls in (("kvservice.integrations.vllm.AsyncScheduler", AsyncScheduler),
@@ -139,6 +154,15 @@ def test_unsupported_settings_are_refused_at_start_up(server, model_dir, tmp_pat
     config.kv_transfer_config, config.scheduler_config.disable_hybrid_kv_cache_manager = None, None
     config.additional_config = {"kvservice": {"address": server.target, "pool": "x"}}
     with pytest.raises(UnsupportedConfig, match=r"unknown keys \['pool'\]"):
+        AsyncScheduler(vllm_config=config, kv_cache_config=kv, block_size=h.BLOCK,
+                       structured_output_manager=h.StructuredOutputManager(config))
+    assert "refused" not in server.client().get_stats().pools
+    # Mamba with speculative blocks (speculative decoding on a hybrid model): refused, naming the setting.
+    mamba = h.MambaSpec(block_size=h.BLOCK, shapes=((1, 1),), dtypes=(h.torch.float32,), mamba_cache_mode="align",
+                        num_speculative_blocks=1)
+    kv.kv_cache_groups.append(h.KVCacheGroupSpec(["mamba"], mamba))
+    config.additional_config = {"kvservice": {"address": server.target, "pool_id": "refused"}}
+    with pytest.raises(UnsupportedConfig, match=r"kv_cache_groups\[1\] \(MambaSpec\).*num_speculative_blocks = 1"):
         AsyncScheduler(vllm_config=config, kv_cache_config=kv, block_size=h.BLOCK,
                        structured_output_manager=h.StructuredOutputManager(config))
     assert "refused" not in server.client().get_stats().pools

@@ -92,9 +92,10 @@ def _interval_ms(value) -> float:
 
 
 # vLLM's KV-cache specs whose semantics the allocator's pools carry exactly (RegisterPool's groups).
-_CARRIED = (vi.FullAttentionSpec, vi.SlidingWindowSpec, vi.ChunkedLocalAttentionSpec, vi.CrossAttentionSpec)
+_CARRIED = (vi.FullAttentionSpec, vi.SlidingWindowSpec, vi.ChunkedLocalAttentionSpec, vi.CrossAttentionSpec,
+            vi.MambaSpec)
 _NOT_CARRIED = tuple(getattr(vi, name) for name in (
-    "MambaSpec", "SinkFullAttentionSpec", "RSWASpec", "CircularBufferSpec") if hasattr(vi, name))
+    "SinkFullAttentionSpec", "RSWASpec", "CircularBufferSpec") if hasattr(vi, name))
 
 
 def unsupported(scheduler, kv_cache_config) -> list[str]:
@@ -114,8 +115,14 @@ def unsupported(scheduler, kv_cache_config) -> list[str]:
         inner = next(iter(spec.kv_cache_specs.values())) if isinstance(spec, vi.UniformTypeKVCacheSpecs) else spec
         name = f"kv_cache_groups[{i}] ({type(inner).__name__})"
         if isinstance(inner, _NOT_CARRIED) or not isinstance(inner, _CARRIED):
-            out.append(f"{name}: the allocator's pools carry full attention, sliding window, chunked local and "
-                       f"cross attention only")
+            out.append(f"{name}: the allocator's pools carry full attention, sliding window, chunked local, "
+                       f"cross attention and Mamba only")
+        elif isinstance(inner, vi.MambaSpec) and (inner.num_speculative_blocks
+                                                  or getattr(inner, "num_prefill_checkpoint_blocks", 0)):
+            out.append(f"{name}: Mamba with num_speculative_blocks = {inner.num_speculative_blocks} and "
+                       f"num_prefill_checkpoint_blocks = {getattr(inner, 'num_prefill_checkpoint_blocks', 0)}: "
+                       f"the allocator's Mamba groups carry neither (speculative decoding and prefill checkpoints "
+                       f"on Mamba layers)")
         if getattr(spec, "dcp_sharded", False) and scheduler.dcp_world_size > 1:
             out.append(f"{name} with decode_context_parallel_size = {scheduler.dcp_world_size}")
     return out

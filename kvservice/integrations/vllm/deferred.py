@@ -6,7 +6,8 @@ request's bookkeeping and hands back its blocks, and once the step that writes t
 itself with `kv_cache_manager.block_pool.free_blocks(reversed(blocks))`. The second move bypasses the
 manager, so the remote manager's `block_pool` is a `RecordingBlockPool`: the replica's own pool with
 `free_blocks` watched. The pool hears one FreeOp(popped=True) at the second move, when its blocks really
-become free, so its free-block count never runs ahead of the replica's.
+become free, so its free-block count never runs ahead of the replica's. Its `evict_blocks` is watched too:
+the manager's evict_blocks (a KV connector's failed loads) calls it, and so may anyone holding the pool.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from __future__ import annotations
 
 class RecordingBlockPool:
     """The replica's BlockPool, with `free_blocks` calls from outside the manager reported to `on_free`
-    (which may refuse them by raising) before they apply. Everything else is the pool's own."""
+    (which may refuse them by raising) before they apply, and `evict_blocks` calls to `on_evict` (the block
+    ids, after they applied). Everything else is the pool's own."""
 
-    def __init__(self, pool, on_free) -> None:
+    def __init__(self, pool, on_free, on_evict) -> None:
         self._pool = pool
         self._on_free = on_free
+        self._on_evict = on_evict
         # The hot queries, bound once (no __getattr__ on the scheduler's every step).
         self.get_num_free_blocks = pool.get_num_free_blocks
         self.get_usage = pool.get_usage
@@ -28,6 +31,11 @@ class RecordingBlockPool:
         blocks = list(ordered_blocks)
         self._on_free(blocks)
         self._pool.free_blocks(blocks)
+
+    def evict_blocks(self, block_ids) -> None:
+        block_ids = list(block_ids)
+        self._pool.evict_blocks(block_ids)
+        self._on_evict(block_ids)
 
     def __getattr__(self, name: str):
         return getattr(self._pool, name)

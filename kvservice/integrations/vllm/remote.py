@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
 from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, MambaManager
 from vllm.v1.request import RequestStatus
 
 from kvservice.integrations.vllm.deferred import DeferredFrees, RecordingBlockPool
@@ -41,6 +41,7 @@ from kvservice.ops import (
     AllocateOp,
     EvictBlocksOp,
     FreeOp,
+    NewStepOp,
     Op,
     OpStatus,
     RemoveSkippedBlocksOp,
@@ -111,7 +112,10 @@ class RemoteKVCacheManager(StepSender, KVCacheManager):
         # The scheduler's deferred frees (defer_block_free) return blocks to the block pool directly.
         self._deferred = DeferredFrees()
         self._hit_caps: dict[str, int] = {}  # request id -> its last hit lookup's cap (0.33's max_cache_hit_length)
-        self.block_pool = RecordingBlockPool(self.block_pool, self._returned)
+        self._connector_lookups: set[str] = set()  # requests whose last lookup was the connector's per-group one
+        # Mamba states cached in a step hit only from the next: the pool hears where each scheduler step starts.
+        self._marks_steps = any(isinstance(m, MambaManager) for m in managers)
+        self.block_pool = RecordingBlockPool(self.block_pool, self._returned, self._evicted)
 
     # ---- recording -----------------------------------------------------------------------------
     def _beyond(self, request) -> int:
@@ -201,13 +205,32 @@ class RemoteKVCacheManager(StepSender, KVCacheManager):
         self._cache_rows[request.request_id] = (rows, i, self._position)
 
     # ---- vLLM's KVCacheManager, answered by the replica, recorded for the pool ----------------------
-    if VLLM.hash_lookahead:  # 0.33: a hit may be capped (an auxiliary-output connector); the pool hears the cap
-        def get_computed_blocks(self, request, max_cache_hit_length: int | None = None):
-            if max_cache_hit_length is None:
-                self._hit_caps.pop(request.request_id, None)
-            else:
-                self._hit_caps[request.request_id] = max_cache_hit_length
-            return super().get_computed_blocks(request, max_cache_hit_length)
+    def get_computed_blocks(self, request, *cap):
+        """(0.33: `max_cache_hit_length`, a hit's cap (an auxiliary-output connector): the pool hears it.)"""
+        request_id = request.request_id
+        self._connector_lookups.discard(request_id)
+        if cap and cap[0] is not None:
+            self._hit_caps[request_id] = cap[0]
+        else:
+            self._hit_caps.pop(request_id, None)
+        return super().get_computed_blocks(request, *cap)
+
+    def get_computed_blocks_for_connector(self, request, *cap):
+        """A KV connector's lookup (one that supports divergent hybrid hits): in a hybrid Mamba pool the
+        full-attention hit, which the pool looks up the same way (AllocateOp.connector_lookup). Where vLLM falls
+        back to get_computed_blocks, that call (above) says so."""
+        request_id = request.request_id
+        self._connector_lookups.add(request_id)
+        if cap and cap[0] is not None:
+            self._hit_caps[request_id] = cap[0]
+        else:
+            self._hit_caps.pop(request_id, None)
+        return super().get_computed_blocks_for_connector(request, *cap)
+
+    def new_step_starts(self) -> None:
+        super().new_step_starts()
+        if self._marks_steps and not (self._ops and type(self._ops[-1]) is NewStepOp):  # (two in a row are one)
+            self._record(NewStepOp())
 
     def allocate_slots(self, request, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks=None, num_lookahead_tokens: int = 0, num_external_computed_tokens: int = 0,
@@ -226,7 +249,9 @@ class RemoteKVCacheManager(StepSender, KVCacheManager):
                             self._beyond(request), request.num_in_flight_tokens, waiting,
                             num_new_computed_tokens > 0, num_new_computed_tokens, full_sequence_must_fit,
                             reserved_blocks, has_scheduled_reqs, 0, num_external_computed_tokens, num_encoder_tokens,
-                            self._hit_caps.pop(request.request_id, 0) if num_new_computed_tokens > 0 else 0)
+                            self._hit_caps.pop(request.request_id, 0) if num_new_computed_tokens > 0 else 0,
+                            connector_lookup=num_new_computed_tokens > 0 and request.request_id in self._connector_lookups)
+            self._connector_lookups.discard(request.request_id)
         elif elidable:
             cached, free = counts.get(request.request_id, 0), self._free_queue.num_free_blocks
         try:
@@ -269,6 +294,7 @@ class RemoteKVCacheManager(StepSender, KVCacheManager):
     def free(self, request) -> None:
         super().free(request)
         self._hit_caps.pop(request.request_id, None)
+        self._connector_lookups.discard(request.request_id)
         if self._known.pop(request.request_id, None) is not None:
             self._record(FreeOp(request.request_id))
 
@@ -305,8 +331,7 @@ class RemoteKVCacheManager(StepSender, KVCacheManager):
             raise
         self._record(FreeOp(request_id, popped=True))
 
-    def evict_blocks(self, block_ids) -> None:
-        block_ids = list(block_ids)
-        super().evict_blocks(block_ids)
+    def _evicted(self, block_ids: list[int]) -> None:
+        """Blocks left the replica's prefix cache (evict_blocks, the manager's or the block pool's)."""
         if block_ids:
             self._record(EvictBlocksOp(block_ids))

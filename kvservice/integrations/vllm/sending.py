@@ -12,7 +12,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvservice.integrations.vllm.expected import InFlight, PoolDiverged, check_step
-from kvservice.ops import StepResult
+from kvservice.ops import NewStepOp, StepResult
 
 logger = logging.getLogger("kvservice.integrations.vllm")
 
@@ -22,7 +22,9 @@ class StepSender:
 
     @property
     def num_pending_ops(self) -> int:
-        return len(self._ops)
+        """Ops waiting for a Step (a lone step boundary is none: it waits for the ops that follow it)."""
+        ops = self._ops
+        return 0 if len(ops) == 1 and type(ops[0]) is NewStepOp else len(ops)
 
     def _close_step(self) -> None:
         """The scheduler step's recording ends: the next step's rows open an AllocateBatchOp of their own and
@@ -36,7 +38,7 @@ class StepSender:
         passed since the last one left; then they wait in the replica for a later step's Step, and the Step in
         flight is checked only if it was answered already (its failure raises here)."""
         self.num_steps += 1
-        if self._ops and time.monotonic() - self._sent_at < self.step_interval_s:
+        if self.num_pending_ops and time.monotonic() - self._sent_at < self.step_interval_s:
             self._close_step()
             sent = self._in_flight
             return self.wait() if sent is not None and sent.future.done() else None
@@ -47,7 +49,7 @@ class StepSender:
         failure or divergence raises here. Unpipelined this Step is waited for and checked too; its result is
         returned (pipelined: the one before it, None if there was none)."""
         previous = self.wait()
-        if not self._ops:
+        if not self.num_pending_ops:
             return previous
         ops, expected = self._ops, self._expected
         self._ops, self._expected = [], []
