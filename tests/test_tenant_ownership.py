@@ -64,6 +64,10 @@ def test_stats_are_per_tenant_and_invariant_checks_need_an_admin(server):
             user.get_stats(include_state_digest=True)
     checked = admin.get_stats(check_invariants=True)
     assert checked.pools["stats-a"].invariant_violation == "" and checked.pools["stats-b"].invariant_violation == ""
+    # pool_ids narrows the answer; a pool the caller does not see stays out of it, named or not.
+    assert set(admin.get_stats(check_invariants=True, pool_ids=["stats-b"]).pools) == {"stats-b"}
+    assert set(a.get_stats(pool_ids=["stats-a", "stats-b", "no-such-pool"]).pools) == {"stats-a"}
+    assert set(b.get_stats(pool_ids=["stats-a"]).pools) == set()
     # A tenant counts only its own sessions.
     counts = [c.get_stats().num_sessions for c in (a, b, admin)]
     assert counts[0] >= 1 and counts[1] >= 1 and counts[2] >= counts[0] + counts[1]  # get_stats opens none

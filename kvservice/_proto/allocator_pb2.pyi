@@ -727,12 +727,14 @@ class KVEvent(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., pool_id: _Optional[str] = ..., stored: _Optional[_Union[BlockStoredEvent, _Mapping]] = ..., removed: _Optional[_Union[BlockRemovedEvent, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksClearedEvent, _Mapping]] = ..., synced: _Optional[_Union[StateSyncedEvent, _Mapping]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
-    __slots__ = ("check_invariants", "include_state_digest")
+    __slots__ = ("check_invariants", "include_state_digest", "pool_ids")
     CHECK_INVARIANTS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    POOL_IDS_FIELD_NUMBER: _ClassVar[int]
     check_invariants: bool
     include_state_digest: bool
-    def __init__(self, check_invariants: _Optional[bool] = ..., include_state_digest: _Optional[bool] = ...) -> None: ...
+    pool_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, check_invariants: _Optional[bool] = ..., include_state_digest: _Optional[bool] = ..., pool_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PoolStats(_message.Message):
     __slots__ = ("pool_id", "epoch", "num_blocks", "num_free_blocks", "usage", "num_requests", "prefix_hit_rate", "prefix_queries", "prefix_hits", "evictions", "num_cached_blocks", "invariant_violation", "num_pending_transfers", "plain_prefix", "moving_to")

@@ -343,11 +343,16 @@ class Allocator:
                            pool.manager.get_block_ids(key), len(req.block_hashes),
                            pool.manager.coordinator.is_running(key), pool.owner.get(key, ""))
 
-    def pool_stats(self, tenant: str = "", admin: bool = True, check_invariants: bool = False) -> list[PoolStats]:
-        """Per pool the caller sees (its tenant's; an admin: all). `check_invariants` walks every block."""
+    def pool_stats(self, tenant: str = "", admin: bool = True, check_invariants: bool = False,
+                   pool_ids: Sequence[str] = ()) -> list[PoolStats]:
+        """Per pool the caller sees (its tenant's; an admin: all), only `pool_ids` if any are given.
+        `check_invariants` walks every block of each."""
         transfers = self.state.transfers.transfers.values()
+        wanted = set(pool_ids)
         out = []
         for pool in self.state.visible_pools(tenant, admin):
+            if wanted and pool.pool_id not in wanted:
+                continue
             m = pool.manager
             bp = m.block_pool
             totals = m.prefix_cache_totals

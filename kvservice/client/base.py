@@ -297,8 +297,11 @@ class ClientBase:
                               per_shard=lambda conn: pb.HeartbeatRequest(session_id=self.session_id)
                               if conn.attached else None))
 
-    def get_stats(self, check_invariants: bool = False, include_state_digest: bool = False):
-        msg = pb.GetStatsRequest(check_invariants=check_invariants, include_state_digest=include_state_digest)
+    def get_stats(self, check_invariants: bool = False, include_state_digest: bool = False,
+                  pool_ids: Sequence[str] = ()):
+        """The allocator's stats; `pool_ids`: only those pools' (default: every pool the caller sees)."""
+        msg = pb.GetStatsRequest(check_invariants=check_invariants, include_state_digest=include_state_digest,
+                                 pool_ids=list(pool_ids))
         return self._run(Call("GetStats", msg, replies.decode_stats, merge=merge_stats))
 
     def shard_stats(self, check_invariants: bool = False, missing_ok: bool = False):

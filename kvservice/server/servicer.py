@@ -220,7 +220,7 @@ class AllocatorServicer(ExternalPoolHandlers):
         out.wal_entries_written, out.wal_bytes_written = js.entries, js.bytes
         out.snapshots_written, out.last_snapshot_bytes, out.wal_lag = js.snapshots, js.last_snapshot_bytes, js.wal_lag
         out.leader_epoch = self.journal.leader_epoch
-        for stats in a.pool_stats(principal.tenant, principal.admin, request.check_invariants):
+        for stats in a.pool_stats(principal.tenant, principal.admin, request.check_invariants, request.pool_ids):
             replies.encode_pool_stats(stats, out.pools.add())
         for stats in self.external_stats(principal.tenant, principal.admin):
             external_wire.encode_stats(stats, out.external_pools.add())

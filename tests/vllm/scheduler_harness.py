@@ -262,7 +262,7 @@ def check_pool(scheduler, where: str) -> None:
     m.flush()  # what update_from_output recorded since the last schedule()
     m.wait()
     client, pool_id = scheduler.kvservice_client, m.pool_id
-    stats = client.get_stats(check_invariants=True).pools[pool_id]
+    stats = client.get_stats(check_invariants=True, pool_ids=[pool_id]).pools[pool_id]
     assert not stats.invariant_violation, f"{where}: {stats.invariant_violation}"
     # PoolStats.num_cached_blocks counts cached hashes, as len() of vLLM's map does
     replica = (m.block_pool.get_num_free_blocks(), len(m.block_pool.cached_block_hash_to_block))

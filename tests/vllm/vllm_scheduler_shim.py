@@ -147,7 +147,7 @@ def check_pool(scheduler) -> None:
     m.flush()  # what update_from_output recorded since the last schedule()
     m.wait()
     client, pool_id = scheduler.kvservice_client, m.pool_id
-    stats = client.get_stats(check_invariants=True).pools[pool_id]
+    stats = client.get_stats(check_invariants=True, pool_ids=[pool_id]).pools[pool_id]
     if stats.invariant_violation:
         raise PoolMismatch(f"pool {pool_id!r} breaks an invariant: {stats.invariant_violation}")
     replica = (m.block_pool.get_num_free_blocks(), len(m.block_pool.cached_block_hash_to_block))

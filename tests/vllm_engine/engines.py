@@ -101,7 +101,7 @@ def check_pool(scheduler, client) -> dict:
     manager.flush()
     manager.wait()
     assert not scheduler.requests, f"the engine still holds {sorted(scheduler.requests)}"
-    stats = client.get_stats(check_invariants=True).pools[manager.pool_id]
+    stats = client.get_stats(check_invariants=True, pool_ids=[manager.pool_id]).pools[manager.pool_id]
     assert not stats.invariant_violation, stats.invariant_violation
     assert stats.num_requests == 0, stats
     pool = manager.block_pool
