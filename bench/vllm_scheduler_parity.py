@@ -2,7 +2,8 @@
 vLLM's default configuration (async scheduling, the full-sequence gate), async scheduling off, the gate
 off, and a sliding-window group (window 40) with async scheduling on and off, and (`--modes features`) a KV
 connector with synchronous and asynchronous external hits, ngram speculative decoding with random
-acceptance and SWA bounded prefix replay; every step's SchedulerOutput
+acceptance, SWA bounded prefix replay and a hybrid model with a Mamba group (align mode, async scheduling on
+and off); every step's SchedulerOutput
 and the prefix-cache stats identical, and the pool equal to the replica (tests/vllm/scheduler_harness.py;
 the smaller version is tests/vllm/test_vllm_scheduler.py in make test-vllm).
 
@@ -32,7 +33,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--modes", choices=("base", "features", "all"), default="all",
                         help="base: vLLM's defaults and their variants; features: KV connectors (sync, async), "
-                             "ngram speculative decoding, bounded prefix replay")
+                             "ngram speculative decoding, bounded prefix replay, a hybrid Mamba group")
     args = parser.parse_args()
     server, target = start([sys.executable, "-m", "kvservice.cli", "--log-level", "ERROR", "serve", "--port", "0",
                             "--no-persistence"], "kvservice serving on")
@@ -61,6 +62,7 @@ def main() -> int:
                                "seconds": time.monotonic() - t0}
             rows.append([mode.name, f"{identical}/{args.workloads}", totals.steps, totals.preemptions, totals.hits,
                          totals.chunked, totals.n_gt_1, f"{totals.rpcs / max(totals.steps, 1):.2f}"])
+            print(f"{mode.name}: {identical}/{args.workloads} identical, {time.monotonic() - t0:.0f} s", flush=True)
             for f in failures[:3]:
                 print("  DIVERGED:", f)
     finally:

@@ -99,18 +99,46 @@ class Mamba(_message.Message):
     def __init__(self, block_size: _Optional[int] = ..., mamba_cache_mode: _Optional[str] = ...) -> None: ...
 
 class KVCacheGroup(_message.Message):
-    __slots__ = ("full_attention", "sliding_window", "chunked_local", "mamba", "cross_attention")
+    __slots__ = ("full_attention", "sliding_window", "chunked_local", "mamba", "cross_attention", "sink_full_attention", "rswa", "circular_buffer")
     FULL_ATTENTION_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     CHUNKED_LOCAL_FIELD_NUMBER: _ClassVar[int]
     MAMBA_FIELD_NUMBER: _ClassVar[int]
     CROSS_ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    SINK_FULL_ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    RSWA_FIELD_NUMBER: _ClassVar[int]
+    CIRCULAR_BUFFER_FIELD_NUMBER: _ClassVar[int]
     full_attention: FullAttention
     sliding_window: SlidingWindow
     chunked_local: ChunkedLocalAttention
     mamba: Mamba
     cross_attention: CrossAttention
-    def __init__(self, full_attention: _Optional[_Union[FullAttention, _Mapping]] = ..., sliding_window: _Optional[_Union[SlidingWindow, _Mapping]] = ..., chunked_local: _Optional[_Union[ChunkedLocalAttention, _Mapping]] = ..., mamba: _Optional[_Union[Mamba, _Mapping]] = ..., cross_attention: _Optional[_Union[CrossAttention, _Mapping]] = ...) -> None: ...
+    sink_full_attention: SinkFullAttention
+    rswa: ReferenceSlidingWindow
+    circular_buffer: CircularBuffer
+    def __init__(self, full_attention: _Optional[_Union[FullAttention, _Mapping]] = ..., sliding_window: _Optional[_Union[SlidingWindow, _Mapping]] = ..., chunked_local: _Optional[_Union[ChunkedLocalAttention, _Mapping]] = ..., mamba: _Optional[_Union[Mamba, _Mapping]] = ..., cross_attention: _Optional[_Union[CrossAttention, _Mapping]] = ..., sink_full_attention: _Optional[_Union[SinkFullAttention, _Mapping]] = ..., rswa: _Optional[_Union[ReferenceSlidingWindow, _Mapping]] = ..., circular_buffer: _Optional[_Union[CircularBuffer, _Mapping]] = ...) -> None: ...
+
+class SinkFullAttention(_message.Message):
+    __slots__ = ("block_size", "sink_len")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SINK_LEN_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    sink_len: int
+    def __init__(self, block_size: _Optional[int] = ..., sink_len: _Optional[int] = ...) -> None: ...
+
+class ReferenceSlidingWindow(_message.Message):
+    __slots__ = ("block_size", "rswa_window")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RSWA_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    rswa_window: int
+    def __init__(self, block_size: _Optional[int] = ..., rswa_window: _Optional[int] = ...) -> None: ...
+
+class CircularBuffer(_message.Message):
+    __slots__ = ("block_size",)
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    def __init__(self, block_size: _Optional[int] = ...) -> None: ...
 
 class CrossAttention(_message.Message):
     __slots__ = ("block_size",)

@@ -8,10 +8,13 @@ from kvservice._proto import allocator_pb2 as pb
 from kvservice.commands import VllmOptions
 from kvservice.core import (
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     MambaSpec,
+    RSWASpec,
+    SinkFullAttentionSpec,
     SlidingWindowSpec,
 )
 from kvservice.hashing import HashSpec
@@ -43,7 +46,13 @@ def encode_config(config: KVCacheConfig, max_model_len: int, dcp_world_size: int
         msg.has_prefix_cache_retention_interval = True
     for spec in config.groups:
         g = msg.groups.add()
-        if isinstance(spec, FullAttentionSpec):
+        if isinstance(spec, RSWASpec):  # (full attention's subclasses first)
+            g.rswa.block_size = spec.block_size
+            g.rswa.rswa_window = spec.rswa_window
+        elif isinstance(spec, SinkFullAttentionSpec):
+            g.sink_full_attention.block_size = spec.block_size
+            g.sink_full_attention.sink_len = spec.sink_len
+        elif isinstance(spec, FullAttentionSpec):
             g.full_attention.block_size = spec.block_size
         elif isinstance(spec, SlidingWindowSpec):
             if dcp_world_size > 1 and spec.dcp_sharded:
@@ -59,6 +68,8 @@ def encode_config(config: KVCacheConfig, max_model_len: int, dcp_world_size: int
             g.chunked_local.attention_chunk_size = spec.attention_chunk_size
         elif isinstance(spec, CrossAttentionSpec):
             g.cross_attention.block_size = spec.block_size
+        elif isinstance(spec, CircularBufferSpec):
+            g.circular_buffer.block_size = spec.block_size
         elif isinstance(spec, MambaSpec):
             if spec.num_speculative_blocks or spec.num_prefill_checkpoint_blocks:
                 raise ValueError(f"groups[{len(msg.groups) - 1}]: the allocator's Mamba groups carry no speculative "

@@ -9,10 +9,13 @@ from kvservice._proto import allocator_pb2 as pb
 from kvservice.commands import PoolSpec, VllmOptions
 from kvservice.core import (
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     MambaSpec,
+    RSWASpec,
+    SinkFullAttentionSpec,
     SlidingWindowSpec,
 )
 from kvservice.core.coordinator import validate_retention_interval
@@ -42,7 +45,7 @@ def decode_config(msg: pb.KVCacheConfig, field: str = "config") -> tuple[KVCache
         g = f"{field}.groups[{i}]"
         if kind is None:
             raise InvalidArgument(g, "{}", "set one of full_attention, sliding_window, chunked_local, mamba, "
-                                           "cross_attention")
+                                           "cross_attention, sink_full_attention, rswa, circular_buffer")
         sub = getattr(group, kind)
         if sub.block_size == 0 or sub.block_size > MAX_BLOCK_SIZE:
             raise InvalidArgument(f"{g}.{kind}.block_size", sub.block_size, f"must be in [1, {MAX_BLOCK_SIZE}]")
@@ -62,6 +65,19 @@ def decode_config(msg: pb.KVCacheConfig, field: str = "config") -> tuple[KVCache
             specs.append(ChunkedLocalAttentionSpec(sub.block_size, sub.attention_chunk_size))
         elif kind == "cross_attention":
             specs.append(CrossAttentionSpec(sub.block_size))
+        elif kind == "sink_full_attention":
+            if sub.sink_len == 0 or sub.sink_len % sub.block_size or sub.sink_len > MAX_MODEL_LEN:
+                raise InvalidArgument(f"{g}.sink_full_attention.sink_len", sub.sink_len,
+                                      f"must be a positive multiple of the block size {sub.block_size}, at most "
+                                      f"{MAX_MODEL_LEN}")
+            specs.append(SinkFullAttentionSpec(sub.block_size, sink_len=sub.sink_len))
+        elif kind == "rswa":
+            if sub.rswa_window == 0:
+                raise InvalidArgument(f"{g}.rswa.rswa_window", 0, "must be positive")
+            check_count(f"{g}.rswa.rswa_window", sub.rswa_window, MAX_MODEL_LEN)
+            specs.append(RSWASpec(sub.block_size, rswa_window=sub.rswa_window))
+        elif kind == "circular_buffer":
+            specs.append(CircularBufferSpec(sub.block_size))
         else:
             mode = sub.mamba_cache_mode or "align"
             if mode not in ("align", "none", "all"):

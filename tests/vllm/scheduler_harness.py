@@ -29,10 +29,13 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler as StockAsyncSched
 from vllm.v1.core.sched.scheduler import Scheduler as StockScheduler
 from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
 from vllm.v1.kv_cache_interface import (
+    CircularBufferSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     MambaSpec,
+    RSWASpec,
+    SinkFullAttentionSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
@@ -77,6 +80,9 @@ class Mode:
     spec_tokens: int = 0  # ngram speculative decoding, this many draft tokens, random acceptance
     replay: int = 0  # SWA bounded replay: a second, replayed sliding-window group with this window
     mamba: bool = False  # a hybrid model: a Mamba group ("align" cache mode) beside the attention group
+    # a second attention group of another kind beside the first: "rswa" (reference sliding window of 4
+    # generated tokens), "sink" (attention sinks of one block) or "ring" (a circular buffer, one block a request)
+    extra: str = ""
 
     @property
     def name(self) -> str:
@@ -87,7 +93,8 @@ class Mode:
                 + (f", {self.connector} connector" if self.connector else "")
                 + (f", ngram spec {self.spec_tokens}" if self.spec_tokens else "")
                 + (f", replay {self.replay}" if self.replay else "")
-                + (", mamba" if self.mamba else ""))
+                + (", mamba" if self.mamba else "")
+                + (f", {self.extra} group" if self.extra else ""))
 
 
 DEFAULT = Mode()
@@ -95,12 +102,14 @@ DEFAULT = Mode()
 MODES = (DEFAULT, Mode(async_scheduling=False), Mode(full_sequence_gate=False), Mode(sliding_window=40),
          Mode(async_scheduling=False, sliding_window=40), Mode(sliding_window=40, retention=0))
 # KV connectors (synchronous and asynchronous external hits; async scheduling defers block frees), ngram
-# speculative decoding, SWA bounded replay, a hybrid Mamba model. (Not Mamba with this harness's connector:
-# stock vLLM 0.33.0 itself raises "Cannot get 1 free blocks" on some workloads there.)
+# speculative decoding, SWA bounded replay, a hybrid Mamba model (not with this harness's connector: stock vLLM
+# 0.33.0 itself raises "Cannot get 1 free blocks" on some workloads there), R-SWA and circular-buffer groups.
+# (No attention-sink group: vLLM's own SinkFullAttentionManager cannot be built, a TypeError in vLLM.)
 FEATURE_MODES = (Mode(connector="sync"), Mode(connector="async"), Mode(async_scheduling=False, connector="async"),
                  Mode(async_scheduling=False, spec_tokens=3), Mode(replay=32),
                  Mode(async_scheduling=False, replay=32, connector="sync"), Mode(mamba=True),
-                 Mode(async_scheduling=False, mamba=True))
+                 Mode(async_scheduling=False, mamba=True), Mode(extra="rswa"), Mode(async_scheduling=False, extra="rswa"),
+                 Mode(extra="ring"), Mode(async_scheduling=False, extra="ring"))
 
 
 def make_vllm_config(model_dir: Path, mode: Mode, max_model_len: int = 2048) -> VllmConfig:
@@ -174,6 +183,12 @@ class Side:
         if mode.mamba:
             groups.append(KVCacheGroupSpec(["mamba"], MambaSpec(block_size=BLOCK, shapes=((1, 1),),
                                                                  dtypes=(torch.float32,), mamba_cache_mode="align")))
+        if mode.extra:
+            # (head sizes differ from the first group's so vLLM keeps the groups apart)
+            common = dict(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float32)
+            groups.append(KVCacheGroupSpec([mode.extra], {"rswa": lambda: RSWASpec(**common, rswa_window=4),
+                                                          "sink": lambda: SinkFullAttentionSpec(**common, sink_len=BLOCK),
+                                                          "ring": lambda: CircularBufferSpec(**common)}[mode.extra]()))
         kv_cache_config = KVCacheConfig(num_blocks=workload.num_blocks * len(groups), kv_cache_tensors=[],
                                         kv_cache_groups=groups, prefix_cache_retention_interval=mode.retention)
         self.spec_tokens = mode.spec_tokens

@@ -86,6 +86,22 @@ def test_a_hybrid_mamba_model_schedules_as_stock_however_steps_fall_into_rpcs(se
     assert totals.hits > 20 and totals.rpcs <= (totals.steps if interval_ms == 0 else totals.steps // 3), totals
 
 
+@pytest.mark.parametrize("mode", [h.Mode(extra="rswa"), h.Mode(async_scheduling=False, extra="rswa"),
+                                  h.Mode(extra="ring"), h.Mode(async_scheduling=False, extra="ring")],
+                         ids=["rswa-async", "rswa-sync", "ring-async", "ring-sync"])
+def test_rswa_and_circular_buffer_groups_schedule_as_stock(server, model_dir, mode):
+    """A second group beside full attention: R-SWA (window 4: a decode frees the gap between the prompt
+    and the window each step) or a circular buffer (one block a request, never cached); the pool frees
+    and holds what the replica does."""
+    config = h.make_vllm_config(model_dir, mode)
+    totals = h.Outcome()
+    for seed in range(4):
+        out = h.run_pair(h.Workload.random(seed, num_steps=100), mode, config, server.target,
+                         f"{mode.extra}-{mode.async_scheduling:d}-{seed}")
+        totals.steps, totals.rpcs = totals.steps + out.steps, totals.rpcs + out.rpcs
+    assert totals.steps > 200 and totals.rpcs <= totals.steps, totals
+
+
 def test_scheduler_cls_resolves_and_registers_the_pool(server, model_dir):
     config = h.make_vllm_config(model_dir, h.DEFAULT)
     for path, cls in (("kvservice.integrations.vllm.AsyncScheduler", AsyncScheduler),

@@ -91,11 +91,10 @@ def _interval_ms(value) -> float:
     return interval
 
 
-# vLLM's KV-cache specs whose semantics the allocator's pools carry exactly (RegisterPool's groups).
+# vLLM's KV-cache specs whose semantics the allocator's pools carry exactly (RegisterPool's groups; attention
+# sinks, R-SWA and circular buffers where this vLLM has them).
 _CARRIED = (vi.FullAttentionSpec, vi.SlidingWindowSpec, vi.ChunkedLocalAttentionSpec, vi.CrossAttentionSpec,
-            vi.MambaSpec)
-_NOT_CARRIED = tuple(getattr(vi, name) for name in (
-    "SinkFullAttentionSpec", "RSWASpec", "CircularBufferSpec") if hasattr(vi, name))
+            vi.MambaSpec) + tuple(getattr(vi, name) for name in ("CircularBufferSpec",) if hasattr(vi, name))
 
 
 def unsupported(scheduler, kv_cache_config) -> list[str]:
@@ -114,9 +113,9 @@ def unsupported(scheduler, kv_cache_config) -> list[str]:
         spec = group.kv_cache_spec
         inner = next(iter(spec.kv_cache_specs.values())) if isinstance(spec, vi.UniformTypeKVCacheSpecs) else spec
         name = f"kv_cache_groups[{i}] ({type(inner).__name__})"
-        if isinstance(inner, _NOT_CARRIED) or not isinstance(inner, _CARRIED):
-            out.append(f"{name}: the allocator's pools carry full attention, sliding window, chunked local, "
-                       f"cross attention and Mamba only")
+        if not isinstance(inner, _CARRIED):
+            out.append(f"{name}: the allocator's pools carry full attention (with sinks, R-SWA), sliding window, "
+                       f"chunked local, cross attention, circular buffer and Mamba only")
         elif isinstance(inner, vi.MambaSpec) and (inner.num_speculative_blocks
                                                   or getattr(inner, "num_prefill_checkpoint_blocks", 0)):
             out.append(f"{name}: Mamba with num_speculative_blocks = {inner.num_speculative_blocks} and "
