@@ -241,6 +241,45 @@ def test_a_mamba_pools_step_under_way_survives_a_restart(redis_server, tmp_path)
     proc.stop()
 
 
+def wait_for_snapshot(redis_server, name: str) -> None:
+    """Until the snapshot holds every WAL entry (nothing is replayed at the restart)."""
+    redis = redis_server.client()
+    deadline = time.monotonic() + 20
+    last = redis.xrevrange(f"{name}:wal", count=1)[0][0]
+    while redis.get(f"{name}:snapshot:wal_id") != last and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert redis.get(f"{name}:snapshot:wal_id") == last
+
+
+def test_a_running_mamba_request_with_speculative_and_checkpoint_blocks_survives_a_restart(redis_server, tmp_path):
+    """vLLM's Mamba2 layout (align mode, a prefill checkpoint block, two speculative blocks), restarted from a
+    snapshot in the middle of a decode: the group's per-request bookkeeping (where the running state is, what
+    was retired, who is past their speculative blocks) comes back, so the blocks freed and handed out after
+    the restart are still those of vLLM's core driven without one."""
+    from tests.test_vllm_group_kinds_wire import decode_steps
+    from tests.test_vllm_mamba_wire import Pair
+    proc = allocator(redis_server, "mamba2", tmp_path, "--snapshot-every", "1", "--hash-block-size", "4")
+    config = KVCacheConfig(80, [FullAttentionSpec(4), MambaSpec(4, "align", 2, 1, 1)])
+    p = Pair(proc.client(hash_block_size=4), "m2", config)
+    prompt = list(range(100, 122))  # 5.5 blocks, prefilled in two chunks
+    p.core.new_step_starts()
+    p.step([NewStepOp(), p.add("a", prompt), p.admit("a", 12)])
+    p.core.new_step_starts()
+    p.step([NewStepOp(), p.run("a", 10)])
+    decode_steps(p, "a", 5, new_steps=True)
+    wait_for_snapshot(redis_server, "mamba2")
+    before = digest(p.client)
+    kill(proc)
+    proc = allocator(redis_server, "mamba2", tmp_path, "--hash-block-size", "4")
+    p.client = proc.client(hash_block_size=4)
+    assert digest(p.client) == before
+    decode_steps(p, "a", 12, new_steps=True)  # each step's blocks checked against the core
+    p.core.free(p.requests["a"])
+    p.step([FreeOp("a")])
+    p.check()
+    proc.stop()
+
+
 def test_redis_outage_degraded_then_resynced(redis_server, tmp_path):
     proc = allocator(redis_server, "outage", tmp_path)
     client = proc.client(retries=0)

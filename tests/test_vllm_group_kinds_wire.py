@@ -14,7 +14,7 @@ from kvservice._proto import allocator_pb2 as pb
 from kvservice.commands import VllmOptions
 from kvservice.core import CircularBufferSpec, FullAttentionSpec, KVCacheConfig, RSWASpec, SinkFullAttentionSpec
 from kvservice.errors import InvalidArgument
-from kvservice.ops import FreeOp
+from kvservice.ops import FreeOp, NewStepOp
 from kvservice.wire.encode import encode_config
 from kvservice.wire.pool_spec import decode_config
 from tests.service_helpers import start_server
@@ -38,15 +38,18 @@ def client(server, request):
     c.close()
 
 
-def decode_steps(p: Pair, request_id: str, n: int) -> None:
-    """`n` decode steps of one token each (one Step each), the pool checked against the core after each."""
+def decode_steps(p: Pair, request_id: str, n: int, new_steps: bool = False) -> None:
+    """`n` decode steps of one token each (one Step each), the pool checked against the core after each.
+    `new_steps`: each starts a scheduler step (NewStepOp), as a pool with a Mamba group hears."""
     req = p.requests[request_id]
     for _ in range(n):
+        if new_steps:
+            p.core.new_step_starts()
         known = len(req.block_hashes)
         req.append_output_token_ids(7)
         op = p.run(request_id, 1)
         op.append_block_hashes, op.num_append_tokens = list(req.block_hashes[known:]), 1
-        p.step([op])
+        p.step([NewStepOp(), op] if new_steps else [op])
         p.check(request_id)
 
 

@@ -195,9 +195,12 @@ def test_the_pool_refuses_a_connector_lookup_it_does_not_find(client, request):
 
 def test_bad_mamba_input_is_refused_naming_the_field(client, request):
     name = request.node.name
-    with pytest.raises(ValueError, match="speculative"):
-        client.register_pool(name + "-spec", KVCacheConfig(20, [FullAttentionSpec(BS), MambaSpec(BS, "align", 1)]),
-                             max_model_len=MAX_LEN, hash_spec=SPEC, vllm=VllmOptions())
+    for spec, field in ((MambaSpec(BS, "align", 65), r"mamba\.num_speculative_blocks.*65"),
+                        (MambaSpec(BS, "align", 1, 2, 1), r"mamba\.num_prefill_checkpoint_blocks.*must be 0 or 1")):
+        with pytest.raises(InvalidArgument, match=field):
+            client.register_pool(name + "-spec", KVCacheConfig(20, [FullAttentionSpec(BS), spec]),
+                                 max_model_len=MAX_LEN, hash_spec=SPEC, vllm=VllmOptions())
+    assert name + "-spec" not in client.get_stats().pools
     with pytest.raises(InvalidArgument, match=r"mamba\.mamba_cache_mode.*'none'.*prefix caching needs 'align'"):
         client.register_pool(name + "-none", KVCacheConfig(20, [FullAttentionSpec(BS), MambaSpec(BS, "none")]),
                              max_model_len=MAX_LEN, hash_spec=SPEC, vllm=VllmOptions())

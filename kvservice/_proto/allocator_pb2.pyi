@@ -91,12 +91,18 @@ class ChunkedLocalAttention(_message.Message):
     def __init__(self, block_size: _Optional[int] = ..., attention_chunk_size: _Optional[int] = ...) -> None: ...
 
 class Mamba(_message.Message):
-    __slots__ = ("block_size", "mamba_cache_mode")
+    __slots__ = ("block_size", "mamba_cache_mode", "num_speculative_blocks", "num_prefill_checkpoint_blocks", "prefill_checkpoint_alignment")
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAMBA_CACHE_MODE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFILL_CHECKPOINT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CHECKPOINT_ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
     block_size: int
     mamba_cache_mode: str
-    def __init__(self, block_size: _Optional[int] = ..., mamba_cache_mode: _Optional[str] = ...) -> None: ...
+    num_speculative_blocks: int
+    num_prefill_checkpoint_blocks: int
+    prefill_checkpoint_alignment: int
+    def __init__(self, block_size: _Optional[int] = ..., mamba_cache_mode: _Optional[str] = ..., num_speculative_blocks: _Optional[int] = ..., num_prefill_checkpoint_blocks: _Optional[int] = ..., prefill_checkpoint_alignment: _Optional[int] = ...) -> None: ...
 
 class KVCacheGroup(_message.Message):
     __slots__ = ("full_attention", "sliding_window", "chunked_local", "mamba", "cross_attention", "sink_full_attention", "rswa", "circular_buffer")

@@ -133,20 +133,44 @@ class RequestState(_message.Message):
     def __init__(self, key: _Optional[str] = ..., has_token_ids: _Optional[bool] = ..., token_ids: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., block_hashes: _Optional[bytes] = ..., namespace: _Optional[bytes] = ..., cache_salt: _Optional[str] = ..., has_cache_salt: _Optional[bool] = ..., lora_name: _Optional[str] = ..., has_lora_name: _Optional[bool] = ..., hash_seed: _Optional[str] = ..., mm_identifiers: _Optional[_Iterable[str]] = ..., mm_offsets: _Optional[bytes] = ..., mm_lengths: _Optional[bytes] = ..., chain_tip: _Optional[bytes] = ..., owner: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class GroupState(_message.Message):
-    __slots__ = ("request_keys", "num_blocks", "block_ids", "running_keys", "num_cached_block", "cached_this_step")
+    __slots__ = ("request_keys", "num_blocks", "block_ids", "running_keys", "num_cached_block", "cached_this_step", "last_state_block_idx", "num_retired_blocks", "allocated_block_reqs", "checkpoint_keys", "checkpoints")
+    class LastStateBlockIdxEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class NumRetiredBlocksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     REQUEST_KEYS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_KEYS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCK_FIELD_NUMBER: _ClassVar[int]
     CACHED_THIS_STEP_FIELD_NUMBER: _ClassVar[int]
+    LAST_STATE_BLOCK_IDX_FIELD_NUMBER: _ClassVar[int]
+    NUM_RETIRED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATED_BLOCK_REQS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_KEYS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     request_keys: _containers.RepeatedScalarFieldContainer[str]
     num_blocks: bytes
     block_ids: bytes
     running_keys: _containers.RepeatedScalarFieldContainer[str]
     num_cached_block: bytes
     cached_this_step: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, request_keys: _Optional[_Iterable[str]] = ..., num_blocks: _Optional[bytes] = ..., block_ids: _Optional[bytes] = ..., running_keys: _Optional[_Iterable[str]] = ..., num_cached_block: _Optional[bytes] = ..., cached_this_step: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    last_state_block_idx: _containers.ScalarMap[str, int]
+    num_retired_blocks: _containers.ScalarMap[str, int]
+    allocated_block_reqs: _containers.RepeatedScalarFieldContainer[str]
+    checkpoint_keys: _containers.RepeatedScalarFieldContainer[str]
+    checkpoints: bytes
+    def __init__(self, request_keys: _Optional[_Iterable[str]] = ..., num_blocks: _Optional[bytes] = ..., block_ids: _Optional[bytes] = ..., running_keys: _Optional[_Iterable[str]] = ..., num_cached_block: _Optional[bytes] = ..., cached_this_step: _Optional[_Iterable[bytes]] = ..., last_state_block_idx: _Optional[_Mapping[str, int]] = ..., num_retired_blocks: _Optional[_Mapping[str, int]] = ..., allocated_block_reqs: _Optional[_Iterable[str]] = ..., checkpoint_keys: _Optional[_Iterable[str]] = ..., checkpoints: _Optional[bytes] = ...) -> None: ...
 
 class ManagerState(_message.Message):
     __slots__ = ("ref_cnts", "free_order", "index_keys", "index_key_lengths", "index_block_ids", "groups", "copy_src", "copy_dst", "evictions", "total_queries", "total_hits", "total_requests", "interval_stats", "interval_reset")

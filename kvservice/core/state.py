@@ -24,6 +24,12 @@ class GroupTables:
     running_keys: list[str] = field(default_factory=list)
     num_cached_block: array = field(default_factory=lambda: array("I"))
     cached_this_step: list[bytes] = field(default_factory=list)  # a Mamba group's states cached in this step
+    # A Mamba group's per-request bookkeeping (MambaManager's): where the running state was last, the blocks
+    # retired below, the requests allocated past their speculative blocks.
+    last_state_block_idx: dict[str, int] = field(default_factory=dict)
+    num_retired_blocks: dict[str, int] = field(default_factory=dict)
+    allocated_block_reqs: list[str] = field(default_factory=list)
+    checkpoints: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> (position, block index)
 
 
 @dataclass(slots=True)
@@ -65,6 +71,10 @@ def export_manager_state(m: KVCacheManager) -> ManagerState:
             g.running_keys.append(key)
             g.num_cached_block.append(n)
         g.cached_this_step = sorted(getattr(manager, "cached_blocks_this_step", ()))
+        g.last_state_block_idx = dict(getattr(manager, "last_state_block_idx", {}))
+        g.num_retired_blocks = dict(getattr(manager, "_num_retired_blocks", {}))
+        g.allocated_block_reqs = sorted(getattr(manager, "_allocated_block_reqs", ()))
+        g.checkpoints = dict(getattr(manager, "_checkpoints", {}))
         groups.append(g)
     totals = m.prefix_cache_totals
     stats = m.prefix_cache_stats
@@ -124,6 +134,13 @@ def import_manager_state(m: KVCacheManager, state: ManagerState) -> None:
             if not hasattr(manager, "cached_blocks_this_step"):
                 raise ValueError(f"snapshot has states cached this step in a {type(manager).__name__} group")
             manager.cached_blocks_this_step.update(g.cached_this_step)
+        if g.last_state_block_idx or g.num_retired_blocks or g.allocated_block_reqs or g.checkpoints:
+            if not hasattr(manager, "last_state_block_idx"):
+                raise ValueError(f"snapshot has Mamba request state in a {type(manager).__name__} group")
+            manager.last_state_block_idx.update(g.last_state_block_idx)
+            manager._num_retired_blocks.update(g.num_retired_blocks)
+            manager._allocated_block_reqs.update(g.allocated_block_reqs)
+            manager._checkpoints.update(g.checkpoints)
     for src, dst in state.copies:
         m.coordinator.cow.add(blocks[src], blocks[dst])
     pool.num_evictions = state.evictions

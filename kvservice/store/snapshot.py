@@ -50,6 +50,13 @@ def _from_u32(data: bytes, what: str) -> array:
     return decode_u32(what, data)
 
 
+def _checkpoints(g: st.GroupState) -> dict[str, tuple[int, int]]:
+    pairs = _from_u32(g.checkpoints, "checkpoints")
+    if len(pairs) != 2 * len(g.checkpoint_keys):
+        raise SnapshotError(f"a group has {len(g.checkpoint_keys)} checkpoint keys and {len(pairs)} values")
+    return {key: (pairs[2 * i], pairs[2 * i + 1]) for i, key in enumerate(g.checkpoint_keys)}
+
+
 # ---- encode --------------------------------------------------------------------------------------
 def encode_state(allocator: Allocator) -> st.Snapshot:
     state = allocator.state
@@ -102,7 +109,9 @@ def _encode_pool(pool: Pool) -> st.PoolState:
     for g in ms.groups:
         m.groups.add(request_keys=g.request_keys, num_blocks=g.num_blocks.tobytes(), block_ids=g.block_ids.tobytes(),
                      running_keys=g.running_keys, num_cached_block=g.num_cached_block.tobytes(),
-                     cached_this_step=g.cached_this_step)
+                     cached_this_step=g.cached_this_step, last_state_block_idx=g.last_state_block_idx,
+                     num_retired_blocks=g.num_retired_blocks, allocated_block_reqs=g.allocated_block_reqs,
+                     checkpoint_keys=list(g.checkpoints), checkpoints=_u32(n for c in g.checkpoints.values() for n in c))
     out = st.PoolState(register_request=reg.SerializeToString(deterministic=True), pool_id=pool.pool_id,
                        epoch=pool.epoch, manager=m, tombstone_keys=list(pool.tombstones),
                        tombstone_reasons=list(pool.tombstones.values()), owner_tenant=pool.owner_tenant,
@@ -224,7 +233,9 @@ def _decode_pool(ps: st.PoolState, state: AllocatorState) -> Pool:
     ref_cnts.frombytes(m.ref_cnts)
     groups = [GroupTables(list(g.request_keys), _from_u32(g.num_blocks, "num_blocks"),
                           _from_u32(g.block_ids, "block_ids"), list(g.running_keys),
-                          _from_u32(g.num_cached_block, "num_cached_block"), list(g.cached_this_step))
+                          _from_u32(g.num_cached_block, "num_cached_block"), list(g.cached_this_step),
+                          dict(g.last_state_block_idx), dict(g.num_retired_blocks), list(g.allocated_block_reqs),
+                          _checkpoints(g))
               for g in m.groups]
     manager_state = ManagerState(ref_cnts, _from_u32(m.free_order, "free_order"), keys,
                                  _from_u32(m.index_block_ids, "index_block_ids"), groups,

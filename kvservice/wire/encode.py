@@ -71,11 +71,10 @@ def encode_config(config: KVCacheConfig, max_model_len: int, dcp_world_size: int
         elif isinstance(spec, CircularBufferSpec):
             g.circular_buffer.block_size = spec.block_size
         elif isinstance(spec, MambaSpec):
-            if spec.num_speculative_blocks or spec.num_prefill_checkpoint_blocks:
-                raise ValueError(f"groups[{len(msg.groups) - 1}]: the allocator's Mamba groups carry no speculative "
-                                 f"blocks ({spec.num_speculative_blocks}) or prefill checkpoint blocks "
-                                 f"({spec.num_prefill_checkpoint_blocks})")
             g.mamba.block_size = spec.block_size
+            g.mamba.num_speculative_blocks = spec.num_speculative_blocks
+            g.mamba.num_prefill_checkpoint_blocks = spec.num_prefill_checkpoint_blocks
+            g.mamba.prefill_checkpoint_alignment = spec.prefill_checkpoint_alignment or 0
             if spec.mamba_cache_mode != "align":
                 g.mamba.mamba_cache_mode = spec.mamba_cache_mode
         else:

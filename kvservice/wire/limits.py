@@ -7,4 +7,5 @@ MAX_BLOCKS = 1 << 31  # KVCacheConfig.num_blocks (the server's --max-pool-blocks
 MAX_MODEL_LEN = 1 << 24
 MAX_DCP_WORLD_SIZE = 64
 MAX_BLOCK_SIZE = 1 << 16
+MAX_SPECULATIVE_BLOCKS = 64  # a Mamba group's scratch states (vLLM: one per speculative token)
 MAX_EPOCH = (1 << 63) - 1  # the allocator bumps epochs (stale recovery): keep them inside the uint64 on the wire

@@ -24,7 +24,14 @@ from kvservice.errors import InvalidArgument
 from kvservice.hashing import HashSpec, vllm_spec
 from kvservice.hashing.spec import KVSERVICE
 from kvservice.wire.fields import check_count, check_id, check_name
-from kvservice.wire.limits import MAX_BLOCK_SIZE, MAX_BLOCKS, MAX_DCP_WORLD_SIZE, MAX_EPOCH, MAX_MODEL_LEN
+from kvservice.wire.limits import (
+    MAX_BLOCK_SIZE,
+    MAX_BLOCKS,
+    MAX_DCP_WORLD_SIZE,
+    MAX_EPOCH,
+    MAX_MODEL_LEN,
+    MAX_SPECULATIVE_BLOCKS,
+)
 
 
 def decode_config(msg: pb.KVCacheConfig, field: str = "config") -> tuple[KVCacheConfig, int, int]:
@@ -86,7 +93,16 @@ def decode_config(msg: pb.KVCacheConfig, field: str = "config") -> tuple[KVCache
             if mode != "align" and not msg.disable_prefix_caching:
                 raise InvalidArgument(f"{g}.mamba.mamba_cache_mode", mode, "prefix caching needs 'align' (or set "
                                                                           "disable_prefix_caching)")
-            specs.append(MambaSpec(sub.block_size, mode))
+            check_count(f"{g}.mamba.num_speculative_blocks", sub.num_speculative_blocks, MAX_SPECULATIVE_BLOCKS)
+            if sub.num_prefill_checkpoint_blocks > 1:
+                raise InvalidArgument(f"{g}.mamba.num_prefill_checkpoint_blocks", sub.num_prefill_checkpoint_blocks,
+                                      "must be 0 or 1 (vLLM reserves one checkpoint block)")
+            if sub.prefill_checkpoint_alignment and not sub.num_prefill_checkpoint_blocks:
+                raise InvalidArgument(f"{g}.mamba.prefill_checkpoint_alignment", sub.prefill_checkpoint_alignment,
+                                      "needs num_prefill_checkpoint_blocks = 1")
+            check_count(f"{g}.mamba.prefill_checkpoint_alignment", sub.prefill_checkpoint_alignment, MAX_MODEL_LEN)
+            specs.append(MambaSpec(sub.block_size, mode, sub.num_speculative_blocks, sub.num_prefill_checkpoint_blocks,
+                                   sub.prefill_checkpoint_alignment or None))
         if dcp > 1 and kind not in ("full_attention", "sliding_window"):
             raise InvalidArgument(f"{field}.dcp_world_size", dcp, f"decode context parallelism needs full attention "
                                                                   f"(sharded) and sliding-window (replicated) groups "

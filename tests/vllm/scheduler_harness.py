@@ -80,6 +80,9 @@ class Mode:
     spec_tokens: int = 0  # ngram speculative decoding, this many draft tokens, random acceptance
     replay: int = 0  # SWA bounded replay: a second, replayed sliding-window group with this window
     mamba: bool = False  # a hybrid model: a Mamba group ("align" cache mode) beside the attention group
+    # ...whose prefill chunks export interior checkpoints (vLLM's Mamba2 layers: one checkpoint block, any
+    # position); with spec_tokens the group has that many speculative blocks, as vLLM gives it
+    mamba_checkpoints: bool = False
     # a second attention group of another kind beside the first: "rswa" (reference sliding window of 4
     # generated tokens), "sink" (attention sinks of one block) or "ring" (a circular buffer, one block a request)
     extra: str = ""
@@ -94,6 +97,7 @@ class Mode:
                 + (f", ngram spec {self.spec_tokens}" if self.spec_tokens else "")
                 + (f", replay {self.replay}" if self.replay else "")
                 + (", mamba" if self.mamba else "")
+                + (" with checkpoints" if self.mamba_checkpoints else "")
                 + (f", {self.extra} group" if self.extra else ""))
 
 
@@ -108,7 +112,8 @@ MODES = (DEFAULT, Mode(async_scheduling=False), Mode(full_sequence_gate=False), 
 FEATURE_MODES = (Mode(connector="sync"), Mode(connector="async"), Mode(async_scheduling=False, connector="async"),
                  Mode(async_scheduling=False, spec_tokens=3), Mode(replay=32),
                  Mode(async_scheduling=False, replay=32, connector="sync"), Mode(mamba=True),
-                 Mode(async_scheduling=False, mamba=True), Mode(extra="rswa"), Mode(async_scheduling=False, extra="rswa"),
+                 Mode(async_scheduling=False, mamba=True), Mode(mamba=True, mamba_checkpoints=True),
+                 Mode(async_scheduling=False, mamba=True, mamba_checkpoints=True, spec_tokens=3), Mode(extra="rswa"), Mode(async_scheduling=False, extra="rswa"),
                  Mode(extra="ring"), Mode(async_scheduling=False, extra="ring"))
 
 
@@ -181,8 +186,11 @@ class Side:
                 block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=torch.bfloat16, sliding_window=mode.replay,
                 bounded_replay=True)))
         if mode.mamba:
-            groups.append(KVCacheGroupSpec(["mamba"], MambaSpec(block_size=BLOCK, shapes=((1, 1),),
-                                                                 dtypes=(torch.float32,), mamba_cache_mode="align")))
+            checkpoints = dict(num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1) \
+                if mode.mamba_checkpoints else {}
+            groups.append(KVCacheGroupSpec(["mamba"], MambaSpec(
+                block_size=BLOCK, shapes=((1, 1),), dtypes=(torch.float32,), mamba_cache_mode="align",
+                num_speculative_blocks=mode.spec_tokens, **checkpoints)))
         if mode.extra:
             # (head sizes differ from the first group's so vLLM keeps the groups apart)
             common = dict(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float32)

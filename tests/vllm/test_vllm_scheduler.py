@@ -86,6 +86,21 @@ def test_a_hybrid_mamba_model_schedules_as_stock_however_steps_fall_into_rpcs(se
     assert totals.hits > 20 and totals.rpcs <= (totals.steps if interval_ms == 0 else totals.steps // 3), totals
 
 
+@pytest.mark.parametrize("mode", [h.Mode(mamba=True, mamba_checkpoints=True),
+                                  h.Mode(async_scheduling=False, mamba=True, mamba_checkpoints=True, spec_tokens=3)],
+                         ids=["checkpoints-async", "checkpoints-speculative-sync"])
+def test_mamba_prefill_checkpoints_and_speculative_blocks_schedule_as_stock(server, model_dir, mode):
+    """vLLM's Mamba2 layers in "align" mode: a checkpoint block a prefill chunk exports an interior state into
+    and, under speculative decoding, a scratch block per draft token, relocated as drafts are accepted."""
+    config = h.make_vllm_config(model_dir, mode)
+    totals = h.Outcome()
+    for seed in range(4):
+        out = h.run_pair(h.Workload.random(seed, num_steps=100), mode, config, server.target,
+                         f"mamba-ckpt-{mode.spec_tokens}-{seed}")
+        totals.steps, totals.hits, totals.rpcs = totals.steps + out.steps, totals.hits + out.hits, totals.rpcs + out.rpcs
+    assert totals.hits > 20 and totals.rpcs <= totals.steps, totals
+
+
 @pytest.mark.parametrize("mode", [h.Mode(extra="rswa"), h.Mode(async_scheduling=False, extra="rswa"),
                                   h.Mode(extra="ring"), h.Mode(async_scheduling=False, extra="ring")],
                          ids=["rswa-async", "rswa-sync", "ring-async", "ring-sync"])
@@ -170,15 +185,6 @@ def test_unsupported_settings_are_refused_at_start_up(server, model_dir, tmp_pat
     config.kv_transfer_config, config.scheduler_config.disable_hybrid_kv_cache_manager = None, None
     config.additional_config = {"kvservice": {"address": server.target, "pool": "x"}}
     with pytest.raises(UnsupportedConfig, match=r"unknown keys \['pool'\]"):
-        AsyncScheduler(vllm_config=config, kv_cache_config=kv, block_size=h.BLOCK,
-                       structured_output_manager=h.StructuredOutputManager(config))
-    assert "refused" not in server.client().get_stats().pools
-    # Mamba with speculative blocks (speculative decoding on a hybrid model): refused, naming the setting.
-    mamba = h.MambaSpec(block_size=h.BLOCK, shapes=((1, 1),), dtypes=(h.torch.float32,), mamba_cache_mode="align",
-                        num_speculative_blocks=1)
-    kv.kv_cache_groups.append(h.KVCacheGroupSpec(["mamba"], mamba))
-    config.additional_config = {"kvservice": {"address": server.target, "pool_id": "refused"}}
-    with pytest.raises(UnsupportedConfig, match=r"kv_cache_groups\[1\] \(MambaSpec\).*num_speculative_blocks = 1"):
         AsyncScheduler(vllm_config=config, kv_cache_config=kv, block_size=h.BLOCK,
                        structured_output_manager=h.StructuredOutputManager(config))
     assert "refused" not in server.client().get_stats().pools

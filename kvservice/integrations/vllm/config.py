@@ -116,12 +116,6 @@ def unsupported(scheduler, kv_cache_config) -> list[str]:
         if not isinstance(inner, _CARRIED):
             out.append(f"{name}: the allocator's pools carry full attention (with sinks, R-SWA), sliding window, "
                        f"chunked local, cross attention, circular buffer and Mamba only")
-        elif isinstance(inner, vi.MambaSpec) and (inner.num_speculative_blocks
-                                                  or getattr(inner, "num_prefill_checkpoint_blocks", 0)):
-            out.append(f"{name}: Mamba with num_speculative_blocks = {inner.num_speculative_blocks} and "
-                       f"num_prefill_checkpoint_blocks = {getattr(inner, 'num_prefill_checkpoint_blocks', 0)}: "
-                       f"the allocator's Mamba groups carry neither (speculative decoding and prefill checkpoints "
-                       f"on Mamba layers)")
         if getattr(spec, "dcp_sharded", False) and scheduler.dcp_world_size > 1:
             out.append(f"{name} with decode_context_parallel_size = {scheduler.dcp_world_size}")
     return out

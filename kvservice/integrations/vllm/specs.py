@@ -33,7 +33,8 @@ def core_spec_like(spec, block_size: int, dcp_sharded: bool, tag) -> cs.KVCacheS
         return cs.ChunkedLocalAttentionSpec(block_size, spec.attention_chunk_size, **common)
     if isinstance(spec, vi.MambaSpec):
         return cs.MambaSpec(block_size, spec.mamba_cache_mode, spec.num_speculative_blocks,
-                            spec.num_prefill_checkpoint_blocks, spec.prefill_checkpoint_alignment, **common)
+                            getattr(spec, "num_prefill_checkpoint_blocks", 0),  # (not in 0.32)
+                            getattr(spec, "prefill_checkpoint_alignment", None), **common)
     if isinstance(spec, vi.CircularBufferSpec):
         return cs.CircularBufferSpec(block_size, **common)
     if isinstance(spec, vi.CrossAttentionSpec):
