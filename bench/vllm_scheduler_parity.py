@@ -2,8 +2,9 @@
 vLLM's default configuration (async scheduling, the full-sequence gate), async scheduling off, the gate
 off, and a sliding-window group (window 40) with async scheduling on and off, and (`--modes features`) a KV
 connector with synchronous and asynchronous external hits, ngram speculative decoding with random
-acceptance, SWA bounded prefix replay and a hybrid model with a Mamba group (align mode, async scheduling on
-and off); every step's SchedulerOutput
+acceptance, SWA bounded prefix replay, a hybrid model with a Mamba group (align mode, async scheduling on and
+off; with prefill checkpoints; with speculative blocks under ngram), and R-SWA and circular-buffer groups;
+every step's SchedulerOutput
 and the prefix-cache stats identical, and the pool equal to the replica (tests/vllm/scheduler_harness.py;
 the smaller version is tests/vllm/test_vllm_scheduler.py in make test-vllm).
 
@@ -33,7 +34,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--modes", choices=("base", "features", "all"), default="all",
                         help="base: vLLM's defaults and their variants; features: KV connectors (sync, async), "
-                             "ngram speculative decoding, bounded prefix replay, a hybrid Mamba group")
+                             "ngram speculative decoding, bounded prefix replay, hybrid Mamba groups, R-SWA and circular buffers")
     args = parser.parse_args()
     server, target = start([sys.executable, "-m", "kvservice.cli", "--log-level", "ERROR", "serve", "--port", "0",
                             "--no-persistence"], "kvservice serving on")

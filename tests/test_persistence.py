@@ -266,14 +266,23 @@ def test_a_running_mamba_request_with_speculative_and_checkpoint_blocks_survives
     p.step([NewStepOp(), p.add("a", prompt), p.admit("a", 12)])
     p.core.new_step_starts()
     p.step([NewStepOp(), p.run("a", 10)])
-    decode_steps(p, "a", 5, new_steps=True)
-    wait_for_snapshot(redis_server, "mamba2")
-    before = digest(p.client)
-    kill(proc)
-    proc = allocator(redis_server, "mamba2", tmp_path, "--hash-block-size", "4")
-    p.client = proc.client(hash_block_size=4)
-    assert digest(p.client) == before
-    decode_steps(p, "a", 12, new_steps=True)  # each step's blocks checked against the core
+    mamba = p.core.coordinator.managers[1]
+
+    def restart():
+        nonlocal proc
+        wait_for_snapshot(redis_server, "mamba2")
+        before = digest(p.client)
+        kill(proc)
+        proc = allocator(redis_server, "mamba2", tmp_path, "--snapshot-every", "1", "--hash-block-size", "4")
+        p.client = proc.client(hash_block_size=4)
+        assert digest(p.client) == before
+
+    assert mamba._checkpoints and mamba.last_state_block_idx  # the last chunk reserved a checkpoint block
+    restart()
+    decode_steps(p, "a", 5, new_steps=True)  # each step's blocks checked against the core
+    assert mamba._allocated_block_reqs and mamba._num_retired_blocks
+    restart()
+    decode_steps(p, "a", 12, new_steps=True)
     p.core.free(p.requests["a"])
     p.step([FreeOp("a")])
     p.check()

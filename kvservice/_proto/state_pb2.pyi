@@ -133,7 +133,7 @@ class RequestState(_message.Message):
     def __init__(self, key: _Optional[str] = ..., has_token_ids: _Optional[bool] = ..., token_ids: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., block_hashes: _Optional[bytes] = ..., namespace: _Optional[bytes] = ..., cache_salt: _Optional[str] = ..., has_cache_salt: _Optional[bool] = ..., lora_name: _Optional[str] = ..., has_lora_name: _Optional[bool] = ..., hash_seed: _Optional[str] = ..., mm_identifiers: _Optional[_Iterable[str]] = ..., mm_offsets: _Optional[bytes] = ..., mm_lengths: _Optional[bytes] = ..., chain_tip: _Optional[bytes] = ..., owner: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class GroupState(_message.Message):
-    __slots__ = ("request_keys", "num_blocks", "block_ids", "running_keys", "num_cached_block", "cached_this_step", "last_state_block_idx", "num_retired_blocks", "allocated_block_reqs", "checkpoint_keys", "checkpoints")
+    __slots__ = ("request_keys", "num_blocks", "block_ids", "running_keys", "num_cached_block", "cached_this_step", "last_state_block_idx", "num_retired_blocks", "allocated_block_reqs", "checkpoint_keys", "checkpoints", "partial_hit_keys", "partial_hits", "partial_tail_keys", "partial_tails")
     class LastStateBlockIdxEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +159,10 @@ class GroupState(_message.Message):
     ALLOCATED_BLOCK_REQS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_KEYS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_HIT_KEYS_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_HITS_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_TAIL_KEYS_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_TAILS_FIELD_NUMBER: _ClassVar[int]
     request_keys: _containers.RepeatedScalarFieldContainer[str]
     num_blocks: bytes
     block_ids: bytes
@@ -170,7 +174,11 @@ class GroupState(_message.Message):
     allocated_block_reqs: _containers.RepeatedScalarFieldContainer[str]
     checkpoint_keys: _containers.RepeatedScalarFieldContainer[str]
     checkpoints: bytes
-    def __init__(self, request_keys: _Optional[_Iterable[str]] = ..., num_blocks: _Optional[bytes] = ..., block_ids: _Optional[bytes] = ..., running_keys: _Optional[_Iterable[str]] = ..., num_cached_block: _Optional[bytes] = ..., cached_this_step: _Optional[_Iterable[bytes]] = ..., last_state_block_idx: _Optional[_Mapping[str, int]] = ..., num_retired_blocks: _Optional[_Mapping[str, int]] = ..., allocated_block_reqs: _Optional[_Iterable[str]] = ..., checkpoint_keys: _Optional[_Iterable[str]] = ..., checkpoints: _Optional[bytes] = ...) -> None: ...
+    partial_hit_keys: _containers.RepeatedScalarFieldContainer[str]
+    partial_hits: bytes
+    partial_tail_keys: _containers.RepeatedScalarFieldContainer[str]
+    partial_tails: bytes
+    def __init__(self, request_keys: _Optional[_Iterable[str]] = ..., num_blocks: _Optional[bytes] = ..., block_ids: _Optional[bytes] = ..., running_keys: _Optional[_Iterable[str]] = ..., num_cached_block: _Optional[bytes] = ..., cached_this_step: _Optional[_Iterable[bytes]] = ..., last_state_block_idx: _Optional[_Mapping[str, int]] = ..., num_retired_blocks: _Optional[_Mapping[str, int]] = ..., allocated_block_reqs: _Optional[_Iterable[str]] = ..., checkpoint_keys: _Optional[_Iterable[str]] = ..., checkpoints: _Optional[bytes] = ..., partial_hit_keys: _Optional[_Iterable[str]] = ..., partial_hits: _Optional[bytes] = ..., partial_tail_keys: _Optional[_Iterable[str]] = ..., partial_tails: _Optional[bytes] = ...) -> None: ...
 
 class ManagerState(_message.Message):
     __slots__ = ("ref_cnts", "free_order", "index_keys", "index_key_lengths", "index_block_ids", "groups", "copy_src", "copy_dst", "evictions", "total_queries", "total_hits", "total_requests", "interval_stats", "interval_reset")

@@ -34,7 +34,7 @@ class Transfer:
 def transferable(pool: Pool) -> bool:
     """Only single-group full-attention pools that declare a KV layout exchange blocks."""
     groups = pool.spec.config.groups
-    return (len(groups) == 1 and isinstance(groups[0], FullAttentionSpec) and bool(pool.spec.kv_layout)
+    return (len(groups) == 1 and type(groups[0]) is FullAttentionSpec and bool(pool.spec.kv_layout)
             and pool.manager.enable_caching)
 
 

@@ -30,6 +30,8 @@ class GroupTables:
     num_retired_blocks: dict[str, int] = field(default_factory=dict)
     allocated_block_reqs: list[str] = field(default_factory=list)
     checkpoints: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> (position, block index)
+    partial_hits: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> (block index, block id)
+    partial_tails: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> (block id, tokens)
 
 
 @dataclass(slots=True)
@@ -75,6 +77,9 @@ def export_manager_state(m: KVCacheManager) -> ManagerState:
         g.num_retired_blocks = dict(getattr(manager, "_num_retired_blocks", {}))
         g.allocated_block_reqs = sorted(getattr(manager, "_allocated_block_reqs", ()))
         g.checkpoints = dict(getattr(manager, "_checkpoints", {}))
+        g.partial_hits = {k: (i, b.block_id) for k, (i, b) in manager._partial_hit_reqs.items()}
+        g.partial_tails = {k: (b.block_id, n) for k, (b, n) in getattr(manager, "_producer_partial_tail_reqs",
+                                                                       {}).items()}
         groups.append(g)
     totals = m.prefix_cache_totals
     stats = m.prefix_cache_stats
@@ -134,13 +139,19 @@ def import_manager_state(m: KVCacheManager, state: ManagerState) -> None:
             if not hasattr(manager, "cached_blocks_this_step"):
                 raise ValueError(f"snapshot has states cached this step in a {type(manager).__name__} group")
             manager.cached_blocks_this_step.update(g.cached_this_step)
-        if g.last_state_block_idx or g.num_retired_blocks or g.allocated_block_reqs or g.checkpoints:
+        named = [b for _, b in g.partial_hits.values()] + [b for b, _ in g.partial_tails.values()]
+        if named and max(named) >= n:
+            raise ValueError("snapshot's partial hits name block ids beyond the pool")
+        manager._partial_hit_reqs.update((k, (i, blocks[b])) for k, (i, b) in g.partial_hits.items())
+        if g.last_state_block_idx or g.num_retired_blocks or g.allocated_block_reqs or g.checkpoints \
+                or g.partial_tails:
             if not hasattr(manager, "last_state_block_idx"):
                 raise ValueError(f"snapshot has Mamba request state in a {type(manager).__name__} group")
             manager.last_state_block_idx.update(g.last_state_block_idx)
             manager._num_retired_blocks.update(g.num_retired_blocks)
             manager._allocated_block_reqs.update(g.allocated_block_reqs)
             manager._checkpoints.update(g.checkpoints)
+            manager._producer_partial_tail_reqs.update((k, (blocks[b], n)) for k, (b, n) in g.partial_tails.items())
     for src, dst in state.copies:
         m.coordinator.cow.add(blocks[src], blocks[dst])
     pool.num_evictions = state.evictions

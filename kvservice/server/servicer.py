@@ -222,8 +222,10 @@ class AllocatorServicer(ExternalPoolHandlers):
         out.leader_epoch = self.journal.leader_epoch
         for stats in a.pool_stats(principal.tenant, principal.admin, request.check_invariants, request.pool_ids):
             replies.encode_pool_stats(stats, out.pools.add())
+        wanted = set(request.pool_ids)
         for stats in self.external_stats(principal.tenant, principal.admin):
-            external_wire.encode_stats(stats, out.external_pools.add())
+            if not wanted or stats.pool_id in wanted:
+                external_wire.encode_stats(stats, out.external_pools.add())
         return out
 
     @rpc

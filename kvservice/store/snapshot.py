@@ -50,11 +50,15 @@ def _from_u32(data: bytes, what: str) -> array:
     return decode_u32(what, data)
 
 
-def _checkpoints(g: st.GroupState) -> dict[str, tuple[int, int]]:
-    pairs = _from_u32(g.checkpoints, "checkpoints")
-    if len(pairs) != 2 * len(g.checkpoint_keys):
-        raise SnapshotError(f"a group has {len(g.checkpoint_keys)} checkpoint keys and {len(pairs)} values")
-    return {key: (pairs[2 * i], pairs[2 * i + 1]) for i, key in enumerate(g.checkpoint_keys)}
+def _pairs(rows: dict[str, tuple[int, int]]) -> bytes:
+    return _u32(n for pair in rows.values() for n in pair)
+
+
+def _unpairs(keys, data: bytes, what: str) -> dict[str, tuple[int, int]]:
+    values = _from_u32(data, what)
+    if len(values) != 2 * len(keys):
+        raise SnapshotError(f"a group's {what}: {len(keys)} keys and {len(values)} values (want two per key)")
+    return {key: (values[2 * i], values[2 * i + 1]) for i, key in enumerate(keys)}
 
 
 # ---- encode --------------------------------------------------------------------------------------
@@ -111,7 +115,9 @@ def _encode_pool(pool: Pool) -> st.PoolState:
                      running_keys=g.running_keys, num_cached_block=g.num_cached_block.tobytes(),
                      cached_this_step=g.cached_this_step, last_state_block_idx=g.last_state_block_idx,
                      num_retired_blocks=g.num_retired_blocks, allocated_block_reqs=g.allocated_block_reqs,
-                     checkpoint_keys=list(g.checkpoints), checkpoints=_u32(n for c in g.checkpoints.values() for n in c))
+                     checkpoint_keys=list(g.checkpoints), checkpoints=_pairs(g.checkpoints),
+                     partial_hit_keys=list(g.partial_hits), partial_hits=_pairs(g.partial_hits),
+                     partial_tail_keys=list(g.partial_tails), partial_tails=_pairs(g.partial_tails))
     out = st.PoolState(register_request=reg.SerializeToString(deterministic=True), pool_id=pool.pool_id,
                        epoch=pool.epoch, manager=m, tombstone_keys=list(pool.tombstones),
                        tombstone_reasons=list(pool.tombstones.values()), owner_tenant=pool.owner_tenant,
@@ -235,7 +241,9 @@ def _decode_pool(ps: st.PoolState, state: AllocatorState) -> Pool:
                           _from_u32(g.block_ids, "block_ids"), list(g.running_keys),
                           _from_u32(g.num_cached_block, "num_cached_block"), list(g.cached_this_step),
                           dict(g.last_state_block_idx), dict(g.num_retired_blocks), list(g.allocated_block_reqs),
-                          _checkpoints(g))
+                          _unpairs(g.checkpoint_keys, g.checkpoints, "checkpoints"),
+                          _unpairs(g.partial_hit_keys, g.partial_hits, "partial_hits"),
+                          _unpairs(g.partial_tail_keys, g.partial_tails, "partial_tails"))
               for g in m.groups]
     manager_state = ManagerState(ref_cnts, _from_u32(m.free_order, "free_order"), keys,
                                  _from_u32(m.index_block_ids, "index_block_ids"), groups,
