@@ -23,9 +23,13 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: E402
 from kvservice.integrations.vllm import AsyncScheduler, Scheduler  # noqa: E402
 from kvservice.integrations.vllm.config import UnsupportedConfig  # noqa: E402
 from kvservice.integrations.vllm.remote import PoolDiverged  # noqa: E402
+from kvservice.integrations.vllm.version import VLLM  # noqa: E402
 from kvservice.ops import AddRequestOp, AllocateOp  # noqa: E402
 from tests.service_helpers import start_server  # noqa: E402
 from tests.vllm import scheduler_harness as h  # noqa: E402
+
+needs_033_mamba = pytest.mark.skipif(not VLLM.mamba, reason=f"vLLM {VLLM.version}: Mamba groups are refused (see "
+                                                           f"test_mamba_groups_are_refused_under_vllm_0_32)")
 
 NUM_WORKLOADS = 24  # per mode; the bench runs >= 200
 
@@ -71,6 +75,7 @@ def test_steps_coalesced_within_step_interval_ms(server, model_dir, mode):
     assert steps > 300 and rpcs <= steps // 5, (steps, rpcs)
 
 
+@needs_033_mamba
 @pytest.mark.parametrize("interval_ms", [0, 60_000], ids=["every-step", "coalesced"])
 def test_a_hybrid_mamba_model_schedules_as_stock_however_steps_fall_into_rpcs(server, model_dir, interval_ms):
     """Full attention + Mamba ("align"): a state cached in a step is no hit until the next one. With steps
@@ -86,6 +91,7 @@ def test_a_hybrid_mamba_model_schedules_as_stock_however_steps_fall_into_rpcs(se
     assert totals.hits > 20 and totals.rpcs <= (totals.steps if interval_ms == 0 else totals.steps // 3), totals
 
 
+@needs_033_mamba
 @pytest.mark.parametrize("mode", [h.Mode(mamba=True, mamba_checkpoints=True),
                                   h.Mode(async_scheduling=False, mamba=True, mamba_checkpoints=True, spec_tokens=3)],
                          ids=["checkpoints-async", "checkpoints-speculative-sync"])
@@ -99,6 +105,21 @@ def test_mamba_prefill_checkpoints_and_speculative_blocks_schedule_as_stock(serv
                          f"mamba-ckpt-{mode.spec_tokens}-{seed}")
         totals.steps, totals.hits, totals.rpcs = totals.steps + out.steps, totals.hits + out.hits, totals.rpcs + out.rpcs
     assert totals.hits > 20 and totals.rpcs <= totals.steps, totals
+
+
+@pytest.mark.skipif(VLLM.mamba, reason="vLLM 0.33 carries Mamba groups (the tests above)")
+def test_mamba_groups_are_refused_under_vllm_0_32(server, model_dir):
+    """The allocator's Mamba groups follow 0.33's MambaManager: under 0.32 the scheduler refuses a hybrid
+    Mamba model at start-up, naming the group and the version, and registers no pool."""
+    mode = h.Mode(mamba=True)
+    config = h.make_vllm_config(model_dir, mode)
+    workload = h.Workload.random(0)
+    config.cache_config.num_gpu_blocks = workload.num_blocks
+    config.additional_config = {"kvservice": {"address": server.target, "pool_id": "mamba-032"}}
+    with pytest.raises(UnsupportedConfig, match=rf"kv_cache_groups\[1\] \(MambaSpec\) under vLLM {VLLM.version}.*"
+                                                rf"use vLLM 0.33"):
+        h.Side(AsyncScheduler, config, workload, mode)
+    assert "mamba-032" not in server.client().get_stats().pools
 
 
 @pytest.mark.parametrize("mode", [h.Mode(extra="rswa"), h.Mode(async_scheduling=False, extra="rswa"),

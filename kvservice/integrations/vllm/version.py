@@ -11,6 +11,8 @@ a version:
   `_update_request_with_output` with `num_output_placeholders`. Both reach the manager as `cache_blocks`
   calls, so the pool follows either (the call carries its token count).
 - `has_request`: 0.33's Scheduler.has_request (0.32 lacks it).
+- `mamba`: the allocator's Mamba groups follow 0.33's MambaManager ("align" states, step-deferred hits,
+  prefill checkpoints); 0.32's admits and frees otherwise, so under 0.32 a Mamba group is refused at start-up.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class Capabilities:
     hash_lookahead: bool
     caches_outputs_in_update: bool
     has_request: bool
+    mamba: bool
 
 
 def parse(version: str) -> tuple[int, int]:
@@ -53,7 +56,8 @@ def capabilities(version: str) -> Capabilities:
             f"0.33.x); this environment has vLLM {version}. Install a supported vLLM, or a kvservice release "
             f"that supports {version}")
     new = minor >= (0, 33)
-    return Capabilities(version, minor, hash_lookahead=new, caches_outputs_in_update=new, has_request=new)
+    return Capabilities(version, minor, hash_lookahead=new, caches_outputs_in_update=new, has_request=new,
+                        mamba=new)
 
 
 VLLM = capabilities(vllm.__version__)
