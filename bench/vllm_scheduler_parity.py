@@ -34,7 +34,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--modes", choices=("base", "features", "all"), default="all",
                         help="base: vLLM's defaults and their variants; features: KV connectors (sync, async), "
-                             "ngram speculative decoding, bounded prefix replay, hybrid Mamba groups, R-SWA and circular buffers")
+                             "ngram speculative decoding, bounded prefix replay, hybrid Mamba groups, R-SWA and "
+                             "circular buffers")
     args = parser.parse_args()
     server, target = start([sys.executable, "-m", "kvservice.cli", "--log-level", "ERROR", "serve", "--port", "0",
                             "--no-persistence"], "kvservice serving on")

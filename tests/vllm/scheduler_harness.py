@@ -113,8 +113,9 @@ FEATURE_MODES = (Mode(connector="sync"), Mode(connector="async"), Mode(async_sch
                  Mode(async_scheduling=False, spec_tokens=3), Mode(replay=32),
                  Mode(async_scheduling=False, replay=32, connector="sync"), Mode(mamba=True),
                  Mode(async_scheduling=False, mamba=True), Mode(mamba=True, mamba_checkpoints=True),
-                 Mode(async_scheduling=False, mamba=True, mamba_checkpoints=True, spec_tokens=3), Mode(extra="rswa"), Mode(async_scheduling=False, extra="rswa"),
-                 Mode(extra="ring"), Mode(async_scheduling=False, extra="ring"))
+                 Mode(async_scheduling=False, mamba=True, mamba_checkpoints=True, spec_tokens=3),
+                 Mode(extra="rswa"), Mode(async_scheduling=False, extra="rswa"), Mode(extra="ring"),
+                 Mode(async_scheduling=False, extra="ring"))
 
 
 def make_vllm_config(model_dir: Path, mode: Mode, max_model_len: int = 2048) -> VllmConfig:
@@ -194,9 +195,10 @@ class Side:
         if mode.extra:
             # (head sizes differ from the first group's so vLLM keeps the groups apart)
             common = dict(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float32)
-            groups.append(KVCacheGroupSpec([mode.extra], {"rswa": lambda: RSWASpec(**common, rswa_window=4),
-                                                          "sink": lambda: SinkFullAttentionSpec(**common, sink_len=BLOCK),
-                                                          "ring": lambda: CircularBufferSpec(**common)}[mode.extra]()))
+            extra = {"rswa": lambda: RSWASpec(**common, rswa_window=4),
+                     "sink": lambda: SinkFullAttentionSpec(**common, sink_len=BLOCK),
+                     "ring": lambda: CircularBufferSpec(**common)}[mode.extra]()
+            groups.append(KVCacheGroupSpec([mode.extra], extra))
         kv_cache_config = KVCacheConfig(num_blocks=workload.num_blocks * len(groups), kv_cache_tensors=[],
                                         kv_cache_groups=groups, prefix_cache_retention_interval=mode.retention)
         self.spec_tokens = mode.spec_tokens

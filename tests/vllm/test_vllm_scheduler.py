@@ -87,7 +87,8 @@ def test_a_hybrid_mamba_model_schedules_as_stock_however_steps_fall_into_rpcs(se
     for seed in range(4):
         out = h.run_pair(h.Workload.random(seed, num_steps=100), mode, config, server.target,
                          f"mamba-{interval_ms}-{seed}", {"step_interval_ms": interval_ms})
-        totals.steps, totals.hits, totals.rpcs = totals.steps + out.steps, totals.hits + out.hits, totals.rpcs + out.rpcs
+        totals.steps, totals.hits, totals.rpcs = (totals.steps + out.steps, totals.hits + out.hits,
+                                                  totals.rpcs + out.rpcs)
     assert totals.hits > 20 and totals.rpcs <= (totals.steps if interval_ms == 0 else totals.steps // 3), totals
 
 
@@ -103,7 +104,8 @@ def test_mamba_prefill_checkpoints_and_speculative_blocks_schedule_as_stock(serv
     for seed in range(4):
         out = h.run_pair(h.Workload.random(seed, num_steps=100), mode, config, server.target,
                          f"mamba-ckpt-{mode.spec_tokens}-{seed}")
-        totals.steps, totals.hits, totals.rpcs = totals.steps + out.steps, totals.hits + out.hits, totals.rpcs + out.rpcs
+        totals.steps, totals.hits, totals.rpcs = (totals.steps + out.steps, totals.hits + out.hits,
+                                                  totals.rpcs + out.rpcs)
     assert totals.hits > 20 and totals.rpcs <= totals.steps, totals
 
 

@@ -33,7 +33,6 @@ from vllm.v1.request import RequestStatus
 from kvservice.integrations.vllm.deferred import DeferredFrees, RecordingBlockPool
 from kvservice.integrations.vllm.expected import Expected, InFlight, PoolDiverged, Rows
 from kvservice.integrations.vllm.sending import StepSender
-from kvservice.integrations.vllm.version import VLLM
 from kvservice.ops import (
     ROW_WIDTH,
     WAITING,
@@ -244,13 +243,14 @@ class RemoteKVCacheManager(StepSender, KVCacheManager):
         elidable = counts is not None and not waiting and not whole
         if whole:
             hashes, num_append = self._sync(request)
+            hit = num_new_computed_tokens > 0
             op = AllocateOp(request.request_id, request.num_computed_tokens, num_new_tokens, None, hashes or None,
                             num_append, num_lookahead_tokens, delay_cache_blocks, False, None,
                             self._beyond(request), request.num_in_flight_tokens, waiting,
                             num_new_computed_tokens > 0, num_new_computed_tokens, full_sequence_must_fit,
                             reserved_blocks, has_scheduled_reqs, 0, num_external_computed_tokens, num_encoder_tokens,
-                            self._hit_caps.pop(request.request_id, 0) if num_new_computed_tokens > 0 else 0,
-                            connector_lookup=num_new_computed_tokens > 0 and request.request_id in self._connector_lookups)
+                            self._hit_caps.pop(request.request_id, 0) if hit else 0,
+                            connector_lookup=hit and request.request_id in self._connector_lookups)
             self._connector_lookups.discard(request.request_id)
         elif elidable:
             cached, free = counts.get(request.request_id, 0), self._free_queue.num_free_blocks
