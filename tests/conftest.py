@@ -19,7 +19,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 import pytest  # noqa: E402
 
-from tests.service_helpers import start_server  # noqa: E402
+from tests.service_helpers import SMALL_HASH_BLOCK, start_server  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -28,3 +28,20 @@ def server(tmp_path_factory):
     proc = start_server(log_dir=tmp_path_factory.mktemp("server"))
     yield proc
     proc.stop()
+
+
+@pytest.fixture(scope="module")
+def small_hash_server(tmp_path_factory):
+    """One allocator process per test module hashing SMALL_HASH_BLOCK-token blocks (the vLLM-semantics wire
+    tests' pools)."""
+    proc = start_server("--hash-block-size", str(SMALL_HASH_BLOCK), log_dir=tmp_path_factory.mktemp("small-hash"))
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def small_hash_client(small_hash_server, request):
+    """A client of small_hash_server named after the test."""
+    c = small_hash_server.client(client_name=request.node.name, hash_block_size=SMALL_HASH_BLOCK)
+    yield c
+    c.close()

@@ -19,6 +19,9 @@ class ServerProcess(ServeProcess):
         return KVServiceClient(self.target, token, **kw)
 
 
+SMALL_HASH_BLOCK = 4  # the hash block size of conftest.small_hash_server
+
+
 def start_server(*args: str, log_dir: Path | None = None, timeout_s: float = 30.0, port: int = 0,
                  env: dict | None = None, persistence: bool = False) -> ServerProcess:
     """Starts `kvservice serve --port 0 ARGS` (memory-only unless `persistence`) and waits for its ready

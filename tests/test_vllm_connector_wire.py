@@ -22,9 +22,9 @@ from kvservice.core import CrossAttentionSpec, FullAttentionSpec, KVCacheConfig,
 from kvservice.errors import InvalidArgument
 from kvservice.hashing import HashSpec
 from kvservice.ops import AddRequestOp, AllocateOp, EvictBlocksOp, FreeOp, OpStatus, RemoveSkippedBlocksOp
-from tests.service_helpers import start_server
+from tests.service_helpers import SMALL_HASH_BLOCK
 
-BS = 4
+BS = SMALL_HASH_BLOCK  # the hash block size of the small_hash_server fixture (conftest.py)
 SPEC = HashSpec("sha256", None, BS)
 MAX_LEN = 256
 
@@ -33,18 +33,9 @@ def hashes(tokens: list[int]) -> list[bytes]:
     return Request("h", tokens, BS, hash_spec=SPEC).block_hashes
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    proc = start_server("--hash-block-size", str(BS), log_dir=tmp_path_factory.mktemp("vllm-conn"))
-    yield proc
-    proc.stop()
-
-
 @pytest.fixture
-def client(server, request):
-    c = server.client(client_name=request.node.name, hash_block_size=BS)
-    yield c
-    c.close()
+def client(small_hash_client):
+    return small_hash_client
 
 
 class Pair:

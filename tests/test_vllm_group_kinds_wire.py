@@ -18,25 +18,15 @@ from kvservice.errors import InvalidArgument
 from kvservice.ops import FreeOp, NewStepOp
 from kvservice.wire.encode import encode_config
 from kvservice.wire.pool_spec import decode_config
-from tests.service_helpers import start_server
 from tests.test_vllm_mamba_wire import BS, MAX_LEN, SPEC, Pair
 
 KINDS = {"rswa": RSWASpec(BS, rswa_window=4), "sink": SinkFullAttentionSpec(BS, sink_len=BS),
          "ring": CircularBufferSpec(BS)}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    proc = start_server("--hash-block-size", str(BS), log_dir=tmp_path_factory.mktemp("vllm-kinds"))
-    yield proc
-    proc.stop()
-
-
 @pytest.fixture
-def client(server, request):
-    c = server.client(client_name=request.node.name, hash_block_size=BS)
-    yield c
-    c.close()
+def client(small_hash_client):
+    return small_hash_client
 
 
 def decode_steps(p: Pair, request_id: str, n: int, new_steps: bool = False) -> None:
