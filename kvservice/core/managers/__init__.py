@@ -14,7 +14,8 @@ from kvservice.core.managers.attention import (
     RSWAManager,
     SinkFullAttentionManager,
 )
-from kvservice.core.managers.base import CopyOnWrite, SingleTypeManager, cdiv
+from kvservice.core.managers.base import SingleTypeManager, cdiv
+from kvservice.core.managers.forks import CopyOnWrite
 from kvservice.core.managers.mamba import MambaManager
 from kvservice.core.managers.windowed import ChunkedLocalAttentionManager, SlidingWindowManager
 from kvservice.core.specs import (
