@@ -145,6 +145,34 @@ class NewStepOp:
 
 
 @dataclass(slots=True)
+class TakeBlockCopiesOp:
+    """vLLM 0.33's take_kv_cache_block_copies (vLLM pools): the copies the scheduler took, (src, dst) pairs
+    flattened. The pool's own pending copies (each must be among them) drain, both ends held until
+    FreeHeldBlocksOp; any other pair must name held blocks. FAILED_PRECONDITION, nothing changed, else."""
+
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class GetNewBlocksOp:
+    """vLLM's block_pool.get_new_blocks outside any request (vLLM pools): `num_blocks` blocks, held until
+    FreeHeldBlocksOp; answered as new_block_ids (ids,), or NO_SPACE with nothing taken."""
+
+    num_blocks: int
+
+
+@dataclass(slots=True)
+class FreeHeldBlocksOp:
+    """vLLM's block_pool.free_blocks of held blocks (copy retentions, GetNewBlocksOp; vLLM pools), in this order;
+    FAILED_PRECONDITION, nothing returned, for an id named more often than it is held."""
+
+    block_ids: list[int]
+
+
+HELD_BLOCK_OPS = (TakeBlockCopiesOp, GetNewBlocksOp, FreeHeldBlocksOp)
+
+
+@dataclass(slots=True)
 class ResetPrefixCacheOp:
     """Drops the pool's cached prefixes (vLLM's reset_prefix_cache): FAILED_PRECONDITION while a block is in use."""
 
@@ -238,7 +266,8 @@ class AdmitBatchOp:
 
 
 Op = (AddRequestOp | AllocateOp | ForkOp | FreeOp | DecodeBatchOp | AdmitBatchOp | AllocateBatchOp | PinOp | UnpinOp
-      | ResetPrefixCacheOp | EvictBlocksOp | RemoveSkippedBlocksOp | NewStepOp)
+      | ResetPrefixCacheOp | EvictBlocksOp | RemoveSkippedBlocksOp | NewStepOp | TakeBlockCopiesOp | GetNewBlocksOp
+      | FreeHeldBlocksOp)
 
 
 @dataclass(slots=True)

@@ -45,6 +45,7 @@ from kvservice.core.invariants import InvariantError, check_invariants
 from kvservice.errors import InvalidArgument, NotFound
 from kvservice.external.registry import ExternalRegistry
 from kvservice.ops import (
+    HELD_BLOCK_OPS,
     AddRequestOp,
     AdmitBatchOp,
     AllocateBatchOp,
@@ -226,10 +227,14 @@ class Allocator:
             elif kind is NewStepOp:  # a vLLM scheduler's step starts (its Steps need not match its steps)
                 _start_step(pool)
                 append(OpResult(""))
+            elif kind in HELD_BLOCK_OPS:
+                append(self.vllm_slots.held_blocks(pool, op))
             else:
                 append(self.pins.unpin(pool, session, op))
         manager = pool.manager
-        result = StepResult(sequence, results, manager.take_block_copies(), manager.block_pool.get_num_free_blocks())
+        # (A vLLM pool's copies are its scheduler's: TakeBlockCopiesOp takes them when vLLM's scheduler does.)
+        copies = manager.take_block_copies() if pool.spec.vllm is None else []
+        result = StepResult(sequence, results, copies, manager.block_pool.get_num_free_blocks())
         self.state.drain(pool)
         return result
 

@@ -27,6 +27,8 @@ from kvservice.ops import (
     WAITING,
     AllocateBatchOp,
     AllocateOp,
+    FreeHeldBlocksOp,
+    GetNewBlocksOp,
     OpResult,
     OpStatus,
     PackedResult,
@@ -53,6 +55,31 @@ class VllmSlots:
         if isinstance(planned, OpResult):
             return planned
         return self.apply(pool, key, req, op, planned)
+
+    @staticmethod
+    def held_blocks(pool: Pool, op) -> OpResult:
+        """TakeBlockCopiesOp, GetNewBlocksOp, FreeHeldBlocksOp: the blocks a vLLM scheduler holds outside its
+        requests (the core's `held`). A refusal changes nothing."""
+        held = pool.manager.held
+        kind = type(op)
+        if kind is GetNewBlocksOp:
+            if op.num_blocks > pool.manager.block_pool.get_num_free_blocks():
+                return OpResult("", OpStatus.NO_SPACE, f"pool {pool.pool_id!r} has "
+                                                       f"{pool.manager.block_pool.get_num_free_blocks()} free blocks, "
+                                                       f"not {op.num_blocks}")
+            return OpResult("", new_block_ids=(held.get_new_blocks(op.num_blocks),))
+        if kind is FreeHeldBlocksOp:
+            try:
+                held.free(op.block_ids)
+            except ValueError as exc:
+                return OpResult("", OpStatus.FAILED_PRECONDITION, f"pool {pool.pool_id!r}: {exc}")
+            return OpResult("")
+        ids = op.block_ids
+        try:
+            pool.manager.take_kv_cache_block_copies(list(zip(ids[::2], ids[1::2])))
+        except ValueError as exc:
+            return OpResult("", OpStatus.FAILED_PRECONDITION, f"pool {pool.pool_id!r}: {exc}")
+        return OpResult("")
 
     def allocate_batch(self, pool: Pool, tenant: str, op: AllocateBatchOp) -> OpResult:
         """Each row exactly as its AllocateOp (`allocate_op`), in order; the outcomes packed: a status, the new

@@ -15,7 +15,8 @@ def check_invariants(manager: KVCacheManager) -> None:
     """Raises InvariantError naming the first broken invariant.
 
     - every non-null block is in the free queue xor has ref_cnt > 0;
-    - a block's ref_cnt equals the tables holding it plus its pending copy-on-write pins;
+    - a block's ref_cnt equals the tables holding it plus its pending copy-on-write pins and the references
+      held outside any table (`manager.held`);
     - no non-null block appears twice in one request's table for a group;
     - the null block is never in the free queue;
     - every index entry points to a block whose hash (or one of its partial keys) is the key;
@@ -40,6 +41,7 @@ def check_invariants(manager: KVCacheManager) -> None:
                                      f"{manager_.kv_cache_group_id}: {ids}")
             holders.update(ids)
     pins = Counter(coordinator.cow.pins)
+    pins.update(manager.held.counts)  # a vLLM scheduler's copy retentions and direct takes
     for manager_ in coordinator.managers:  # a partial hit's pending copy retains both ends
         for src, dst in manager_._pending_cow_copies:
             pins[src.block_id] += 1

@@ -14,6 +14,7 @@ from kvservice.core.connector_hooks import ConnectorHooks
 from kvservice.core.coordinator import KVCacheCoordinator, get_kv_cache_coordinator
 from kvservice.core.events import BlockStored, KVCacheEvent
 from kvservice.core.fast_path import FastPath, PackedRows
+from kvservice.core.held_blocks import HeldBlocks
 from kvservice.core.kv_cache_blocks import KVCacheBlocks
 from kvservice.core.managers import MambaManager
 from kvservice.core.request import Request
@@ -87,6 +88,7 @@ class KVCacheManager(ConnectorHooks):
             pcp_world_size, scheduler_block_size or lcm_block_size(config, dcp_world_size), hash_block_size,
             metrics_collector, num_hash_lookahead_tokens, num_prefill_lookahead)
         self.block_pool = self.coordinator.block_pool
+        self.held = HeldBlocks(self.block_pool)  # references a vLLM scheduler holds outside requests' tables
         self.num_kv_cache_groups = len(config.groups)
         self.scheduler_block_size = self.coordinator.scheduler_block_size
         # Where hits land: the hash block size when partial (sub-block) hits are on, else the
@@ -309,6 +311,12 @@ class KVCacheManager(ConnectorHooks):
         """Drains pending copies (src, dst): forks' copy-on-write and partial hits' private copies;
         the references keeping their ends alive drop now."""
         return self.coordinator.take_block_copies()
+
+    def take_kv_cache_block_copies(self, taken: list[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
+        """vLLM 0.33.0's: drains the partial hits' pending copies (src, dst). Both ends stay referenced, as held
+        blocks (`held`), until the scheduler returns them (`held.free`) once the step that copies has run.
+        `taken`: the copies the scheduler took, checked against these (HeldBlocks.take_copies)."""
+        return self.held.take_copies(self.coordinator.single_type_managers, taken)
 
     def hold(self, holder_id: str, blocks: KVCacheBlocks) -> None:
         """Pins cached blocks under a table with no request behind it (e.g. the source of a cross-pool

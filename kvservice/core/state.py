@@ -32,6 +32,8 @@ class GroupTables:
     checkpoints: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> (position, block index)
     partial_hits: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> (block index, block id)
     partial_tails: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> (block id, tokens)
+    # Partial hits' copies made and not yet taken by the scheduler (take_kv_cache_block_copies): (src, dst)
+    pending_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -49,6 +51,9 @@ class ManagerState:
     # Per index entry: the prefix tokens its primary key covers, 0 for a block's extra (partial)
     # keys; None in snapshots that predate partial keys (then a block's first key is its primary).
     index_num_tokens: array | None = None
+    # References held outside any table (a vLLM scheduler's copy retentions and direct takes): a block id as
+    # often as it is held.
+    held: array = field(default_factory=lambda: array("I"))
 
 
 def export_manager_state(m: KVCacheManager) -> ManagerState:
@@ -80,13 +85,15 @@ def export_manager_state(m: KVCacheManager) -> ManagerState:
         g.partial_hits = {k: (i, b.block_id) for k, (i, b) in manager._partial_hit_reqs.items()}
         g.partial_tails = {k: (b.block_id, n) for k, (b, n) in getattr(manager, "_producer_partial_tail_reqs",
                                                                        {}).items()}
+        g.pending_copies = [(src.block_id, dst.block_id) for src, dst in manager._pending_cow_copies]
         groups.append(g)
     totals = m.prefix_cache_totals
     stats = m.prefix_cache_stats
     return ManagerState(ref_cnts, free_order, keys, ids, groups,
                         [(s.block_id, d.block_id) for s, d in m.coordinator.cow.pairs], pool.num_evictions,
                         (totals.queries, totals.hits, totals.requests),
-                        tuple(getattr(stats, f) for f in _STATS_FIELDS), stats.reset, num_tokens)
+                        tuple(getattr(stats, f) for f in _STATS_FIELDS), stats.reset, num_tokens,
+                        array("I", m.held.ids()))
 
 
 def import_manager_state(m: KVCacheManager, state: ManagerState) -> None:
@@ -140,9 +147,11 @@ def import_manager_state(m: KVCacheManager, state: ManagerState) -> None:
                 raise ValueError(f"snapshot has states cached this step in a {type(manager).__name__} group")
             manager.cached_blocks_this_step.update(g.cached_this_step)
         named = [b for _, b in g.partial_hits.values()] + [b for b, _ in g.partial_tails.values()]
+        named += [b for pair in g.pending_copies for b in pair]
         if named and max(named) >= n:
             raise ValueError("snapshot's partial hits name block ids beyond the pool")
         manager._partial_hit_reqs.update((k, (i, blocks[b])) for k, (i, b) in g.partial_hits.items())
+        manager._pending_cow_copies.extend((blocks[src], blocks[dst]) for src, dst in g.pending_copies)
         if g.last_state_block_idx or g.num_retired_blocks or g.allocated_block_reqs or g.checkpoints \
                 or g.partial_tails:
             if not hasattr(manager, "last_state_block_idx"):
@@ -154,6 +163,9 @@ def import_manager_state(m: KVCacheManager, state: ManagerState) -> None:
             manager._producer_partial_tail_reqs.update((k, (blocks[b], n)) for k, (b, n) in g.partial_tails.items())
     for src, dst in state.copies:
         m.coordinator.cow.add(blocks[src], blocks[dst])
+    if state.held and max(state.held) >= n:
+        raise ValueError("snapshot's held blocks name block ids beyond the pool")
+    m.held.restore(state.held)
     pool.num_evictions = state.evictions
     totals = m.prefix_cache_totals
     totals.queries, totals.hits, totals.requests = state.totals

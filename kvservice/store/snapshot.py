@@ -61,6 +61,13 @@ def _unpairs(keys, data: bytes, what: str) -> dict[str, tuple[int, int]]:
     return {key: (values[2 * i], values[2 * i + 1]) for i, key in enumerate(keys)}
 
 
+def _copies(data: bytes) -> list[tuple[int, int]]:
+    values = _from_u32(data, "pending_copies")
+    if len(values) % 2:
+        raise SnapshotError(f"a group's pending_copies: {len(values)} block ids (want (src, dst) pairs)")
+    return list(zip(values[::2], values[1::2]))
+
+
 # ---- encode --------------------------------------------------------------------------------------
 def encode_state(allocator: Allocator) -> st.Snapshot:
     state = allocator.state
@@ -109,7 +116,7 @@ def _encode_pool(pool: Pool) -> st.PoolState:
                         copy_src=_u32(s for s, _ in ms.copies), copy_dst=_u32(d for _, d in ms.copies),
                         evictions=ms.evictions, total_queries=ms.totals[0], total_hits=ms.totals[1],
                         total_requests=ms.totals[2], interval_stats=list(ms.interval),
-                        interval_reset=ms.interval_reset)
+                        interval_reset=ms.interval_reset, held_block_ids=ms.held.tobytes())
     for g in ms.groups:
         m.groups.add(request_keys=g.request_keys, num_blocks=g.num_blocks.tobytes(), block_ids=g.block_ids.tobytes(),
                      running_keys=g.running_keys, num_cached_block=g.num_cached_block.tobytes(),
@@ -117,7 +124,8 @@ def _encode_pool(pool: Pool) -> st.PoolState:
                      num_retired_blocks=g.num_retired_blocks, allocated_block_reqs=g.allocated_block_reqs,
                      checkpoint_keys=list(g.checkpoints), checkpoints=_pairs(g.checkpoints),
                      partial_hit_keys=list(g.partial_hits), partial_hits=_pairs(g.partial_hits),
-                     partial_tail_keys=list(g.partial_tails), partial_tails=_pairs(g.partial_tails))
+                     partial_tail_keys=list(g.partial_tails), partial_tails=_pairs(g.partial_tails),
+                     pending_copies=_u32(n for pair in g.pending_copies for n in pair))
     out = st.PoolState(register_request=reg.SerializeToString(deterministic=True), pool_id=pool.pool_id,
                        epoch=pool.epoch, manager=m, tombstone_keys=list(pool.tombstones),
                        tombstone_reasons=list(pool.tombstones.values()), owner_tenant=pool.owner_tenant,
@@ -243,13 +251,15 @@ def _decode_pool(ps: st.PoolState, state: AllocatorState) -> Pool:
                           dict(g.last_state_block_idx), dict(g.num_retired_blocks), list(g.allocated_block_reqs),
                           _unpairs(g.checkpoint_keys, g.checkpoints, "checkpoints"),
                           _unpairs(g.partial_hit_keys, g.partial_hits, "partial_hits"),
-                          _unpairs(g.partial_tail_keys, g.partial_tails, "partial_tails"))
+                          _unpairs(g.partial_tail_keys, g.partial_tails, "partial_tails"),
+                          _copies(g.pending_copies))
               for g in m.groups]
     manager_state = ManagerState(ref_cnts, _from_u32(m.free_order, "free_order"), keys,
                                  _from_u32(m.index_block_ids, "index_block_ids"), groups,
                                  list(zip(_from_u32(m.copy_src, "copy_src"), _from_u32(m.copy_dst, "copy_dst"))),
                                  m.evictions, (m.total_queries, m.total_hits, m.total_requests),
-                                 tuple(m.interval_stats), m.interval_reset)
+                                 tuple(m.interval_stats), m.interval_reset,
+                                 held=_from_u32(m.held_block_ids, "held_block_ids"))
     import_manager_state(pool.manager, manager_state)
     for rs in ps.requests:
         pool.requests[rs.key] = _decode_request(rs, pool.hash_spec, pool.hashes_may_lag)

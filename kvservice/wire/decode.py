@@ -17,12 +17,15 @@ from kvservice.ops import (
     EvictBlocksOp,
     ExternalSource,
     ForkOp,
+    FreeHeldBlocksOp,
     FreeOp,
+    GetNewBlocksOp,
     NewStepOp,
     Op,
     PinOp,
     RemoveSkippedBlocksOp,
     ResetPrefixCacheOp,
+    TakeBlockCopiesOp,
     UnpinOp,
 )
 from kvservice.wire.batches import decode_admit, decode_allocate_batch, decode_batch
@@ -105,10 +108,13 @@ def decode_ops(ops: Sequence[pb.Op], spec: PoolSpec, hash_block_size: int, field
                 raise InvalidArgument(f"{field}[{i}].new_step", "{}", "only a pool registered with vllm options takes "
                                                                       "it (every Step starts a step in other pools)")
             append(NEW_STEP)
+        elif kind in ("take_block_copies", "get_new_blocks", "free_held_blocks"):
+            append(decode_held(op, kind, spec, vllm, f"{field}[{i}].{kind}"))
         else:
             raise InvalidArgument(f"{field}[{i}]", "{}", "set one of add, allocate, allocate_batch, decode, admit, "
                                                          "fork, free, pin, unpin, reset_prefix_cache, evict_blocks, "
-                                                         "remove_skipped_blocks, new_step")
+                                                         "remove_skipped_blocks, new_step, take_block_copies, "
+                                                         "get_new_blocks, free_held_blocks")
     return out
 
 
@@ -307,6 +313,26 @@ def decode_evict(e: pb.EvictBlocksOp, spec: PoolSpec, vllm: bool, field: str) ->
         raise InvalidArgument(f"{field}.block_ids", bad, f"must be in [1, {spec.config.num_blocks - 1}] (block 0 is "
                                                          f"the null block)")
     return EvictBlocksOp(ids)
+
+
+def decode_held(op: pb.Op, kind: str, spec: PoolSpec, vllm: bool,
+                field: str) -> TakeBlockCopiesOp | GetNewBlocksOp | FreeHeldBlocksOp:
+    """The ops of blocks a vLLM scheduler holds outside requests: copy retentions and direct takes."""
+    if not vllm:
+        raise InvalidArgument(field, "...", "only a pool registered with vllm options takes it (blocks a vLLM "
+                                            "scheduler holds outside its requests)")
+    num_blocks = spec.config.num_blocks
+    if kind == "get_new_blocks":
+        return GetNewBlocksOp(check_count(f"{field}.num_blocks", op.get_new_blocks.num_blocks, num_blocks))
+    ids = list(getattr(op, kind).block_ids)
+    check_count(f"{field}.block_ids", len(ids), 2 * num_blocks)
+    if kind == "take_block_copies" and len(ids) % 2:
+        raise InvalidArgument(f"{field}.block_ids", len(ids), "must be (src, dst) pairs: an even count")
+    bad = next((b for b in ids if not 0 < b < num_blocks), None)
+    if bad is not None:
+        raise InvalidArgument(f"{field}.block_ids", bad, f"must be in [1, {num_blocks - 1}] (block 0 is the null "
+                                                         f"block)")
+    return TakeBlockCopiesOp(ids) if kind == "take_block_copies" else FreeHeldBlocksOp(ids)
 
 
 def decode_remove_skipped(r: pb.RemoveSkippedBlocksOp, spec: PoolSpec, vllm: bool,

@@ -26,12 +26,15 @@ from kvservice.ops import (
     DecodeBatchOp,
     EvictBlocksOp,
     ForkOp,
+    FreeHeldBlocksOp,
     FreeOp,
+    GetNewBlocksOp,
     NewStepOp,
     Op,
     PinOp,
     RemoveSkippedBlocksOp,
     ResetPrefixCacheOp,
+    TakeBlockCopiesOp,
     UnpinOp,
 )
 from kvservice.wire.fields import encode_u32
@@ -122,6 +125,13 @@ def encode_op(op: Op, msg: pb.Op) -> None:
         msg.evict_blocks.block_ids.extend(op.block_ids)
     elif isinstance(op, NewStepOp):
         msg.new_step.SetInParent()
+    elif isinstance(op, TakeBlockCopiesOp):
+        msg.take_block_copies.SetInParent()
+        msg.take_block_copies.block_ids.extend(op.block_ids)
+    elif isinstance(op, GetNewBlocksOp):
+        msg.get_new_blocks.num_blocks = op.num_blocks
+    elif isinstance(op, FreeHeldBlocksOp):
+        msg.free_held_blocks.block_ids.extend(op.block_ids)
     elif isinstance(op, RemoveSkippedBlocksOp):
         r = msg.remove_skipped_blocks
         r.request_id, r.processed_computed_tokens = op.request_id, op.processed_computed_tokens

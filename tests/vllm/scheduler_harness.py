@@ -56,7 +56,14 @@ MODEL_CONFIG = {"architectures": ["OPTForCausalLM"], "model_type": "opt", "hidde
                 "do_layer_norm_before": True, "pad_token_id": 1, "bos_token_id": EOS, "eos_token_id": EOS}
 
 init_none_hash(sha256)
-_HASHER = get_request_block_hasher(BLOCK, sha256)
+_HASHERS = {}
+
+
+def hasher(hash_block_size: int):
+    """vLLM's request block hasher for this hash block size (one per size)."""
+    if hash_block_size not in _HASHERS:
+        _HASHERS[hash_block_size] = get_request_block_hasher(hash_block_size, sha256)
+    return _HASHERS[hash_block_size]
 
 
 def write_model_dir(path: Path) -> Path:
@@ -86,6 +93,9 @@ class Mode:
     # a second attention group of another kind beside the first: "rswa" (reference sliding window of 4
     # generated tokens), "sink" (attention sinks of one block) or "ring" (a circular buffer, one block a request)
     extra: str = ""
+    # the requests' hash block size (vLLM's hash_block_size; 0: the block size). Below the block size, with a
+    # Mamba group, prefix hits may end inside a block (vLLM's sub-block hits, their copy-on-write)
+    hash_block: int = 0
 
     @property
     def name(self) -> str:
@@ -98,7 +108,8 @@ class Mode:
                 + (f", replay {self.replay}" if self.replay else "")
                 + (", mamba" if self.mamba else "")
                 + (" with checkpoints" if self.mamba_checkpoints else "")
-                + (f", {self.extra} group" if self.extra else ""))
+                + (f", {self.extra} group" if self.extra else "")
+                + (f", hash block {self.hash_block}" if self.hash_block else ""))
 
 
 DEFAULT = Mode()
@@ -202,8 +213,10 @@ class Side:
         kv_cache_config = KVCacheConfig(num_blocks=workload.num_blocks * len(groups), kv_cache_tensors=[],
                                         kv_cache_groups=groups, prefix_cache_retention_interval=mode.retention)
         self.spec_tokens = mode.spec_tokens
+        self.hasher = hasher(mode.hash_block or BLOCK)
         self.scheduler = cls(vllm_config=config, kv_cache_config=kv_cache_config, block_size=BLOCK, log_stats=True,
-                             structured_output_manager=StructuredOutputManager(config))
+                             structured_output_manager=StructuredOutputManager(config),
+                             hash_block_size=mode.hash_block or BLOCK)
         self.workload = workload
         self.pending: deque = deque()
         self.step_s: list[float] = []
@@ -211,7 +224,7 @@ class Side:
     def add(self, request_id: str, prompt: list[int], max_tokens: int) -> None:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=False)
         params.update_from_generation_config({}, EOS)
-        self.scheduler.add_request(Request(request_id, list(prompt), params, None, block_hasher=_HASHER))
+        self.scheduler.add_request(Request(request_id, list(prompt), params, None, block_hasher=self.hasher))
 
     def abort(self, fraction: float) -> None:
         ids = sorted(self.scheduler.requests)
@@ -275,6 +288,7 @@ class Outcome:
     chunked: int = 0
     n_gt_1: int = 0
     rpcs: int = 0
+    copies: int = 0  # partial prefix hits' copies (sub-block hits)
     stock_s: list[float] = field(default_factory=list)
     remote_s: list[float] = field(default_factory=list)
 
@@ -338,6 +352,7 @@ def run_pair(workload: Workload, mode: Mode, config: VllmConfig, address: str, p
                 break
         manager = remote.scheduler.kv_cache_manager
         outcome.rpcs = manager.num_rpcs - manager.num_idle_rpcs  # one more each time the engine goes idle
+        outcome.copies = manager.num_block_copies
         check_pool(remote.scheduler, f"{mode.name}, seed {workload.seed}, the end")
         outcome.stock_s, outcome.remote_s = stock.step_s, remote.step_s
     finally:

@@ -85,7 +85,7 @@ def wait_indexed(sched: Scheduler, prompt: list[int], salt: str, tokens: int) ->
 def add(sched: Scheduler, request_id: str, prompt: list[int]) -> None:
     params = SamplingParams(max_tokens=4)
     params.update_from_generation_config({}, h.EOS)
-    sched.add_request(Request(request_id, prompt, params, None, block_hasher=h._HASHER))
+    sched.add_request(Request(request_id, prompt, params, None, block_hasher=h.hasher(h.BLOCK)))
 
 
 def test_vllm_033s_scheduler_admits_a_stores_prefix_as_external_tokens(server, store, tmp_path):

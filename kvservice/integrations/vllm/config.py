@@ -103,9 +103,6 @@ def unsupported(scheduler, kv_cache_config) -> list[str]:
     """Every setting of this scheduler the kvservice-backed one cannot honour, each as 'setting = value: why'."""
     cfg = scheduler.vllm_config
     out = []
-    if scheduler.hash_block_size != scheduler.block_size:
-        out.append(f"hash_block_size = {scheduler.hash_block_size} != block_size {scheduler.block_size}: sub-block "
-                   f"(partial) prefix hits")
     if cfg.parallel_config.prefill_context_parallel_size > 1:
         out.append(f"prefill_context_parallel_size = {cfg.parallel_config.prefill_context_parallel_size}")
     # Not a KVCacheConfig field in 0.32.

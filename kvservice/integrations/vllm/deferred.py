@@ -8,6 +8,12 @@ manager, so the remote manager's `block_pool` is a `RecordingBlockPool`: the rep
 `free_blocks` watched. The pool hears one FreeOp(popped=True) at the second move, when its blocks really
 become free, so its free-block count never runs ahead of the replica's. Its `evict_blocks` is watched too:
 the manager's evict_blocks (a KV connector's failed loads) calls it, and so may anyone holding the pool.
+
+vLLM 0.33's copy retentions return the same way: `take_kv_cache_block_copies()` hands the scheduler both
+ends of each partial hit's copy, and it frees them with `block_pool.free_blocks` once the step that copies
+is processed (deferred like a request's blocks under `defer_block_free`). So does anything that takes blocks
+straight from the block pool with `get_new_blocks`, which is watched too. Those blocks are held: the remote
+manager keeps the same ledger as the pool (FreeHeldBlocksOp returns them there).
 """
 
 from __future__ import annotations
@@ -15,13 +21,15 @@ from __future__ import annotations
 
 class RecordingBlockPool:
     """The replica's BlockPool, with `free_blocks` calls from outside the manager reported to `on_free`
-    (which may refuse them by raising) before they apply, and `evict_blocks` calls to `on_evict` (the block
-    ids, after they applied). Everything else is the pool's own."""
+    (which may refuse them by raising) before they apply, and `evict_blocks` and `get_new_blocks` calls to
+    `on_evict` and `on_take` (the block ids and the blocks, after they applied). Everything else is the pool's
+    own."""
 
-    def __init__(self, pool, on_free, on_evict) -> None:
+    def __init__(self, pool, on_free, on_evict, on_take) -> None:
         self._pool = pool
         self._on_free = on_free
         self._on_evict = on_evict
+        self._on_take = on_take
         # The hot queries, bound once (no __getattr__ on the scheduler's every step).
         self.get_num_free_blocks = pool.get_num_free_blocks
         self.get_usage = pool.get_usage
@@ -36,6 +44,11 @@ class RecordingBlockPool:
         block_ids = list(block_ids)
         self._pool.evict_blocks(block_ids)
         self._on_evict(block_ids)
+
+    def get_new_blocks(self, num_blocks: int):
+        blocks = self._pool.get_new_blocks(num_blocks)  # (raising, it took nothing: nothing to report)
+        self._on_take(blocks)
+        return blocks
 
     def __getattr__(self, name: str):
         return getattr(self._pool, name)
@@ -56,17 +69,13 @@ class DeferredFrees:
         self._popped[request_id] = ids
         self._by_blocks.setdefault(tuple(sorted(ids)), []).append(request_id)
 
-    def returned(self, blocks) -> str:
-        """The request whose popped blocks `blocks` are, in vLLM's deferred order (tail first); raises
-        NotImplementedError for blocks that no popped request holds in that order."""
-        ids = [b.block_id for b in blocks]
+    def returned(self, ids: list[int]) -> str | None:
+        """The request whose popped blocks `ids` are, in vLLM's deferred order (tail first), now returned; None
+        when no popped request holds them in that order."""
         key = tuple(sorted(ids))
         request_id = next((r for r in self._by_blocks.get(key, ()) if self._popped[r][::-1] == ids), None)
         if request_id is None:
-            raise NotImplementedError(
-                f"kvservice: the scheduler returned blocks {ids[:8]}{'...' if len(ids) > 8 else ''} to the block "
-                f"pool that no deferred free of a request holds in its order (copy-on-write retentions are not "
-                f"carried to the allocator)")
+            return None
         del self._popped[request_id]
         holders = self._by_blocks[key]
         holders.remove(request_id)

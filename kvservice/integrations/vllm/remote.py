@@ -39,13 +39,16 @@ from kvservice.ops import (
     AddRequestOp,
     AllocateOp,
     EvictBlocksOp,
+    FreeHeldBlocksOp,
     FreeOp,
+    GetNewBlocksOp,
     NewStepOp,
     Op,
     OpStatus,
     RemoveSkippedBlocksOp,
     ResetPrefixCacheOp,
     StepResult,
+    TakeBlockCopiesOp,
     row_flags,
 )
 
@@ -76,6 +79,7 @@ class RemoteKVCacheManager(StepSender, KVCacheManager):
         self.num_rpcs = 0
         self.num_steps = 0  # scheduler steps ended (end_step): num_rpcs / num_steps is the Step rate
         self.num_idle_rpcs = 0  # of num_rpcs: sent when the engine went idle (the scheduler's update_from_output)
+        self.num_block_copies = 0  # partial prefix hits' copies taken (take_kv_cache_block_copies)
         self.last_result: StepResult | None = None
         self._ops: list[Op] = []
         self._expected: list[Expected | Rows] = []
@@ -114,7 +118,7 @@ class RemoteKVCacheManager(StepSender, KVCacheManager):
         self._connector_lookups: set[str] = set()  # requests whose last lookup was the connector's per-group one
         # Mamba states cached in a step hit only from the next: the pool hears where each scheduler step starts.
         self._marks_steps = any(isinstance(m, MambaManager) for m in managers)
-        self.block_pool = RecordingBlockPool(self.block_pool, self._returned, self._evicted)
+        self.block_pool = RecordingBlockPool(self.block_pool, self._returned, self._evicted, self._taken)
 
     # ---- recording -----------------------------------------------------------------------------
     def _beyond(self, request) -> int:
@@ -322,14 +326,28 @@ class RemoteKVCacheManager(StepSender, KVCacheManager):
                 self._record(FreeOp(request.request_id, popped=True))
         return blocks
 
+    def take_kv_cache_block_copies(self):
+        """(vLLM 0.33) The step's partial-hit copies: the pool drains its own (TakeBlockCopiesOp, the same pairs)
+        and holds both ends of each until the scheduler frees them through the block pool (`_returned`)."""
+        copies, retained = super().take_kv_cache_block_copies()
+        if copies:
+            self.num_block_copies += len(copies)
+            self._record(TakeBlockCopiesOp([i for c in copies for i in (c.src_block_id, c.dst_block_id)]))
+        return copies, retained
+
     def _returned(self, blocks) -> None:
-        """The scheduler returns blocks to the block pool itself: a deferred free's second move."""
-        try:
-            request_id = self._deferred.returned(blocks)
-        except NotImplementedError as exc:
-            self._failed = str(exc)
-            raise
-        self._record(FreeOp(request_id, popped=True))
+        """The scheduler returns blocks to the block pool itself: a deferred free's second move, or held blocks
+        (copy retentions, direct takes)."""
+        ids = [b.block_id for b in blocks]
+        request_id = self._deferred.returned(ids)
+        # (Blocks neither popped nor held are refused by the pool: PoolDiverged, never a wrong schedule.)
+        self._record(FreeOp(request_id, popped=True) if request_id is not None else FreeHeldBlocksOp(ids))
+
+    def _taken(self, blocks) -> None:
+        """Blocks taken straight from the block pool (`block_pool.get_new_blocks`), held outside requests."""
+        ids = [b.block_id for b in blocks]
+        if ids:
+            self._record(GetNewBlocksOp(len(ids)), Expected(OpStatus.OK, (ids,)))
 
     def _evicted(self, block_ids: list[int]) -> None:
         """Blocks left the replica's prefix cache (evict_blocks, the manager's or the block pool's)."""

@@ -62,9 +62,10 @@ class KVServiceScheduling:
         if stats.hash_block_size != self.hash_block_size:
             raise UnsupportedConfig(
                 f"kvservice at {self.kvservice_settings.address} hashes {stats.hash_block_size}-token blocks and "
-                f"this engine {self.hash_block_size}-token ones (its block size): the allocator's hash block size "
-                f"must equal vLLM's block size. Start the allocator with --hash-block-size {self.hash_block_size}, "
-                f"or the engine with --block-size {stats.hash_block_size} if its attention backend takes it")
+                f"this engine {self.hash_block_size}-token ones (its hash_block_size: the block size, or a hybrid "
+                f"model's prefix-match unit): the two must be equal. Start the allocator with --hash-block-size "
+                f"{self.hash_block_size}, or the engine with a block size (prefix_match_unit) of "
+                f"{stats.hash_block_size} if its attention backend takes it")
         existing = stats.pools.get(pool_id)
         epoch = existing.epoch + 1 if existing is not None else 0
         algorithm = self.cache_config.prefix_caching_hash_algo
