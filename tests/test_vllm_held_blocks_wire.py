@@ -9,7 +9,6 @@ import time
 
 import pytest
 
-from kvservice.commands import VllmOptions
 from kvservice.core import FullAttentionSpec, KVCacheConfig, MambaSpec
 from kvservice.errors import InvalidArgument
 from kvservice.ops import FreeHeldBlocksOp, FreeOp, GetNewBlocksOp, NewStepOp, OpStatus, TakeBlockCopiesOp
