@@ -162,14 +162,22 @@ class GetNewBlocksOp:
 
 
 @dataclass(slots=True)
+class TouchBlocksOp:
+    """vLLM's block_pool.touch outside any request (vLLM pools; a KV connector pinning blocks): one held reference
+    per id until FreeHeldBlocksOp (a free block leaves the free queue, still cached)."""
+
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
 class FreeHeldBlocksOp:
-    """vLLM's block_pool.free_blocks of held blocks (copy retentions, GetNewBlocksOp; vLLM pools), in this order;
+    """vLLM's block_pool.free_blocks of held blocks (copy retentions, GetNewBlocksOp, TouchBlocksOp), in this order;
     FAILED_PRECONDITION, nothing returned, for an id named more often than it is held."""
 
     block_ids: list[int]
 
 
-HELD_BLOCK_OPS = (TakeBlockCopiesOp, GetNewBlocksOp, FreeHeldBlocksOp)
+HELD_BLOCK_OPS = (TakeBlockCopiesOp, GetNewBlocksOp, TouchBlocksOp, FreeHeldBlocksOp)
 
 
 @dataclass(slots=True)
@@ -267,7 +275,7 @@ class AdmitBatchOp:
 
 Op = (AddRequestOp | AllocateOp | ForkOp | FreeOp | DecodeBatchOp | AdmitBatchOp | AllocateBatchOp | PinOp | UnpinOp
       | ResetPrefixCacheOp | EvictBlocksOp | RemoveSkippedBlocksOp | NewStepOp | TakeBlockCopiesOp | GetNewBlocksOp
-      | FreeHeldBlocksOp)
+      | TouchBlocksOp | FreeHeldBlocksOp)
 
 
 @dataclass(slots=True)

@@ -1,7 +1,7 @@
 """Blocks a vLLM scheduler holds outside its requests, over the wire (vLLM 0.33's copy retentions): a partial
 prefix hit's copy-on-write copies, taken when vLLM's scheduler takes them (TakeBlockCopiesOp), both ends held
 until it returns them through the block pool (FreeHeldBlocksOp); blocks taken straight from the block pool
-(GetNewBlocksOp). Block ids and free blocks are checked against kvservice's core called as vLLM's scheduler
+(GetNewBlocksOp) or pinned through it by a KV connector (TouchBlocksOp). Block ids and free blocks are checked against kvservice's core called as vLLM's scheduler
 calls its KVCacheManager; refusals change nothing; held blocks and pending copies survive a restart.
 """
 
@@ -11,7 +11,15 @@ import pytest
 
 from kvservice.core import FullAttentionSpec, KVCacheConfig, MambaSpec
 from kvservice.errors import InvalidArgument
-from kvservice.ops import FreeHeldBlocksOp, FreeOp, GetNewBlocksOp, NewStepOp, OpStatus, TakeBlockCopiesOp
+from kvservice.ops import (
+    FreeHeldBlocksOp,
+    FreeOp,
+    GetNewBlocksOp,
+    NewStepOp,
+    OpStatus,
+    TakeBlockCopiesOp,
+    TouchBlocksOp,
+)
 from tests.redis_helpers import RedisServer
 from tests.test_persistence import _stop_started_servers, allocator, kill  # noqa: F401 (an autouse fixture)
 from tests.test_vllm_mamba_wire import BS, MAX_LEN, SPEC, Pair
@@ -110,10 +118,36 @@ def test_blocks_taken_from_the_block_pool_are_held_and_may_stand_for_a_copy(clie
     assert client.get_stats(pool_ids=[p.pool_id]).pools[p.pool_id].num_free_blocks == SUB_BLOCK.num_blocks - 1
 
 
+def test_blocks_a_connector_touches_are_held_out_of_the_free_queue_and_still_hit(client, request):
+    """A KV connector offloading cached blocks pins them with the block pool's touch (vLLM's simple CPU offload
+    and Mooncake store connectors do): held, out of the free queue, still a prefix hit, and freed to the tail."""
+    p = Pair(client, request.node.name, SUB_BLOCK)
+    prompt = list(range(200, 216))
+    p.core.new_step_starts()
+    p.step([NewStepOp(), p.add("a", prompt), p.admit("a")])
+    table = p.core.get_block_ids("a")[0]
+    p.core.free(p.requests.pop("a"))
+    p.step([FreeOp("a")])
+    free = p.core.block_pool.get_num_free_blocks()
+    p.core.held.touch(table)
+    p.step([TouchBlocksOp(table)])
+    p.check()
+    assert p.core.block_pool.get_num_free_blocks() == free - len(table)
+    p.core.new_step_starts()
+    p.step([NewStepOp(), p.add("b", prompt + [9]), p.admit("b")])
+    assert p.core.get_block_ids("b")[0][:1] == table[:1]  # the touched block is still a hit
+    p.check("b")
+    p.core.held.free(table)
+    p.step([FreeHeldBlocksOp(table)])
+    p.check("b")
+    assert not p.core.held.counts
+
+
 @pytest.mark.parametrize("op, field, why", [
     (TakeBlockCopiesOp([1, 2, 3]), "ops[0].take_block_copies.block_ids", "pairs"),
     (FreeHeldBlocksOp([0]), "ops[0].free_held_blocks.block_ids", "null block"),
     (FreeHeldBlocksOp([40]), "ops[0].free_held_blocks.block_ids", "[1, 39]"),
+    (TouchBlocksOp([0]), "ops[0].touch_blocks.block_ids", "null block"),
     (GetNewBlocksOp(41), "ops[0].get_new_blocks.num_blocks", ""),
 ])
 def test_bad_held_block_ops_are_refused_naming_the_field(client, request, op, field, why):

@@ -406,6 +406,12 @@ class GetNewBlocksOp(_message.Message):
     num_blocks: int
     def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
 
+class TouchBlocksOp(_message.Message):
+    __slots__ = ("block_ids",)
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class FreeHeldBlocksOp(_message.Message):
     __slots__ = ("block_ids",)
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -459,7 +465,7 @@ class AdmitBatchOp(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[bytes] = ..., num_prompt_tokens: _Optional[bytes] = ..., num_new_tokens: _Optional[bytes] = ..., num_lookahead_tokens: _Optional[int] = ..., cache_salts: _Optional[_Iterable[str]] = ..., lora_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Op(_message.Message):
-    __slots__ = ("add", "allocate", "fork", "free", "pin", "unpin", "decode", "admit", "reset_prefix_cache", "allocate_batch", "evict_blocks", "remove_skipped_blocks", "new_step", "take_block_copies", "get_new_blocks", "free_held_blocks")
+    __slots__ = ("add", "allocate", "fork", "free", "pin", "unpin", "decode", "admit", "reset_prefix_cache", "allocate_batch", "evict_blocks", "remove_skipped_blocks", "new_step", "take_block_copies", "get_new_blocks", "free_held_blocks", "touch_blocks")
     ADD_FIELD_NUMBER: _ClassVar[int]
     ALLOCATE_FIELD_NUMBER: _ClassVar[int]
     FORK_FIELD_NUMBER: _ClassVar[int]
@@ -476,6 +482,7 @@ class Op(_message.Message):
     TAKE_BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
     GET_NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOUCH_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     add: AddRequestOp
     allocate: AllocateOp
     fork: ForkOp
@@ -492,7 +499,8 @@ class Op(_message.Message):
     take_block_copies: TakeBlockCopiesOp
     get_new_blocks: GetNewBlocksOp
     free_held_blocks: FreeHeldBlocksOp
-    def __init__(self, add: _Optional[_Union[AddRequestOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., fork: _Optional[_Union[ForkOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., pin: _Optional[_Union[PinOp, _Mapping]] = ..., unpin: _Optional[_Union[UnpinOp, _Mapping]] = ..., decode: _Optional[_Union[DecodeBatchOp, _Mapping]] = ..., admit: _Optional[_Union[AdmitBatchOp, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheOp, _Mapping]] = ..., allocate_batch: _Optional[_Union[AllocateBatchOp, _Mapping]] = ..., evict_blocks: _Optional[_Union[EvictBlocksOp, _Mapping]] = ..., remove_skipped_blocks: _Optional[_Union[RemoveSkippedBlocksOp, _Mapping]] = ..., new_step: _Optional[_Union[NewStepOp, _Mapping]] = ..., take_block_copies: _Optional[_Union[TakeBlockCopiesOp, _Mapping]] = ..., get_new_blocks: _Optional[_Union[GetNewBlocksOp, _Mapping]] = ..., free_held_blocks: _Optional[_Union[FreeHeldBlocksOp, _Mapping]] = ...) -> None: ...
+    touch_blocks: TouchBlocksOp
+    def __init__(self, add: _Optional[_Union[AddRequestOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., fork: _Optional[_Union[ForkOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., pin: _Optional[_Union[PinOp, _Mapping]] = ..., unpin: _Optional[_Union[UnpinOp, _Mapping]] = ..., decode: _Optional[_Union[DecodeBatchOp, _Mapping]] = ..., admit: _Optional[_Union[AdmitBatchOp, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheOp, _Mapping]] = ..., allocate_batch: _Optional[_Union[AllocateBatchOp, _Mapping]] = ..., evict_blocks: _Optional[_Union[EvictBlocksOp, _Mapping]] = ..., remove_skipped_blocks: _Optional[_Union[RemoveSkippedBlocksOp, _Mapping]] = ..., new_step: _Optional[_Union[NewStepOp, _Mapping]] = ..., take_block_copies: _Optional[_Union[TakeBlockCopiesOp, _Mapping]] = ..., get_new_blocks: _Optional[_Union[GetNewBlocksOp, _Mapping]] = ..., free_held_blocks: _Optional[_Union[FreeHeldBlocksOp, _Mapping]] = ..., touch_blocks: _Optional[_Union[TouchBlocksOp, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("session_id", "sequence", "pool_id", "ops")

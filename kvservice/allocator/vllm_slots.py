@@ -32,6 +32,7 @@ from kvservice.ops import (
     OpResult,
     OpStatus,
     PackedResult,
+    TouchBlocksOp,
 )
 
 
@@ -58,8 +59,8 @@ class VllmSlots:
 
     @staticmethod
     def held_blocks(pool: Pool, op) -> OpResult:
-        """TakeBlockCopiesOp, GetNewBlocksOp, FreeHeldBlocksOp: the blocks a vLLM scheduler holds outside its
-        requests (the core's `held`). A refusal changes nothing."""
+        """TakeBlockCopiesOp, GetNewBlocksOp, TouchBlocksOp, FreeHeldBlocksOp: the blocks a vLLM scheduler holds
+        outside its requests (the core's `held`). A refusal changes nothing."""
         held = pool.manager.held
         kind = type(op)
         if kind is GetNewBlocksOp:
@@ -68,6 +69,9 @@ class VllmSlots:
                                                        f"{pool.manager.block_pool.get_num_free_blocks()} free blocks, "
                                                        f"not {op.num_blocks}")
             return OpResult("", new_block_ids=(held.get_new_blocks(op.num_blocks),))
+        if kind is TouchBlocksOp:
+            held.touch(op.block_ids)
+            return OpResult("")
         if kind is FreeHeldBlocksOp:
             try:
                 held.free(op.block_ids)

@@ -3,7 +3,8 @@
 vLLM's scheduler drains the step's partial-hit copies with `take_kv_cache_block_copies()` and keeps both
 ends of each copy referenced until the step that runs the copy has been processed; then it hands them back
 with `block_pool.free_blocks(...)`. A scheduler (or a test of vLLM's) may also take blocks straight from the
-block pool (`block_pool.get_new_blocks(n)`) and return them the same way. Such a reference belongs to no
+block pool (`block_pool.get_new_blocks(n)`), and a KV connector may pin blocks it offloads
+(`block_pool.touch(blocks)`); both return them the same way. Such a reference belongs to no
 request, so the pool keeps a ledger of them: a block id is held as many times as it was handed out, and
 only what is held can be returned. The ledger counts in the invariants (a held reference is one of a block's
 references) and is in the pool's snapshots.
@@ -65,6 +66,14 @@ class HeldBlocks:
         ids = [b.block_id for b in blocks]
         self.counts.update(ids)
         return ids
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """A held reference on each (the block pool's touch: a free block leaves the free queue, still cached);
+        the null block is skipped."""
+        blocks = self.block_pool.blocks
+        touched = [blocks[i] for i in block_ids if not blocks[i].is_null]
+        self.block_pool.touch(touched)
+        self.counts.update(b.block_id for b in touched)
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Returns held references in this order (the block pool's free_blocks: a block whose last reference

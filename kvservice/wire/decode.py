@@ -26,6 +26,7 @@ from kvservice.ops import (
     RemoveSkippedBlocksOp,
     ResetPrefixCacheOp,
     TakeBlockCopiesOp,
+    TouchBlocksOp,
     UnpinOp,
 )
 from kvservice.wire.batches import decode_admit, decode_allocate_batch, decode_batch
@@ -108,13 +109,13 @@ def decode_ops(ops: Sequence[pb.Op], spec: PoolSpec, hash_block_size: int, field
                 raise InvalidArgument(f"{field}[{i}].new_step", "{}", "only a pool registered with vllm options takes "
                                                                       "it (every Step starts a step in other pools)")
             append(NEW_STEP)
-        elif kind in ("take_block_copies", "get_new_blocks", "free_held_blocks"):
+        elif kind in ("take_block_copies", "get_new_blocks", "touch_blocks", "free_held_blocks"):
             append(decode_held(op, kind, spec, vllm, f"{field}[{i}].{kind}"))
         else:
             raise InvalidArgument(f"{field}[{i}]", "{}", "set one of add, allocate, allocate_batch, decode, admit, "
                                                          "fork, free, pin, unpin, reset_prefix_cache, evict_blocks, "
                                                          "remove_skipped_blocks, new_step, take_block_copies, "
-                                                         "get_new_blocks, free_held_blocks")
+                                                         "get_new_blocks, touch_blocks, free_held_blocks")
     return out
 
 
@@ -316,8 +317,8 @@ def decode_evict(e: pb.EvictBlocksOp, spec: PoolSpec, vllm: bool, field: str) ->
 
 
 def decode_held(op: pb.Op, kind: str, spec: PoolSpec, vllm: bool,
-                field: str) -> TakeBlockCopiesOp | GetNewBlocksOp | FreeHeldBlocksOp:
-    """The ops of blocks a vLLM scheduler holds outside requests: copy retentions and direct takes."""
+                field: str) -> TakeBlockCopiesOp | GetNewBlocksOp | TouchBlocksOp | FreeHeldBlocksOp:
+    """The ops of blocks a vLLM scheduler holds outside requests: copy retentions, direct takes and touches."""
     if not vllm:
         raise InvalidArgument(field, "...", "only a pool registered with vllm options takes it (blocks a vLLM "
                                             "scheduler holds outside its requests)")
@@ -332,7 +333,9 @@ def decode_held(op: pb.Op, kind: str, spec: PoolSpec, vllm: bool,
     if bad is not None:
         raise InvalidArgument(f"{field}.block_ids", bad, f"must be in [1, {num_blocks - 1}] (block 0 is the null "
                                                          f"block)")
-    return TakeBlockCopiesOp(ids) if kind == "take_block_copies" else FreeHeldBlocksOp(ids)
+    if kind == "take_block_copies":
+        return TakeBlockCopiesOp(ids)
+    return TouchBlocksOp(ids) if kind == "touch_blocks" else FreeHeldBlocksOp(ids)
 
 
 def decode_remove_skipped(r: pb.RemoveSkippedBlocksOp, spec: PoolSpec, vllm: bool,

@@ -35,6 +35,7 @@ from kvservice.ops import (
     RemoveSkippedBlocksOp,
     ResetPrefixCacheOp,
     TakeBlockCopiesOp,
+    TouchBlocksOp,
     UnpinOp,
 )
 from kvservice.wire.fields import encode_u32
@@ -132,6 +133,8 @@ def encode_op(op: Op, msg: pb.Op) -> None:
         msg.get_new_blocks.num_blocks = op.num_blocks
     elif isinstance(op, FreeHeldBlocksOp):
         msg.free_held_blocks.block_ids.extend(op.block_ids)
+    elif isinstance(op, TouchBlocksOp):
+        msg.touch_blocks.block_ids.extend(op.block_ids)
     elif isinstance(op, RemoveSkippedBlocksOp):
         r = msg.remove_skipped_blocks
         r.request_id, r.processed_computed_tokens = op.request_id, op.processed_computed_tokens

@@ -42,6 +42,14 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def sub_block_server(tmp_path_factory):
+    """An allocator hashing half-blocks: a hybrid model's prefix-match unit below its block size."""
+    proc = start_server("--hash-block-size", str(h.BLOCK // 2), log_dir=tmp_path_factory.mktemp("vllm-sub"))
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return h.write_model_dir(tmp_path_factory.mktemp("model"))
 
@@ -107,6 +115,54 @@ def test_mamba_prefill_checkpoints_and_speculative_blocks_schedule_as_stock(serv
         totals.steps, totals.hits, totals.rpcs = (totals.steps + out.steps, totals.hits + out.hits,
                                                   totals.rpcs + out.rpcs)
     assert totals.hits > 20 and totals.rpcs <= totals.steps, totals
+
+
+@needs_033_mamba
+@pytest.mark.parametrize("mode", [h.Mode(mamba=True, hash_block=h.BLOCK // 2),
+                                  h.Mode(async_scheduling=False, mamba=True, mamba_checkpoints=True, spec_tokens=3,
+                                         hash_block=h.BLOCK // 2)],
+                         ids=["async", "checkpoints-speculative-sync"])
+def test_sub_block_prefix_hits_and_their_copies_schedule_as_stock(sub_block_server, model_dir, mode):
+    """vLLM's hash_block_size below the block size (a hybrid Mamba model's prefix-match unit): a hit may end
+    inside a block, whose shared tail the manager redirects to a private copy. The scheduler takes the step's
+    copies and frees both ends once the step that copies is processed; the pool holds them as long."""
+    config = h.make_vllm_config(model_dir, mode)
+    totals = h.Outcome()
+    for seed in range(4):
+        out = h.run_pair(h.Workload.random(seed, num_steps=100), mode, config, sub_block_server.target,
+                         f"sub-block-{mode.spec_tokens}-{seed}")
+        totals.steps, totals.copies, totals.rpcs = (totals.steps + out.steps, totals.copies + out.copies,
+                                                    totals.rpcs + out.rpcs)
+    assert totals.copies > 20 and totals.rpcs <= totals.steps, totals
+
+
+def test_blocks_a_connector_pins_through_the_block_pool_are_held_in_the_pool(server, model_dir):
+    """KV connectors that offload (vLLM's simple CPU offload, Mooncake's store) pin blocks with the block pool's
+    touch and free them through it once stored; blocks may be taken from it too. The pool holds what the
+    replica holds, and the schedules go on from the same free blocks."""
+    config = h.make_vllm_config(model_dir, h.Mode(async_scheduling=False))
+    workload = h.Workload(seed=3, num_blocks=24, max_num_batched_tokens=2048, max_num_seqs=16, watermark=0.0,
+                          num_steps=0)
+    config.cache_config.num_gpu_blocks = workload.num_blocks
+    config.additional_config = {"kvservice": {"address": server.target, "pool_id": "touched"}}
+    side = h.Side(Scheduler, config, workload)
+    pool = side.scheduler.kv_cache_manager.block_pool
+    side.add("a", list(range(3, 60)), 1)
+    while side.scheduler.requests:
+        side.schedule()
+        side.update()
+    cached = [b for b in pool.blocks[1:] if b.block_hash is not None]
+    assert cached
+    pool.touch(cached)  # a connector storing a's blocks: pinned until stored
+    taken = pool.get_new_blocks(2)
+    h.check_pool(side.scheduler, "pinned")
+    side.add("b", list(range(3, 60)) + [7] * 40, 1)  # a's prefix still hits: pinned blocks stay cached
+    side.schedule()
+    assert side.scheduler.kv_cache_manager.get_block_ids("b")[0][:len(cached)] == [b.block_id for b in cached]
+    side.update()
+    pool.free_blocks(cached + taken)
+    h.check_pool(side.scheduler, "stored")
+    side.scheduler.shutdown()
 
 
 @pytest.mark.skipif(VLLM.mamba, reason="vLLM 0.33 carries Mamba groups (the tests above)")

@@ -21,15 +21,16 @@ from __future__ import annotations
 
 class RecordingBlockPool:
     """The replica's BlockPool, with `free_blocks` calls from outside the manager reported to `on_free`
-    (which may refuse them by raising) before they apply, and `evict_blocks` and `get_new_blocks` calls to
-    `on_evict` and `on_take` (the block ids and the blocks, after they applied). Everything else is the pool's
-    own."""
+    (which may refuse them by raising) before they apply, and `evict_blocks`, `get_new_blocks` and `touch`
+    calls to `on_evict`, `on_take` and `on_touch` (the block ids, the blocks, the blocks; after they applied).
+    Everything else is the pool's own."""
 
-    def __init__(self, pool, on_free, on_evict, on_take) -> None:
+    def __init__(self, pool, on_free, on_evict, on_take, on_touch) -> None:
         self._pool = pool
         self._on_free = on_free
         self._on_evict = on_evict
         self._on_take = on_take
+        self._on_touch = on_touch
         # The hot queries, bound once (no __getattr__ on the scheduler's every step).
         self.get_num_free_blocks = pool.get_num_free_blocks
         self.get_usage = pool.get_usage
@@ -49,6 +50,11 @@ class RecordingBlockPool:
         blocks = self._pool.get_new_blocks(num_blocks)  # (raising, it took nothing: nothing to report)
         self._on_take(blocks)
         return blocks
+
+    def touch(self, blocks) -> None:
+        blocks = list(blocks)
+        self._pool.touch(blocks)
+        self._on_touch(blocks)
 
     def __getattr__(self, name: str):
         return getattr(self._pool, name)

@@ -49,6 +49,7 @@ from kvservice.ops import (
     ResetPrefixCacheOp,
     StepResult,
     TakeBlockCopiesOp,
+    TouchBlocksOp,
     row_flags,
 )
 
@@ -118,7 +119,8 @@ class RemoteKVCacheManager(StepSender, KVCacheManager):
         self._connector_lookups: set[str] = set()  # requests whose last lookup was the connector's per-group one
         # Mamba states cached in a step hit only from the next: the pool hears where each scheduler step starts.
         self._marks_steps = any(isinstance(m, MambaManager) for m in managers)
-        self.block_pool = RecordingBlockPool(self.block_pool, self._returned, self._evicted, self._taken)
+        self.block_pool = RecordingBlockPool(self.block_pool, self._returned, self._evicted, self._taken,
+                                             self._touched)
 
     # ---- recording -----------------------------------------------------------------------------
     def _beyond(self, request) -> int:
@@ -342,6 +344,12 @@ class RemoteKVCacheManager(StepSender, KVCacheManager):
         request_id = self._deferred.returned(ids)
         # (Blocks neither popped nor held are refused by the pool: PoolDiverged, never a wrong schedule.)
         self._record(FreeOp(request_id, popped=True) if request_id is not None else FreeHeldBlocksOp(ids))
+
+    def _touched(self, blocks) -> None:
+        """Blocks pinned through the block pool itself (`block_pool.touch`: a KV connector offloading them)."""
+        ids = [b.block_id for b in blocks if not b.is_null]
+        if ids:
+            self._record(TouchBlocksOp(ids))
 
     def _taken(self, blocks) -> None:
         """Blocks taken straight from the block pool (`block_pool.get_new_blocks`), held outside requests."""
