@@ -1,8 +1,9 @@
 """Blocks a vLLM scheduler holds outside its requests, over the wire (vLLM 0.33's copy retentions): a partial
 prefix hit's copy-on-write copies, taken when vLLM's scheduler takes them (TakeBlockCopiesOp), both ends held
 until it returns them through the block pool (FreeHeldBlocksOp); blocks taken straight from the block pool
-(GetNewBlocksOp) or pinned through it by a KV connector (TouchBlocksOp). Block ids and free blocks are checked against kvservice's core called as vLLM's scheduler
-calls its KVCacheManager; refusals change nothing; held blocks and pending copies survive a restart.
+(GetNewBlocksOp) or pinned through it by a KV connector (TouchBlocksOp). Block ids and free blocks are checked
+against kvservice's core called as vLLM's scheduler calls its KVCacheManager; refusals change nothing; held
+blocks and pending copies survive a restart.
 """
 
 import time
