@@ -77,6 +77,22 @@ def test_each_kind_round_trips_through_the_encoding_snapshots_and_the_wal_keep()
     assert (max_model_len, dcp) == (MAX_LEN, 1)
 
 
+def test_a_replicated_full_attention_group_under_dcp_round_trips_and_spans_its_block():
+    """vLLM's dcp_sharded=False (a draft model's group under DCP): every rank keeps it whole, so its blocks span
+    block_size tokens while a sharded group's span block_size * dcp; Mamba is replicated under DCP too."""
+    from kvservice.core import MambaSpec
+    from kvservice.core.specs import effective_block_size
+
+    config = KVCacheConfig(48, [FullAttentionSpec(BS), FullAttentionSpec(BS, dcp_sharded=False), MambaSpec(2 * BS)])
+    decoded, _, dcp = decode_config(encode_config(config, MAX_LEN, dcp_world_size=2))
+    assert [s.dcp_sharded for s in decoded.groups] == [True, False, False] and dcp == 2
+    assert [effective_block_size(s, dcp) for s in decoded.groups] == [2 * BS, BS, 2 * BS]
+    msg = encode_config(KVCacheConfig(48, [FullAttentionSpec(BS), MambaSpec(BS)]), MAX_LEN)
+    msg.groups[1].replicated = True
+    with pytest.raises(InvalidArgument, match=r"config.groups\[1\].replicated = True: only a full-attention group"):
+        decode_config(msg)
+
+
 @pytest.mark.parametrize("index, mangle, field", [
     (1, lambda g: setattr(g.rswa, "rswa_window", 0), r"config\.groups\[1\]\.rswa\.rswa_window"),
     (2, lambda g: setattr(g.sink_full_attention, "sink_len", BS + 1),

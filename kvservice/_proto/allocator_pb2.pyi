@@ -105,7 +105,7 @@ class Mamba(_message.Message):
     def __init__(self, block_size: _Optional[int] = ..., mamba_cache_mode: _Optional[str] = ..., num_speculative_blocks: _Optional[int] = ..., num_prefill_checkpoint_blocks: _Optional[int] = ..., prefill_checkpoint_alignment: _Optional[int] = ...) -> None: ...
 
 class KVCacheGroup(_message.Message):
-    __slots__ = ("full_attention", "sliding_window", "chunked_local", "mamba", "cross_attention", "sink_full_attention", "rswa", "circular_buffer")
+    __slots__ = ("full_attention", "sliding_window", "chunked_local", "mamba", "cross_attention", "sink_full_attention", "rswa", "circular_buffer", "replicated")
     FULL_ATTENTION_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     CHUNKED_LOCAL_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,7 @@ class KVCacheGroup(_message.Message):
     SINK_FULL_ATTENTION_FIELD_NUMBER: _ClassVar[int]
     RSWA_FIELD_NUMBER: _ClassVar[int]
     CIRCULAR_BUFFER_FIELD_NUMBER: _ClassVar[int]
+    REPLICATED_FIELD_NUMBER: _ClassVar[int]
     full_attention: FullAttention
     sliding_window: SlidingWindow
     chunked_local: ChunkedLocalAttention
@@ -122,7 +123,8 @@ class KVCacheGroup(_message.Message):
     sink_full_attention: SinkFullAttention
     rswa: ReferenceSlidingWindow
     circular_buffer: CircularBuffer
-    def __init__(self, full_attention: _Optional[_Union[FullAttention, _Mapping]] = ..., sliding_window: _Optional[_Union[SlidingWindow, _Mapping]] = ..., chunked_local: _Optional[_Union[ChunkedLocalAttention, _Mapping]] = ..., mamba: _Optional[_Union[Mamba, _Mapping]] = ..., cross_attention: _Optional[_Union[CrossAttention, _Mapping]] = ..., sink_full_attention: _Optional[_Union[SinkFullAttention, _Mapping]] = ..., rswa: _Optional[_Union[ReferenceSlidingWindow, _Mapping]] = ..., circular_buffer: _Optional[_Union[CircularBuffer, _Mapping]] = ...) -> None: ...
+    replicated: bool
+    def __init__(self, full_attention: _Optional[_Union[FullAttention, _Mapping]] = ..., sliding_window: _Optional[_Union[SlidingWindow, _Mapping]] = ..., chunked_local: _Optional[_Union[ChunkedLocalAttention, _Mapping]] = ..., mamba: _Optional[_Union[Mamba, _Mapping]] = ..., cross_attention: _Optional[_Union[CrossAttention, _Mapping]] = ..., sink_full_attention: _Optional[_Union[SinkFullAttention, _Mapping]] = ..., rswa: _Optional[_Union[ReferenceSlidingWindow, _Mapping]] = ..., circular_buffer: _Optional[_Union[CircularBuffer, _Mapping]] = ..., replicated: _Optional[bool] = ...) -> None: ...
 
 class SinkFullAttention(_message.Message):
     __slots__ = ("block_size", "sink_len")

@@ -58,6 +58,7 @@ def encode_config(config: KVCacheConfig, max_model_len: int, dcp_world_size: int
             g.sink_full_attention.sink_len = spec.sink_len
         elif isinstance(spec, FullAttentionSpec):
             g.full_attention.block_size = spec.block_size
+            g.replicated = not spec.dcp_sharded
         elif isinstance(spec, SlidingWindowSpec):
             if dcp_world_size > 1 and spec.dcp_sharded:
                 raise ValueError(f"groups[{len(msg.groups) - 1}]: a sliding window under dcp_world_size "

@@ -57,7 +57,7 @@ def decode_config(msg: pb.KVCacheConfig, field: str = "config") -> tuple[KVCache
         if sub.block_size == 0 or sub.block_size > MAX_BLOCK_SIZE:
             raise InvalidArgument(f"{g}.{kind}.block_size", sub.block_size, f"must be in [1, {MAX_BLOCK_SIZE}]")
         if kind == "full_attention":
-            specs.append(FullAttentionSpec(sub.block_size))
+            specs.append(FullAttentionSpec(sub.block_size, dcp_sharded=not group.replicated))
         elif kind == "sliding_window":
             if sub.sliding_window == 0:
                 raise InvalidArgument(f"{g}.sliding_window.sliding_window", 0, "must be positive")
@@ -103,10 +103,14 @@ def decode_config(msg: pb.KVCacheConfig, field: str = "config") -> tuple[KVCache
             check_count(f"{g}.mamba.prefill_checkpoint_alignment", sub.prefill_checkpoint_alignment, MAX_MODEL_LEN)
             specs.append(MambaSpec(sub.block_size, mode, sub.num_speculative_blocks, sub.num_prefill_checkpoint_blocks,
                                    sub.prefill_checkpoint_alignment or None))
-        if dcp > 1 and kind not in ("full_attention", "sliding_window"):
+        if dcp > 1 and kind not in ("full_attention", "sliding_window", "mamba"):
             raise InvalidArgument(f"{field}.dcp_world_size", dcp, f"decode context parallelism needs full attention "
-                                                                  f"(sharded) and sliding-window (replicated) groups "
-                                                                  f"only; groups[{i}] is {kind}")
+                                                                  f"(sharded, or replicated) and sliding-window and "
+                                                                  f"Mamba (replicated) groups only; groups[{i}] is "
+                                                                  f"{kind}")
+        if group.replicated and kind != "full_attention":
+            raise InvalidArgument(f"{g}.replicated", True, f"only a full-attention group takes it ({kind} groups "
+                                                          f"are replicated under DCP, or sharded never)")
     retention = msg.prefix_cache_retention_interval if msg.has_prefix_cache_retention_interval else None
     eagle = tuple(msg.eagle_group_ids)
     bad = next((g for g in eagle if g >= len(specs)), None)

@@ -96,6 +96,11 @@ class Mode:
     # the requests' hash block size (vLLM's hash_block_size; 0: the block size). Below the block size, with a
     # Mamba group, prefix hits may end inside a block (vLLM's sub-block hits, their copy-on-write)
     hash_block: int = 0
+    # decode context parallelism: attention groups' tokens sharded across this many ranks (their blocks span
+    # BLOCK * dcp tokens), Mamba groups replicated (blocks of BLOCK * dcp tokens too, as the engine sizes them)
+    dcp: int = 1
+    # prefill context parallelism (vLLM's scheduler gives its KV-cache manager pcp_world_size 1 whatever it is)
+    pcp: int = 1
 
     @property
     def name(self) -> str:
@@ -109,7 +114,9 @@ class Mode:
                 + (", mamba" if self.mamba else "")
                 + (" with checkpoints" if self.mamba_checkpoints else "")
                 + (f", {self.extra} group" if self.extra else "")
-                + (f", hash block {self.hash_block}" if self.hash_block else ""))
+                + (f", hash block {self.hash_block}" if self.hash_block else "")
+                + (f", dcp {self.dcp}" if self.dcp > 1 else "")
+                + (f", pcp {self.pcp}" if self.pcp > 1 else ""))
 
 
 DEFAULT = Mode()
@@ -141,6 +148,10 @@ def make_vllm_config(model_dir: Path, mode: Mode, max_model_len: int = 2048) -> 
     config.scheduler_config.async_scheduling = mode.async_scheduling
     if mode.spec_tokens:
         config.speculative_config = SpeculativeConfig(model="ngram", num_speculative_tokens=mode.spec_tokens)
+    # (Set past validation, which asks for a tensor_parallel_size they divide and, for PCP, Model Runner V2: the
+    # scheduler reads only these.)
+    config.parallel_config.decode_context_parallel_size = mode.dcp
+    config.parallel_config.prefill_context_parallel_size = mode.pcp
     register_all_kvcache_specs(config)
     return config
 
@@ -201,7 +212,7 @@ class Side:
             checkpoints = dict(num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1) \
                 if mode.mamba_checkpoints else {}
             groups.append(KVCacheGroupSpec(["mamba"], MambaSpec(
-                block_size=BLOCK, shapes=((1, 1),), dtypes=(torch.float32,), mamba_cache_mode="align",
+                block_size=BLOCK * mode.dcp, shapes=((1, 1),), dtypes=(torch.float32,), mamba_cache_mode="align",
                 num_speculative_blocks=mode.spec_tokens, **checkpoints)))
         if mode.extra:
             # (head sizes differ from the first group's so vLLM keeps the groups apart)
@@ -213,10 +224,11 @@ class Side:
         kv_cache_config = KVCacheConfig(num_blocks=workload.num_blocks * len(groups), kv_cache_tensors=[],
                                         kv_cache_groups=groups, prefix_cache_retention_interval=mode.retention)
         self.spec_tokens = mode.spec_tokens
-        self.hasher = hasher(mode.hash_block or BLOCK)
-        self.scheduler = cls(vllm_config=config, kv_cache_config=kv_cache_config, block_size=BLOCK, log_stats=True,
-                             structured_output_manager=StructuredOutputManager(config),
-                             hash_block_size=mode.hash_block or BLOCK)
+        block_size = BLOCK * mode.dcp  # the scheduler's: vLLM's engine scales a sharded group's block by DCP
+        self.hasher = hasher(mode.hash_block or block_size)
+        self.scheduler = cls(vllm_config=config, kv_cache_config=kv_cache_config, block_size=block_size,
+                             log_stats=True, structured_output_manager=StructuredOutputManager(config),
+                             hash_block_size=mode.hash_block or block_size)
         self.workload = workload
         self.pending: deque = deque()
         self.step_s: list[float] = []
@@ -310,7 +322,7 @@ def check_pool(scheduler, where: str) -> None:
         info = client.get_request(pool_id, request_id)
         assert info.block_ids == m.get_block_ids(request_id), f"{where}: request {request_id!r}"
         lag = scheduler.requests[request_id].num_tokens - info.num_tokens
-        assert 0 <= lag <= BLOCK, f"{where}: request {request_id!r} lags {lag} tokens"
+        assert 0 <= lag <= scheduler.block_size, f"{where}: request {request_id!r} lags {lag} tokens"
 
 
 def run_pair(workload: Workload, mode: Mode, config: VllmConfig, address: str, pool_id: str,

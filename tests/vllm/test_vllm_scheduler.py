@@ -50,6 +50,14 @@ def sub_block_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def dcp_server(tmp_path_factory):
+    """An allocator hashing two-rank DCP blocks (the scheduler's block size: BLOCK tokens per rank, 2 ranks)."""
+    proc = start_server("--hash-block-size", str(2 * h.BLOCK), log_dir=tmp_path_factory.mktemp("vllm-dcp"))
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return h.write_model_dir(tmp_path_factory.mktemp("model"))
 
@@ -134,6 +142,23 @@ def test_sub_block_prefix_hits_and_their_copies_schedule_as_stock(sub_block_serv
         totals.steps, totals.copies, totals.rpcs = (totals.steps + out.steps, totals.copies + out.copies,
                                                     totals.rpcs + out.rpcs)
     assert totals.copies > 20 and totals.rpcs <= totals.steps, totals
+
+
+@pytest.mark.parametrize("mode", [h.Mode(dcp=2), h.Mode(async_scheduling=False, dcp=2, spec_tokens=3),
+                                  h.Mode(dcp=2, connector="async"), h.Mode(async_scheduling=False, dcp=2, pcp=2)]
+                         + ([h.Mode(dcp=2, mamba=True)] if VLLM.mamba else []),
+                         ids=lambda m: m.name.replace(", ", "-").replace(" ", "_"))
+def test_context_parallel_schedules_as_stock(dcp_server, model_dir, mode):
+    """Decode context parallelism: attention blocks sharded across 2 ranks (each spans 2 * BLOCK tokens), a
+    Mamba group replicated beside them; prefill context parallelism, which vLLM's scheduler keeps out of its
+    KV-cache manager (pcp_world_size 1), as this one does."""
+    config = h.make_vllm_config(model_dir, mode)
+    totals = h.Outcome()
+    for seed in range(3):
+        out = h.run_pair(h.Workload.random(seed, num_steps=100), mode, config, dcp_server.target,
+                         f"cp-{mode.name}-{seed}")
+        totals.steps, totals.hits, totals.rpcs = totals.steps + out.steps, totals.hits + out.hits, totals.rpcs + out.rpcs
+    assert totals.hits > 10 and totals.rpcs <= totals.steps, totals
 
 
 def test_blocks_a_connector_pins_through_the_block_pool_are_held_in_the_pool(server, model_dir):

@@ -100,11 +100,10 @@ _CARRIED = (vi.FullAttentionSpec, vi.SlidingWindowSpec, vi.ChunkedLocalAttention
 
 
 def unsupported(scheduler, kv_cache_config) -> list[str]:
-    """Every setting of this scheduler the kvservice-backed one cannot honour, each as 'setting = value: why'."""
-    cfg = scheduler.vllm_config
+    """Every setting of this scheduler the kvservice-backed one cannot honour, each as 'setting = value: why'.
+    (Prefill context parallelism needs nothing: vLLM's scheduler gives its KV-cache manager pcp_world_size 1,
+    and so does this one. Decode context parallelism's sharded and replicated groups are carried.)"""
     out = []
-    if cfg.parallel_config.prefill_context_parallel_size > 1:
-        out.append(f"prefill_context_parallel_size = {cfg.parallel_config.prefill_context_parallel_size}")
     # Not a KVCacheConfig field in 0.32.
     if getattr(kv_cache_config, "hisparse_host_num_blocks", None) is not None:
         out.append(f"hisparse_host_num_blocks = {kv_cache_config.hisparse_host_num_blocks}: the HiSparse tier")
@@ -119,8 +118,6 @@ def unsupported(scheduler, kv_cache_config) -> list[str]:
             out.append(f"{name} under vLLM {VLLM.version}: the allocator's Mamba groups follow vLLM 0.33's "
                        f"MambaManager, whose admissions and frees differ from {VLLM.version}'s; use vLLM 0.33 for "
                        f"hybrid Mamba models")
-        if getattr(spec, "dcp_sharded", False) and scheduler.dcp_world_size > 1:
-            out.append(f"{name} with decode_context_parallel_size = {scheduler.dcp_world_size}")
     return out
 
 
