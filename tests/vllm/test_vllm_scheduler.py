@@ -157,7 +157,8 @@ def test_context_parallel_schedules_as_stock(dcp_server, model_dir, mode):
     for seed in range(3):
         out = h.run_pair(h.Workload.random(seed, num_steps=100), mode, config, dcp_server.target,
                          f"cp-{mode.name}-{seed}")
-        totals.steps, totals.hits, totals.rpcs = totals.steps + out.steps, totals.hits + out.hits, totals.rpcs + out.rpcs
+        totals.steps, totals.hits, totals.rpcs = (totals.steps + out.steps, totals.hits + out.hits,
+                                                  totals.rpcs + out.rpcs)
     assert totals.hits > 10 and totals.rpcs <= totals.steps, totals
 
 
