@@ -64,6 +64,7 @@ class VllmOptions:
     use_eagle: bool = False  # EAGLE's block drop (a hit gives back its last block)
     num_hash_lookahead_tokens: int = 0  # tokens past each block its hash covers
     num_prefill_lookahead: int = 0  # vLLM's num_prefill_lookahead_tokens (MTP prefill lookahead)
+    mamba_recache_keyed_tails: bool = False  # vLLM 0.32's MambaManager (0.33's skips an already-keyed tail)
 
 
 @dataclass(slots=True)

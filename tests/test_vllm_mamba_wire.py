@@ -16,6 +16,7 @@ import pytest
 from kvservice.allocator.pools import VllmKVCacheManager
 from kvservice.commands import VllmOptions
 from kvservice.core import FullAttentionSpec, KVCacheConfig, MambaSpec, Request
+from kvservice.core.managers import MambaManager
 from kvservice.errors import InvalidArgument
 from kvservice.hashing import HashSpec
 from kvservice.ops import AddRequestOp, AllocateOp, EvictBlocksOp, FreeOp, NewStepOp, OpStatus
@@ -35,10 +36,15 @@ def client(small_hash_client):
 class Pair:
     """A hybrid pool on the server and the same pool in kvservice's core, driven op for op."""
 
-    def __init__(self, client, pool_id: str, config: KVCacheConfig = HYBRID) -> None:
+    def __init__(self, client, pool_id: str, config: KVCacheConfig = HYBRID,
+                 options: VllmOptions | None = None) -> None:
         self.client, self.pool_id = client, pool_id
-        client.register_pool(pool_id, config, max_model_len=MAX_LEN, hash_spec=SPEC, vllm=VllmOptions())
+        options = options or VllmOptions()
+        client.register_pool(pool_id, config, max_model_len=MAX_LEN, hash_spec=SPEC, vllm=options)
         self.core = VllmKVCacheManager(config, MAX_LEN, True, hash_block_size=BS, enable_fast_path=False)
+        for m in self.core.coordinator.single_type_managers:  # (as the allocator's Pool sets it)
+            if isinstance(m, MambaManager):
+                m.recache_keyed_tails = options.mamba_recache_keyed_tails
         self.requests: dict[str, Request] = {}
         self.refused: set[str] = set()  # admissions the core refused (NO_SPACE): the pool must too
 
@@ -132,6 +138,22 @@ def test_a_state_cached_in_a_step_hits_only_once_the_next_step_starts(client, re
     p.check("a", "b", "c")
 
 
+@pytest.mark.parametrize("recache", [False, True], ids=["vllm-0.33", "vllm-0.32"])
+def test_a_tail_keyed_in_an_earlier_step_is_cached_again_only_under_vllm_0_32(client, request, recache):
+    """vLLM 0.32's MambaManager caches a prompt tail again where a hit already keyed it, which marks it cached in
+    this step: a third request hitting it in the same step waits a step. 0.33's skips it, and admits it."""
+    p = Pair(client, request.node.name, options=VllmOptions(mamba_recache_keyed_tails=recache))
+    prompt = list(range(40, 52))
+    p.core.new_step_starts()
+    p.step([NewStepOp(), p.add("a", prompt), p.admit("a")])
+    p.core.new_step_starts()
+    ops = [NewStepOp(), p.add("b", prompt + [7]), p.admit("b"), p.add("c", prompt + [8]), p.admit("c")]
+    assert ops[2].num_new_computed_tokens == ops[4].num_new_computed_tokens == 12
+    assert p.refused == ({"c"} if recache else set())
+    p.step(ops)  # the pool refuses (NO_SPACE) exactly what the core refused
+    p.check("a", "b")
+
+
 def test_two_step_marks_in_a_row_are_one_and_steps_restart_nowhere_else(client, request):
     """Without NewStepOp a vLLM pool's Steps start no step: a Step of its own never makes a state hit."""
     p = Pair(client, request.node.name)
@@ -205,3 +227,10 @@ def test_bad_mamba_input_is_refused_naming_the_field(client, request):
     client.register_pool(name + "-plain", KVCacheConfig(20, [FullAttentionSpec(BS)]), max_model_len=MAX_LEN)
     with pytest.raises(InvalidArgument, match=r"ops\[0\]\.new_step.*vllm options"):
         client.step(name + "-plain", [NewStepOp()])
+
+
+def test_recaching_keyed_tails_needs_a_mamba_group(client, request):
+    with pytest.raises(InvalidArgument, match=r"vllm.mamba_recache_keyed_tails = True: only a pool with a Mamba "):
+        client.register_pool(request.node.name, KVCacheConfig(16, [FullAttentionSpec(BS)]), max_model_len=MAX_LEN,
+                             hash_spec=SPEC, vllm=VllmOptions(mamba_recache_keyed_tails=True))
+    assert request.node.name not in client.get_stats().pools

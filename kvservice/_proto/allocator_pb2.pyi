@@ -211,20 +211,22 @@ class RegisterPoolRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., sequence: _Optional[int] = ..., pool_id: _Optional[str] = ..., config: _Optional[_Union[KVCacheConfig, _Mapping]] = ..., hash_fingerprint: _Optional[str] = ..., epoch: _Optional[int] = ..., hash_spec: _Optional[_Union[HashSpec, _Mapping]] = ..., vllm: _Optional[_Union[VllmManagerOptions, _Mapping]] = ..., bound_to_session: _Optional[bool] = ...) -> None: ...
 
 class VllmManagerOptions(_message.Message):
-    __slots__ = ("watermark", "scheduler_block_size", "max_in_flight_tokens", "use_eagle", "num_hash_lookahead_tokens", "num_prefill_lookahead")
+    __slots__ = ("watermark", "scheduler_block_size", "max_in_flight_tokens", "use_eagle", "num_hash_lookahead_tokens", "num_prefill_lookahead", "mamba_recache_keyed_tails")
     WATERMARK_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_IN_FLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     USE_EAGLE_FIELD_NUMBER: _ClassVar[int]
     NUM_HASH_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFILL_LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
+    MAMBA_RECACHE_KEYED_TAILS_FIELD_NUMBER: _ClassVar[int]
     watermark: float
     scheduler_block_size: int
     max_in_flight_tokens: int
     use_eagle: bool
     num_hash_lookahead_tokens: int
     num_prefill_lookahead: int
-    def __init__(self, watermark: _Optional[float] = ..., scheduler_block_size: _Optional[int] = ..., max_in_flight_tokens: _Optional[int] = ..., use_eagle: _Optional[bool] = ..., num_hash_lookahead_tokens: _Optional[int] = ..., num_prefill_lookahead: _Optional[int] = ...) -> None: ...
+    mamba_recache_keyed_tails: bool
+    def __init__(self, watermark: _Optional[float] = ..., scheduler_block_size: _Optional[int] = ..., max_in_flight_tokens: _Optional[int] = ..., use_eagle: _Optional[bool] = ..., num_hash_lookahead_tokens: _Optional[int] = ..., num_prefill_lookahead: _Optional[int] = ..., mamba_recache_keyed_tails: _Optional[bool] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
     __slots__ = ("pool_id", "epoch", "new_epoch", "hash_block_size", "hash_seed", "num_requests_failed", "scheduler_block_size", "hash_algorithm", "hash_fingerprint")

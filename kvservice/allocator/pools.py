@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from kvservice.commands import PoolSpec
 from kvservice.core import KVCacheManager, Request
 from kvservice.core.block import get_block_hash, get_group_id
+from kvservice.core.managers import MambaManager
 from kvservice.core.specs import FullAttentionSpec, effective_block_size
 from kvservice.hashing import BlockHash, HashSpec, MultiModalItem
 from kvservice.hashing.spec import KVSERVICE
@@ -52,6 +53,8 @@ class Pool:
                 num_hash_lookahead_tokens=v.num_hash_lookahead_tokens, num_prefill_lookahead=v.num_prefill_lookahead)
             for m in self.manager.coordinator.single_type_managers:  # no forks here: vLLM writes in place
                 m.copy_on_write = False
+                if isinstance(m, MambaManager):
+                    m.recache_keyed_tails = v.mamba_recache_keyed_tails
         self.requests: dict[str, Request] = {}
         self.owner: dict[str, str] = {}  # request key -> session id
         self.owner_tenant = ""  # the tenant that registered the pool

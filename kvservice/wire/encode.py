@@ -207,7 +207,8 @@ def encode_vllm_options(options: VllmOptions) -> pb.VllmManagerOptions:
     return pb.VllmManagerOptions(watermark=options.watermark, scheduler_block_size=options.scheduler_block_size,
                                  max_in_flight_tokens=options.max_in_flight_tokens, use_eagle=options.use_eagle,
                                  num_hash_lookahead_tokens=options.num_hash_lookahead_tokens,
-                                 num_prefill_lookahead=options.num_prefill_lookahead)
+                                 num_prefill_lookahead=options.num_prefill_lookahead,
+                                 mamba_recache_keyed_tails=options.mamba_recache_keyed_tails)
 
 
 def register_request(pool_id: str, config: KVCacheConfig, max_model_len: int, epoch: int, dcp_world_size: int,

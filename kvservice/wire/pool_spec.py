@@ -167,8 +167,10 @@ def decode_vllm_options(msg: pb.VllmManagerOptions, config: KVCacheConfig, field
     check_count(f"{field}.max_in_flight_tokens", msg.max_in_flight_tokens, MAX_MODEL_LEN)
     check_count(f"{field}.num_hash_lookahead_tokens", msg.num_hash_lookahead_tokens, MAX_MODEL_LEN)
     check_count(f"{field}.num_prefill_lookahead", msg.num_prefill_lookahead, MAX_MODEL_LEN)
+    if msg.mamba_recache_keyed_tails and not config.has_mamba_layers:
+        raise InvalidArgument(f"{field}.mamba_recache_keyed_tails", True, "only a pool with a Mamba group takes it")
     return VllmOptions(msg.watermark, size, msg.max_in_flight_tokens, msg.use_eagle, msg.num_hash_lookahead_tokens,
-                       msg.num_prefill_lookahead)
+                       msg.num_prefill_lookahead, msg.mamba_recache_keyed_tails)
 
 
 def decode_hash_spec(msg: pb.HashSpec, hash_block_size: int, field: str = "hash_spec") -> HashSpec:

@@ -28,9 +28,6 @@ from kvservice.ops import AddRequestOp, AllocateOp  # noqa: E402
 from tests.service_helpers import start_server  # noqa: E402
 from tests.vllm import scheduler_harness as h  # noqa: E402
 
-needs_033_mamba = pytest.mark.skipif(not VLLM.mamba, reason=f"vLLM {VLLM.version}: Mamba groups are refused (see "
-                                                           f"test_mamba_groups_are_refused_under_vllm_0_32)")
-
 NUM_WORKLOADS = 24  # per mode; the bench runs >= 200
 
 
@@ -91,7 +88,6 @@ def test_steps_coalesced_within_step_interval_ms(server, model_dir, mode):
     assert steps > 300 and rpcs <= steps // 5, (steps, rpcs)
 
 
-@needs_033_mamba
 @pytest.mark.parametrize("interval_ms", [0, 60_000], ids=["every-step", "coalesced"])
 def test_a_hybrid_mamba_model_schedules_as_stock_however_steps_fall_into_rpcs(server, model_dir, interval_ms):
     """Full attention + Mamba ("align"): a state cached in a step is no hit until the next one. With steps
@@ -108,7 +104,6 @@ def test_a_hybrid_mamba_model_schedules_as_stock_however_steps_fall_into_rpcs(se
     assert totals.hits > 20 and totals.rpcs <= (totals.steps if interval_ms == 0 else totals.steps // 3), totals
 
 
-@needs_033_mamba
 @pytest.mark.parametrize("mode", [h.Mode(mamba=True, mamba_checkpoints=True),
                                   h.Mode(async_scheduling=False, mamba=True, mamba_checkpoints=True, spec_tokens=3)],
                          ids=["checkpoints-async", "checkpoints-speculative-sync"])
@@ -125,7 +120,6 @@ def test_mamba_prefill_checkpoints_and_speculative_blocks_schedule_as_stock(serv
     assert totals.hits > 20 and totals.rpcs <= totals.steps, totals
 
 
-@needs_033_mamba
 @pytest.mark.parametrize("mode", [h.Mode(mamba=True, hash_block=h.BLOCK // 2),
                                   h.Mode(async_scheduling=False, mamba=True, mamba_checkpoints=True, spec_tokens=3,
                                          hash_block=h.BLOCK // 2)],
@@ -146,7 +140,7 @@ def test_sub_block_prefix_hits_and_their_copies_schedule_as_stock(sub_block_serv
 
 @pytest.mark.parametrize("mode", [h.Mode(dcp=2), h.Mode(async_scheduling=False, dcp=2, spec_tokens=3),
                                   h.Mode(dcp=2, connector="async"), h.Mode(async_scheduling=False, dcp=2, pcp=2)]
-                         + ([h.Mode(dcp=2, mamba=True)] if VLLM.mamba else []),
+                         + [h.Mode(dcp=2, mamba=True)],
                          ids=lambda m: m.name.replace(", ", "-").replace(" ", "_"))
 def test_context_parallel_schedules_as_stock(dcp_server, model_dir, mode):
     """Decode context parallelism: attention blocks sharded across 2 ranks (each spans 2 * BLOCK tokens), a
@@ -191,19 +185,27 @@ def test_blocks_a_connector_pins_through_the_block_pool_are_held_in_the_pool(ser
     side.scheduler.shutdown()
 
 
-@pytest.mark.skipif(VLLM.mamba, reason="vLLM 0.33 carries Mamba groups (the tests above)")
-def test_mamba_groups_are_refused_under_vllm_0_32(server, model_dir):
-    """The allocator's Mamba groups follow 0.33's MambaManager: under 0.32 the scheduler refuses a hybrid
-    Mamba model at start-up, naming the group and the version, and registers no pool."""
-    mode = h.Mode(mamba=True)
-    config = h.make_vllm_config(model_dir, mode)
-    workload = h.Workload.random(0)
-    config.cache_config.num_gpu_blocks = workload.num_blocks
-    config.additional_config = {"kvservice": {"address": server.target, "pool_id": "mamba-032"}}
-    with pytest.raises(UnsupportedConfig, match=rf"kv_cache_groups\[1\] \(MambaSpec\) under vLLM {VLLM.version}.*"
-                                                rf"use vLLM 0.33"):
-        h.Side(AsyncScheduler, config, workload, mode)
-    assert "mamba-032" not in server.client().get_stats().pools
+def test_the_pool_follows_this_vllms_mamba_manager(server, model_dir, monkeypatch):
+    """vLLM 0.32's MambaManager caches a prompt tail again where it is already keyed, 0.33's does not: the
+    scheduler registers its pool saying which (the hybrid parity tests above hold under either version, and
+    fail under 0.32 without it)."""
+    from kvservice.client import KVServiceClient
+
+    registered = []
+    original = KVServiceClient.register_pool
+
+    def register_pool(self, pool_id, *args, **kwargs):
+        registered.append(kwargs.get("vllm"))
+        return original(self, pool_id, *args, **kwargs)
+
+    monkeypatch.setattr(KVServiceClient, "register_pool", register_pool)
+    for mode in (h.Mode(mamba=True), h.DEFAULT):
+        config = h.make_vllm_config(model_dir, mode)
+        workload = h.Workload.random(0)
+        config.cache_config.num_gpu_blocks = workload.num_blocks
+        config.additional_config = {"kvservice": {"address": server.target, "pool_id": f"version-{mode.mamba}"}}
+        h.Side(AsyncScheduler, config, workload, mode).scheduler.shutdown()
+    assert [o.mamba_recache_keyed_tails for o in registered] == [VLLM.minor < (0, 33), False], registered
 
 
 @pytest.mark.parametrize("mode", [h.Mode(extra="rswa"), h.Mode(async_scheduling=False, extra="rswa"),

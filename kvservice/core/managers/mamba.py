@@ -35,6 +35,8 @@ class MambaManager(SingleTypeManager):
         self.has_prefill_checkpoint_blocks = (self.mamba_cache_mode == "align"
                                               and kv_cache_spec.num_prefill_checkpoint_blocks > 0)
         self.drop_eagle_checkpoint_block = False  # checkpoints follow EAGLE's replay boundary
+        # vLLM 0.32's way: a prompt tail already keyed at its boundary is cached again (so marked cached this step)
+        self.recache_keyed_tails = False
         # States cached this step: a hit on one would read a state not written yet.
         self.cached_blocks_this_step: set[BlockHashWithGroupId] = set()
         self.last_state_block_idx: dict[str, int] = {}
@@ -354,7 +356,7 @@ class MambaManager(SingleTypeManager):
         if block_idx >= len(blocks):
             return None
         source = blocks[block_idx]
-        if source.is_null or source.block_hash_num_tokens == num_tokens:
+        if source.is_null or (source.block_hash_num_tokens == num_tokens and not self.recache_keyed_tails):
             return None  # already keyed here (by a hit or an earlier step)
         key = self.block_pool.cache_partial_block(request, source, num_tokens, self.kv_cache_group_id,
                                                   self.block_size)

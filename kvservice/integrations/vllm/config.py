@@ -22,8 +22,6 @@ from dataclasses import dataclass
 
 from vllm.v1 import kv_cache_interface as vi
 
-from kvservice.integrations.vllm.version import VLLM
-
 ENV = {"address": "KVSERVICE_ADDRESS", "token": "KVSERVICE_TOKEN", "pool_id": "KVSERVICE_POOL_ID",
        "pipeline": "KVSERVICE_PIPELINE", "step_interval_ms": "KVSERVICE_STEP_INTERVAL_MS"}
 KEYS = ("address", "token", "pool_id", "timeout_s", "pipeline", "step_interval_ms")
@@ -114,10 +112,6 @@ def unsupported(scheduler, kv_cache_config) -> list[str]:
         if not isinstance(inner, _CARRIED):
             out.append(f"{name}: the allocator's pools carry full attention (with sinks, R-SWA), sliding window, "
                        f"chunked local, cross attention, circular buffer and Mamba only")
-        elif isinstance(inner, vi.MambaSpec) and not VLLM.mamba:
-            out.append(f"{name} under vLLM {VLLM.version}: the allocator's Mamba groups follow vLLM 0.33's "
-                       f"MambaManager, whose admissions and frees differ from {VLLM.version}'s; use vLLM 0.33 for "
-                       f"hybrid Mamba models")
     return out
 
 

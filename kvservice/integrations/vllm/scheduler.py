@@ -20,7 +20,7 @@ from kvservice.hashing import HashSpec
 from kvservice.integrations.vllm.config import KVServiceSettings, UnsupportedConfig, check_supported
 from kvservice.integrations.vllm.remote import RemoteKVCacheManager
 from kvservice.integrations.vllm.specs import core_config
-from kvservice.integrations.vllm.version import manager_kwargs, num_hash_lookahead_tokens
+from kvservice.integrations.vllm.version import VLLM, manager_kwargs, num_hash_lookahead_tokens
 
 
 class KVServiceScheduling:
@@ -70,11 +70,13 @@ class KVServiceScheduling:
         epoch = existing.epoch + 1 if existing is not None else 0
         algorithm = self.cache_config.prefix_caching_hash_algo
         hash_spec = HashSpec(algorithm, get_none_hash_seed(), self.hash_block_size)
+        config = core_config(self.kv_cache_config)
         options = VllmOptions(float(self.scheduler_config.watermark), self.block_size,
                               self.vllm_config.max_in_flight_tokens or 0, bool(self.use_eagle_block_drop),
-                              num_hash_lookahead_tokens(self), getattr(self, "num_prefill_lookahead", 0))
+                              num_hash_lookahead_tokens(self), getattr(self, "num_prefill_lookahead", 0),
+                              VLLM.mamba_recaches_keyed_tails and config.has_mamba_layers)
         try:
-            result = client.register_pool(pool_id, core_config(self.kv_cache_config), self.max_model_len, epoch,
+            result = client.register_pool(pool_id, config, self.max_model_len, epoch,
                                           self.dcp_world_size, self.cache_config.enable_prefix_caching,
                                           hash_spec=hash_spec, vllm=options)
         except FailedPrecondition as exc:

@@ -11,8 +11,9 @@ a version:
   `_update_request_with_output` with `num_output_placeholders`. Both reach the manager as `cache_blocks`
   calls, so the pool follows either (the call carries its token count).
 - `has_request`: 0.33's Scheduler.has_request (0.32 lacks it).
-- `mamba`: the allocator's Mamba groups follow 0.33's MambaManager ("align" states, step-deferred hits,
-  prefill checkpoints); 0.32's admits and frees otherwise, so under 0.32 a Mamba group is refused at start-up.
+- `mamba_recaches_keyed_tails`: 0.32's MambaManager caches a prompt's tail state again where it is already
+  keyed (by a hit or an earlier step), marking it cached in this step, so a request hitting it waits a step;
+  0.33's skips it. The pool is told which (VllmOptions.mamba_recache_keyed_tails).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class Capabilities:
     hash_lookahead: bool
     caches_outputs_in_update: bool
     has_request: bool
-    mamba: bool
+    mamba_recaches_keyed_tails: bool
 
 
 def parse(version: str) -> tuple[int, int]:
@@ -57,7 +58,7 @@ def capabilities(version: str) -> Capabilities:
             f"that supports {version}")
     new = minor >= (0, 33)
     return Capabilities(version, minor, hash_lookahead=new, caches_outputs_in_update=new, has_request=new,
-                        mamba=new)
+                        mamba_recaches_keyed_tails=not new)
 
 
 VLLM = capabilities(vllm.__version__)
