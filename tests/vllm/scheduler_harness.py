@@ -134,6 +134,19 @@ FEATURE_MODES = (Mode(connector="sync"), Mode(connector="async"), Mode(async_sch
                  Mode(async_scheduling=False, mamba=True, mamba_checkpoints=True, spec_tokens=3),
                  Mode(extra="rswa"), Mode(async_scheduling=False, extra="rswa"), Mode(extra="ring"),
                  Mode(async_scheduling=False, extra="ring"))
+# Layouts that change the block geometry: sub-block prefix hits (a hybrid Mamba model hashing half-blocks: hits
+# ending inside a block, their copy-on-write copies held until the step that copies is processed), decode
+# context parallelism (attention blocks sharded across 2 ranks; a replicated Mamba group beside), and prefill
+# context parallelism with it. Each needs an allocator at its hash block size (hash_block_size_of).
+LAYOUT_MODES = (Mode(mamba=True, hash_block=BLOCK // 2),
+                Mode(async_scheduling=False, mamba=True, mamba_checkpoints=True, spec_tokens=3, hash_block=BLOCK // 2),
+                Mode(dcp=2), Mode(async_scheduling=False, dcp=2, spec_tokens=3), Mode(dcp=2, mamba=True),
+                Mode(async_scheduling=False, dcp=2, pcp=2))
+
+
+def hash_block_size_of(mode: Mode) -> int:
+    """The hash block size the scheduler of `mode` hashes with (the allocator's --hash-block-size must match)."""
+    return mode.hash_block or BLOCK * mode.dcp
 
 
 def make_vllm_config(model_dir: Path, mode: Mode, max_model_len: int = 2048) -> VllmConfig:
@@ -221,7 +234,8 @@ class Side:
                      "sink": lambda: SinkFullAttentionSpec(**common, sink_len=BLOCK),
                      "ring": lambda: CircularBufferSpec(**common)}[mode.extra]()
             groups.append(KVCacheGroupSpec([mode.extra], extra))
-        kv_cache_config = KVCacheConfig(num_blocks=workload.num_blocks * len(groups), kv_cache_tensors=[],
+        # (Under DCP a block spans dcp times the tokens: as many fewer blocks keep the pool as tight.)
+        kv_cache_config = KVCacheConfig(num_blocks=workload.num_blocks * len(groups) // mode.dcp, kv_cache_tensors=[],
                                         kv_cache_groups=groups, prefix_cache_retention_interval=mode.retention)
         self.spec_tokens = mode.spec_tokens
         block_size = BLOCK * mode.dcp  # the scheduler's: vLLM's engine scales a sharded group's block by DCP
