@@ -65,6 +65,7 @@ class VllmOptions:
     num_hash_lookahead_tokens: int = 0  # tokens past each block its hash covers
     num_prefill_lookahead: int = 0  # vLLM's num_prefill_lookahead_tokens (MTP prefill lookahead)
     mamba_recache_keyed_tails: bool = False  # vLLM 0.32's MambaManager (0.33's skips an already-keyed tail)
+    mamba_shared_prefix_checkpoint: bool = False  # vLLM's enable_mamba_shared_prefix_checkpoint
 
 
 @dataclass(slots=True)

@@ -80,6 +80,7 @@ class AllocateOp:
     num_encoder_tokens: int = 0  # cross attention's (an encoder-decoder admission)
     max_cache_hit_length: int = 0  # the cap the admission's hit was looked up with (0: none)
     connector_lookup: bool = False  # the hit was looked up the KV connector's way (vLLM's hybrid divergent hits)
+    shared_prefix_boundary: int | None = None  # an admission's (vLLM's request.shared_prefix_boundary); None: unchanged
 
     @property
     def vllm_fields(self) -> bool:
@@ -87,7 +88,8 @@ class AllocateOp:
         return bool(self.num_output_placeholders or self.num_in_flight_tokens or self.waiting or self.lookup
                     or self.num_new_computed_tokens or self.full_sequence_must_fit or self.reserved_blocks
                     or self.has_scheduled_reqs or self.cache_tokens or self.num_external_computed_tokens
-                    or self.num_encoder_tokens or self.max_cache_hit_length or self.connector_lookup)
+                    or self.num_encoder_tokens or self.max_cache_hit_length or self.connector_lookup
+                    or self.shared_prefix_boundary is not None)
 
 
 @dataclass(slots=True)

@@ -77,19 +77,22 @@ def test_each_kind_round_trips_through_the_encoding_snapshots_and_the_wal_keep()
     assert (max_model_len, dcp) == (MAX_LEN, 1)
 
 
-def test_a_replicated_full_attention_group_under_dcp_round_trips_and_spans_its_block():
-    """vLLM's dcp_sharded=False (a draft model's group under DCP): every rank keeps it whole, so its blocks span
-    block_size tokens while a sharded group's span block_size * dcp; Mamba is replicated under DCP too."""
-    from kvservice.core import MambaSpec
+def test_replicated_groups_under_dcp_round_trip_and_span_their_block():
+    """vLLM's dcp_sharded=False (a draft model's attention, Mamba): every rank keeps the group whole, so its
+    blocks span block_size tokens while a sharded group's span block_size * dcp. As in vLLM's coordinator, only
+    full-attention kinds may be sharded under DCP: another kind must say it is replicated."""
+    from kvservice.core import ChunkedLocalAttentionSpec, MambaSpec
     from kvservice.core.specs import effective_block_size
 
-    config = KVCacheConfig(48, [FullAttentionSpec(BS), FullAttentionSpec(BS, dcp_sharded=False), MambaSpec(2 * BS)])
+    config = KVCacheConfig(48, [FullAttentionSpec(BS), FullAttentionSpec(BS, dcp_sharded=False), MambaSpec(2 * BS),
+                                ChunkedLocalAttentionSpec(BS, 4 * BS, dcp_sharded=False), RSWASpec(BS, rswa_window=4)])
     decoded, _, dcp = decode_config(encode_config(config, MAX_LEN, dcp_world_size=2))
-    assert [s.dcp_sharded for s in decoded.groups] == [True, False, False] and dcp == 2
-    assert [effective_block_size(s, dcp) for s in decoded.groups] == [2 * BS, BS, 2 * BS]
-    msg = encode_config(KVCacheConfig(48, [FullAttentionSpec(BS), MambaSpec(BS)]), MAX_LEN)
-    msg.groups[1].replicated = True
-    with pytest.raises(InvalidArgument, match=r"config.groups\[1\].replicated = True: only a full-attention group"):
+    assert [s.dcp_sharded for s in decoded.groups] == [True, False, False, False, True] and dcp == 2
+    assert [effective_block_size(s, dcp) for s in decoded.groups] == [2 * BS, BS, 2 * BS, BS, 2 * BS]
+    msg = encode_config(KVCacheConfig(48, [FullAttentionSpec(BS), ChunkedLocalAttentionSpec(BS, 4 * BS)]), MAX_LEN,
+                        dcp_world_size=2)
+    with pytest.raises(InvalidArgument, match=r"config.groups\[1\].replicated = False: under decode context "
+                                              r"parallelism \(dcp_world_size 2\) only full-attention groups"):
         decode_config(msg)
 
 
@@ -113,8 +116,10 @@ def test_a_refused_group_leaves_no_pool_behind(client, request):
     with pytest.raises(InvalidArgument, match=r"sink_full_attention\.sink_len.*multiple of the block size"):
         client.register_pool(name, bad, max_model_len=MAX_LEN, hash_spec=SPEC, vllm=VllmOptions())
     assert name not in client.get_stats().pools
-    # Decode context parallelism shards full attention only: R-SWA under it is refused, naming the setting.
-    with pytest.raises(InvalidArgument, match=r"dcp_world_size.*groups\[1\] is rswa"):
-        client.register_pool(name + "-dcp", KVCacheConfig(20, [FullAttentionSpec(BS), KINDS["rswa"]]),
+    # Decode context parallelism shards full-attention kinds only (R-SWA is one): a circular buffer under it must be
+    # replicated; sharded, it is refused naming the field, and no pool is left.
+    with pytest.raises(InvalidArgument, match=r"groups\[1\].replicated = False: under decode context parallelism"):
+        client.register_pool(name + "-dcp", KVCacheConfig(20, [FullAttentionSpec(BS), KINDS["ring"]]),
                              max_model_len=MAX_LEN, dcp_world_size=2, hash_spec=SPEC, vllm=VllmOptions())
+    assert name + "-dcp" not in client.get_stats().pools
     assert pb.KVCacheGroup.DESCRIPTOR.fields_by_name["rswa"].number == 7  # (the wire field stays put)

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from kvservice.commands import VllmOptions
 from kvservice.core import FullAttentionSpec, KVCacheConfig, MambaSpec
 from kvservice.errors import InvalidArgument
 from kvservice.ops import (
@@ -46,7 +47,7 @@ def partial_hit(p: Pair) -> list[tuple[int, int]]:
         p.step([NewStepOp(), *ops()])
         p.check(*p.requests)
     assert p.client.get_request(p.pool_id, "b").num_computed_tokens == 12  # the hit, inside a block
-    copies = p.core.take_kv_cache_block_copies()
+    copies = p.core.take_held_block_copies()
     assert copies, "the hit ending inside a block made no copy: nothing is tested"
     return copies
 
@@ -107,12 +108,12 @@ def test_blocks_taken_from_the_block_pool_are_held_and_may_stand_for_a_copy(clie
     assert r.status == OpStatus.OK and list(r.new_block_ids[0]) == ids, (r, ids)
     p.check()
     pair = [ids[0], ids[1]]
-    p.core.take_kv_cache_block_copies([tuple(pair)])  # made by nobody: the held blocks stand for it
+    p.core.take_held_block_copies([tuple(pair)])  # made by nobody: the held blocks stand for it
     p.step([TakeBlockCopiesOp(pair)])
     p.core.held.free(pair)
     p.step([FreeHeldBlocksOp(pair)])
     p.check()
-    assert p.core.held.ids() == [ids[2]]
+    assert p.core.held.pairs() == [(ids[2], 1)]
     p.core.held.free([ids[2]])
     p.step([FreeHeldBlocksOp([ids[2]])])
     p.check()
@@ -142,6 +143,25 @@ def test_blocks_a_connector_touches_are_held_out_of_the_free_queue_and_still_hit
     p.step([FreeHeldBlocksOp(table)])
     p.check("b")
     assert not p.core.held.counts
+
+
+def test_a_block_is_held_at_most_max_held_per_block_times(client, request):
+    """A client touching one block over and over cannot overflow its reference count or the snapshots: past
+    MAX_HELD_PER_BLOCK references the touch is refused, nothing touched."""
+    from kvservice.core.held_blocks import MAX_HELD_PER_BLOCK
+
+    pool_id = request.node.name
+    client.register_pool(pool_id, KVCacheConfig(MAX_HELD_PER_BLOCK, [FullAttentionSpec(BS)]), max_model_len=MAX_LEN,
+                         hash_spec=SPEC, vllm=VllmOptions())
+    (r,) = client.step(pool_id, [TouchBlocksOp([5] * (MAX_HELD_PER_BLOCK + 1))])
+    assert r.status == OpStatus.FAILED_PRECONDITION and "over the limit" in r.message, r
+    assert client.get_stats(pool_ids=[pool_id]).pools[pool_id].num_free_blocks == MAX_HELD_PER_BLOCK - 1
+    (r1, r2) = client.step(pool_id, [TouchBlocksOp([5] * MAX_HELD_PER_BLOCK), TouchBlocksOp([5, 6])])
+    assert r1.status == OpStatus.OK and r2.status == OpStatus.FAILED_PRECONDITION, (r1, r2)
+    (r,) = client.step(pool_id, [FreeHeldBlocksOp([5] * MAX_HELD_PER_BLOCK)])
+    stats = client.get_stats(check_invariants=True, pool_ids=[pool_id]).pools[pool_id]
+    assert r.status == OpStatus.OK and stats.num_free_blocks == MAX_HELD_PER_BLOCK - 1, (r, stats)
+    assert not stats.invariant_violation
 
 
 @pytest.mark.parametrize("op, field, why", [

@@ -211,7 +211,7 @@ class RegisterPoolRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., sequence: _Optional[int] = ..., pool_id: _Optional[str] = ..., config: _Optional[_Union[KVCacheConfig, _Mapping]] = ..., hash_fingerprint: _Optional[str] = ..., epoch: _Optional[int] = ..., hash_spec: _Optional[_Union[HashSpec, _Mapping]] = ..., vllm: _Optional[_Union[VllmManagerOptions, _Mapping]] = ..., bound_to_session: _Optional[bool] = ...) -> None: ...
 
 class VllmManagerOptions(_message.Message):
-    __slots__ = ("watermark", "scheduler_block_size", "max_in_flight_tokens", "use_eagle", "num_hash_lookahead_tokens", "num_prefill_lookahead", "mamba_recache_keyed_tails")
+    __slots__ = ("watermark", "scheduler_block_size", "max_in_flight_tokens", "use_eagle", "num_hash_lookahead_tokens", "num_prefill_lookahead", "mamba_recache_keyed_tails", "mamba_shared_prefix_checkpoint")
     WATERMARK_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_IN_FLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +219,7 @@ class VllmManagerOptions(_message.Message):
     NUM_HASH_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFILL_LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
     MAMBA_RECACHE_KEYED_TAILS_FIELD_NUMBER: _ClassVar[int]
+    MAMBA_SHARED_PREFIX_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     watermark: float
     scheduler_block_size: int
     max_in_flight_tokens: int
@@ -226,7 +227,8 @@ class VllmManagerOptions(_message.Message):
     num_hash_lookahead_tokens: int
     num_prefill_lookahead: int
     mamba_recache_keyed_tails: bool
-    def __init__(self, watermark: _Optional[float] = ..., scheduler_block_size: _Optional[int] = ..., max_in_flight_tokens: _Optional[int] = ..., use_eagle: _Optional[bool] = ..., num_hash_lookahead_tokens: _Optional[int] = ..., num_prefill_lookahead: _Optional[int] = ..., mamba_recache_keyed_tails: _Optional[bool] = ...) -> None: ...
+    mamba_shared_prefix_checkpoint: bool
+    def __init__(self, watermark: _Optional[float] = ..., scheduler_block_size: _Optional[int] = ..., max_in_flight_tokens: _Optional[int] = ..., use_eagle: _Optional[bool] = ..., num_hash_lookahead_tokens: _Optional[int] = ..., num_prefill_lookahead: _Optional[int] = ..., mamba_recache_keyed_tails: _Optional[bool] = ..., mamba_shared_prefix_checkpoint: _Optional[bool] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
     __slots__ = ("pool_id", "epoch", "new_epoch", "hash_block_size", "hash_seed", "num_requests_failed", "scheduler_block_size", "hash_algorithm", "hash_fingerprint")
@@ -281,7 +283,7 @@ class AddRequestOp(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., block_hashes: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., mm_items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class AllocateOp(_message.Message):
-    __slots__ = ("request_id", "num_computed_tokens", "num_new_tokens", "append_token_ids", "append_block_hashes", "num_append_tokens", "num_lookahead_tokens", "delay_cache_blocks", "allow_transfer", "external_source", "num_output_placeholders", "num_in_flight_tokens", "waiting", "lookup", "num_new_computed_tokens", "full_sequence_must_fit", "reserved_blocks", "has_scheduled_reqs", "cache_tokens", "num_external_computed_tokens", "num_encoder_tokens", "max_cache_hit_length", "connector_lookup")
+    __slots__ = ("request_id", "num_computed_tokens", "num_new_tokens", "append_token_ids", "append_block_hashes", "num_append_tokens", "num_lookahead_tokens", "delay_cache_blocks", "allow_transfer", "external_source", "num_output_placeholders", "num_in_flight_tokens", "waiting", "lookup", "num_new_computed_tokens", "full_sequence_must_fit", "reserved_blocks", "has_scheduled_reqs", "cache_tokens", "num_external_computed_tokens", "num_encoder_tokens", "max_cache_hit_length", "connector_lookup", "shared_prefix_boundary")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -305,6 +307,7 @@ class AllocateOp(_message.Message):
     NUM_ENCODER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_CACHE_HIT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     CONNECTOR_LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    SHARED_PREFIX_BOUNDARY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_computed_tokens: int
     num_new_tokens: int
@@ -328,7 +331,8 @@ class AllocateOp(_message.Message):
     num_encoder_tokens: int
     max_cache_hit_length: int
     connector_lookup: bool
-    def __init__(self, request_id: _Optional[str] = ..., num_computed_tokens: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., append_token_ids: _Optional[bytes] = ..., append_block_hashes: _Optional[bytes] = ..., num_append_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ..., delay_cache_blocks: _Optional[bool] = ..., allow_transfer: _Optional[bool] = ..., external_source: _Optional[_Union[ExternalSource, _Mapping]] = ..., num_output_placeholders: _Optional[int] = ..., num_in_flight_tokens: _Optional[int] = ..., waiting: _Optional[bool] = ..., lookup: _Optional[bool] = ..., num_new_computed_tokens: _Optional[int] = ..., full_sequence_must_fit: _Optional[bool] = ..., reserved_blocks: _Optional[int] = ..., has_scheduled_reqs: _Optional[bool] = ..., cache_tokens: _Optional[int] = ..., num_external_computed_tokens: _Optional[int] = ..., num_encoder_tokens: _Optional[int] = ..., max_cache_hit_length: _Optional[int] = ..., connector_lookup: _Optional[bool] = ...) -> None: ...
+    shared_prefix_boundary: int
+    def __init__(self, request_id: _Optional[str] = ..., num_computed_tokens: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., append_token_ids: _Optional[bytes] = ..., append_block_hashes: _Optional[bytes] = ..., num_append_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ..., delay_cache_blocks: _Optional[bool] = ..., allow_transfer: _Optional[bool] = ..., external_source: _Optional[_Union[ExternalSource, _Mapping]] = ..., num_output_placeholders: _Optional[int] = ..., num_in_flight_tokens: _Optional[int] = ..., waiting: _Optional[bool] = ..., lookup: _Optional[bool] = ..., num_new_computed_tokens: _Optional[int] = ..., full_sequence_must_fit: _Optional[bool] = ..., reserved_blocks: _Optional[int] = ..., has_scheduled_reqs: _Optional[bool] = ..., cache_tokens: _Optional[int] = ..., num_external_computed_tokens: _Optional[int] = ..., num_encoder_tokens: _Optional[int] = ..., max_cache_hit_length: _Optional[int] = ..., connector_lookup: _Optional[bool] = ..., shared_prefix_boundary: _Optional[int] = ...) -> None: ...
 
 class ExternalSource(_message.Message):
     __slots__ = ("pin_id", "src_pool_id", "src_block_ids", "num_tokens")

@@ -89,7 +89,7 @@ class ExternalPoolState(_message.Message):
     def __init__(self, spec: _Optional[bytes] = ..., owner_tenant: _Optional[str] = ..., registration: _Optional[int] = ..., epoch: _Optional[int] = ..., last_sequence: _Optional[int] = ..., last_digest: _Optional[int] = ..., index: _Optional[bytes] = ..., counters: _Optional[_Iterable[int]] = ..., spec_status: _Optional[str] = ..., spec_message: _Optional[str] = ..., spec_checked: _Optional[int] = ..., spec_mismatches: _Optional[int] = ..., spec_chain: _Optional[bytes] = ...) -> None: ...
 
 class RequestState(_message.Message):
-    __slots__ = ("key", "has_token_ids", "token_ids", "num_tokens", "num_prompt_tokens", "num_computed_tokens", "num_preemptions", "block_hashes", "namespace", "cache_salt", "has_cache_salt", "lora_name", "has_lora_name", "hash_seed", "mm_identifiers", "mm_offsets", "mm_lengths", "chain_tip", "owner", "block_size")
+    __slots__ = ("key", "has_token_ids", "token_ids", "num_tokens", "num_prompt_tokens", "num_computed_tokens", "num_preemptions", "block_hashes", "namespace", "cache_salt", "has_cache_salt", "lora_name", "has_lora_name", "hash_seed", "mm_identifiers", "mm_offsets", "mm_lengths", "chain_tip", "owner", "block_size", "shared_prefix_boundary")
     KEY_FIELD_NUMBER: _ClassVar[int]
     HAS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,7 @@ class RequestState(_message.Message):
     CHAIN_TIP_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHARED_PREFIX_BOUNDARY_FIELD_NUMBER: _ClassVar[int]
     key: str
     has_token_ids: bool
     token_ids: bytes
@@ -130,7 +131,8 @@ class RequestState(_message.Message):
     chain_tip: bytes
     owner: str
     block_size: int
-    def __init__(self, key: _Optional[str] = ..., has_token_ids: _Optional[bool] = ..., token_ids: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., block_hashes: _Optional[bytes] = ..., namespace: _Optional[bytes] = ..., cache_salt: _Optional[str] = ..., has_cache_salt: _Optional[bool] = ..., lora_name: _Optional[str] = ..., has_lora_name: _Optional[bool] = ..., hash_seed: _Optional[str] = ..., mm_identifiers: _Optional[_Iterable[str]] = ..., mm_offsets: _Optional[bytes] = ..., mm_lengths: _Optional[bytes] = ..., chain_tip: _Optional[bytes] = ..., owner: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
+    shared_prefix_boundary: int
+    def __init__(self, key: _Optional[str] = ..., has_token_ids: _Optional[bool] = ..., token_ids: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., block_hashes: _Optional[bytes] = ..., namespace: _Optional[bytes] = ..., cache_salt: _Optional[str] = ..., has_cache_salt: _Optional[bool] = ..., lora_name: _Optional[str] = ..., has_lora_name: _Optional[bool] = ..., hash_seed: _Optional[str] = ..., mm_identifiers: _Optional[_Iterable[str]] = ..., mm_offsets: _Optional[bytes] = ..., mm_lengths: _Optional[bytes] = ..., chain_tip: _Optional[bytes] = ..., owner: _Optional[str] = ..., block_size: _Optional[int] = ..., shared_prefix_boundary: _Optional[int] = ...) -> None: ...
 
 class GroupState(_message.Message):
     __slots__ = ("request_keys", "num_blocks", "block_ids", "running_keys", "num_cached_block", "cached_this_step", "last_state_block_idx", "num_retired_blocks", "allocated_block_reqs", "checkpoint_keys", "checkpoints", "partial_hit_keys", "partial_hits", "partial_tail_keys", "partial_tails", "pending_copies")
@@ -183,7 +185,7 @@ class GroupState(_message.Message):
     def __init__(self, request_keys: _Optional[_Iterable[str]] = ..., num_blocks: _Optional[bytes] = ..., block_ids: _Optional[bytes] = ..., running_keys: _Optional[_Iterable[str]] = ..., num_cached_block: _Optional[bytes] = ..., cached_this_step: _Optional[_Iterable[bytes]] = ..., last_state_block_idx: _Optional[_Mapping[str, int]] = ..., num_retired_blocks: _Optional[_Mapping[str, int]] = ..., allocated_block_reqs: _Optional[_Iterable[str]] = ..., checkpoint_keys: _Optional[_Iterable[str]] = ..., checkpoints: _Optional[bytes] = ..., partial_hit_keys: _Optional[_Iterable[str]] = ..., partial_hits: _Optional[bytes] = ..., partial_tail_keys: _Optional[_Iterable[str]] = ..., partial_tails: _Optional[bytes] = ..., pending_copies: _Optional[bytes] = ...) -> None: ...
 
 class ManagerState(_message.Message):
-    __slots__ = ("ref_cnts", "free_order", "index_keys", "index_key_lengths", "index_block_ids", "groups", "copy_src", "copy_dst", "evictions", "total_queries", "total_hits", "total_requests", "interval_stats", "interval_reset", "held_block_ids")
+    __slots__ = ("ref_cnts", "free_order", "index_keys", "index_key_lengths", "index_block_ids", "groups", "copy_src", "copy_dst", "evictions", "total_queries", "total_hits", "total_requests", "interval_stats", "interval_reset", "held_blocks")
     REF_CNTS_FIELD_NUMBER: _ClassVar[int]
     FREE_ORDER_FIELD_NUMBER: _ClassVar[int]
     INDEX_KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -198,7 +200,7 @@ class ManagerState(_message.Message):
     TOTAL_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     INTERVAL_STATS_FIELD_NUMBER: _ClassVar[int]
     INTERVAL_RESET_FIELD_NUMBER: _ClassVar[int]
-    HELD_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ref_cnts: bytes
     free_order: bytes
     index_keys: bytes
@@ -213,8 +215,8 @@ class ManagerState(_message.Message):
     total_requests: int
     interval_stats: _containers.RepeatedScalarFieldContainer[int]
     interval_reset: bool
-    held_block_ids: bytes
-    def __init__(self, ref_cnts: _Optional[bytes] = ..., free_order: _Optional[bytes] = ..., index_keys: _Optional[bytes] = ..., index_key_lengths: _Optional[bytes] = ..., index_block_ids: _Optional[bytes] = ..., groups: _Optional[_Iterable[_Union[GroupState, _Mapping]]] = ..., copy_src: _Optional[bytes] = ..., copy_dst: _Optional[bytes] = ..., evictions: _Optional[int] = ..., total_queries: _Optional[int] = ..., total_hits: _Optional[int] = ..., total_requests: _Optional[int] = ..., interval_stats: _Optional[_Iterable[int]] = ..., interval_reset: _Optional[bool] = ..., held_block_ids: _Optional[bytes] = ...) -> None: ...
+    held_blocks: bytes
+    def __init__(self, ref_cnts: _Optional[bytes] = ..., free_order: _Optional[bytes] = ..., index_keys: _Optional[bytes] = ..., index_key_lengths: _Optional[bytes] = ..., index_block_ids: _Optional[bytes] = ..., groups: _Optional[_Iterable[_Union[GroupState, _Mapping]]] = ..., copy_src: _Optional[bytes] = ..., copy_dst: _Optional[bytes] = ..., evictions: _Optional[int] = ..., total_queries: _Optional[int] = ..., total_hits: _Optional[int] = ..., total_requests: _Optional[int] = ..., interval_stats: _Optional[_Iterable[int]] = ..., interval_reset: _Optional[bool] = ..., held_blocks: _Optional[bytes] = ...) -> None: ...
 
 class PoolState(_message.Message):
     __slots__ = ("register_request", "pool_id", "epoch", "manager", "requests", "tombstone_keys", "tombstone_reasons", "owner_tenant", "moving_to", "pins")

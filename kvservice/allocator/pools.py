@@ -50,7 +50,8 @@ class Pool:
                 dcp_world_size=spec.dcp_world_size, hash_block_size=hash_block_size, enable_fast_path=False,
                 scheduler_block_size=v.scheduler_block_size or None,
                 max_in_flight_tokens=v.max_in_flight_tokens or None, watermark=v.watermark, use_eagle=v.use_eagle,
-                num_hash_lookahead_tokens=v.num_hash_lookahead_tokens, num_prefill_lookahead=v.num_prefill_lookahead)
+                num_hash_lookahead_tokens=v.num_hash_lookahead_tokens, num_prefill_lookahead=v.num_prefill_lookahead,
+                enable_mamba_shared_prefix_checkpoint=v.mamba_shared_prefix_checkpoint)
             for m in self.manager.coordinator.single_type_managers:  # no forks here: vLLM writes in place
                 m.copy_on_write = False
                 if isinstance(m, MambaManager):

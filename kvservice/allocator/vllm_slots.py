@@ -70,7 +70,10 @@ class VllmSlots:
                                                        f"not {op.num_blocks}")
             return OpResult("", new_block_ids=(held.get_new_blocks(op.num_blocks),))
         if kind is TouchBlocksOp:
-            held.touch(op.block_ids)
+            try:
+                held.touch(op.block_ids)
+            except ValueError as exc:
+                return OpResult("", OpStatus.FAILED_PRECONDITION, f"pool {pool.pool_id!r}: {exc}")
             return OpResult("")
         if kind is FreeHeldBlocksOp:
             try:
@@ -80,7 +83,7 @@ class VllmSlots:
             return OpResult("")
         ids = op.block_ids
         try:
-            pool.manager.take_kv_cache_block_copies(list(zip(ids[::2], ids[1::2])))
+            pool.manager.take_held_block_copies(list(zip(ids[::2], ids[1::2])))
         except ValueError as exc:
             return OpResult("", OpStatus.FAILED_PRECONDITION, f"pool {pool.pool_id!r}: {exc}")
         return OpResult("")
@@ -209,6 +212,8 @@ class VllmSlots:
         req.num_computed_tokens = op.num_computed_tokens
         req.num_in_flight_tokens = op.num_in_flight_tokens
         req.waiting = op.waiting
+        if op.shared_prefix_boundary is not None:  # (vLLM's lookup set it; the request keeps it)
+            req.shared_prefix_boundary = op.shared_prefix_boundary
         if op.cache_tokens:  # cache_blocks first, as the scheduler called it (a refusal below leaves it done)
             manager.cache_blocks(req, op.cache_tokens)
             if op.num_new_tokens == 0:

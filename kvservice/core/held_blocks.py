@@ -17,6 +17,11 @@ from collections.abc import Iterable, Sequence
 
 from kvservice.core.block_pool import BlockPool
 
+# The most references one block may be held by outside requests' tables: far above what a scheduler or a
+# connector holds (a copy's two ends for a step or two, a block pinned per store job), and low enough that a
+# client touching one block over and over cannot overflow its reference count or the snapshots.
+MAX_HELD_PER_BLOCK = 65_535
+
 
 class HeldBlocks:
     """Block id -> references held outside any request (see the module's docstring)."""
@@ -62,18 +67,24 @@ class HeldBlocks:
         free."""
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be non-negative, got {num_blocks}")
-        blocks = self.block_pool.get_new_blocks(num_blocks)
+        blocks = self.block_pool.get_new_blocks(num_blocks)  # (fresh blocks: held once each, under any cap)
         ids = [b.block_id for b in blocks]
         self.counts.update(ids)
         return ids
 
     def touch(self, block_ids: Sequence[int]) -> None:
         """A held reference on each (the block pool's touch: a free block leaves the free queue, still cached);
-        the null block is skipped."""
+        the null block is skipped. ValueError, nothing touched, when a block would be held more than
+        MAX_HELD_PER_BLOCK times."""
         blocks = self.block_pool.blocks
         touched = [blocks[i] for i in block_ids if not blocks[i].is_null]
+        wanted = Counter(b.block_id for b in touched)
+        over = next((b for b, n in sorted(wanted.items()) if self.counts[b] + n > MAX_HELD_PER_BLOCK), None)
+        if over is not None:
+            raise ValueError(f"block {over} would be held {self.counts[over] + wanted[over]} times outside "
+                             f"requests' tables, over the limit of {MAX_HELD_PER_BLOCK}")
         self.block_pool.touch(touched)
-        self.counts.update(b.block_id for b in touched)
+        self.counts.update(wanted)
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Returns held references in this order (the block pool's free_blocks: a block whose last reference
@@ -92,10 +103,11 @@ class HeldBlocks:
         blocks = self.block_pool.blocks
         self.block_pool.free_blocks([blocks[i] for i in block_ids])
 
-    def ids(self) -> list[int]:
-        """Every held reference as a block id (an id as often as it is held), in id order."""
-        return sorted(self.counts.elements())
+    def pairs(self) -> list[tuple[int, int]]:
+        """(block id, times held), in id order."""
+        return sorted(self.counts.items())
 
-    def restore(self, block_ids: Iterable[int]) -> None:
-        """Sets the ledger from `ids()` (a snapshot's); the block pool's reference counts already include them."""
-        self.counts = Counter(block_ids)
+    def restore(self, pairs: Iterable[tuple[int, int]]) -> None:
+        """Sets the ledger from `pairs()` (a snapshot's); the block pool's reference counts already include
+        them."""
+        self.counts = Counter(dict(pairs))

@@ -312,10 +312,12 @@ class KVCacheManager(ConnectorHooks):
         the references keeping their ends alive drop now."""
         return self.coordinator.take_block_copies()
 
-    def take_kv_cache_block_copies(self, taken: list[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
-        """vLLM 0.33.0's: drains the partial hits' pending copies (src, dst). Both ends stay referenced, as held
-        blocks (`held`), until the scheduler returns them (`held.free`) once the step that copies has run.
-        `taken`: the copies the scheduler took, checked against these (HeldBlocks.take_copies)."""
+    def take_held_block_copies(self, taken: list[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
+        """A vLLM pool's take_kv_cache_block_copies (the allocator's TakeBlockCopiesOp): drains the partial hits'
+        pending copies (src, dst). Both ends stay referenced, as held blocks (`held`), until the scheduler returns
+        them (`held.free`) once the step that copies has run. `taken`: the copies the scheduler took, checked
+        against these (HeldBlocks.take_copies). (vLLM's own take_kv_cache_block_copies, which leaves the
+        references with the caller, is ConnectorHooks'.)"""
         return self.held.take_copies(self.coordinator.single_type_managers, taken)
 
     def hold(self, holder_id: str, blocks: KVCacheBlocks) -> None:

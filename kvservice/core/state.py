@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvservice.core.free_queue import FreeBlockQueue
+from kvservice.core.held_blocks import MAX_HELD_PER_BLOCK
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.core.stats import PrefixCacheStats
 
@@ -32,7 +33,7 @@ class GroupTables:
     checkpoints: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> (position, block index)
     partial_hits: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> (block index, block id)
     partial_tails: dict[str, tuple[int, int]] = field(default_factory=dict)  # request -> (block id, tokens)
-    # Partial hits' copies made and not yet taken by the scheduler (take_kv_cache_block_copies): (src, dst)
+    # Partial hits' copies made and not yet taken by the scheduler (take_held_block_copies): (src, dst)
     pending_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
@@ -51,8 +52,8 @@ class ManagerState:
     # Per index entry: the prefix tokens its primary key covers, 0 for a block's extra (partial)
     # keys; None in snapshots that predate partial keys (then a block's first key is its primary).
     index_num_tokens: array | None = None
-    # References held outside any table (a vLLM scheduler's copy retentions and direct takes): a block id as
-    # often as it is held.
+    # References held outside any table (a vLLM scheduler's copy retentions, direct takes, a connector's
+    # touches): (block id, times held) pairs, flattened.
     held: array = field(default_factory=lambda: array("I"))
 
 
@@ -93,7 +94,7 @@ def export_manager_state(m: KVCacheManager) -> ManagerState:
                         [(s.block_id, d.block_id) for s, d in m.coordinator.cow.pairs], pool.num_evictions,
                         (totals.queries, totals.hits, totals.requests),
                         tuple(getattr(stats, f) for f in _STATS_FIELDS), stats.reset, num_tokens,
-                        array("I", m.held.ids()))
+                        array("I", [n for pair in m.held.pairs() for n in pair]))
 
 
 def import_manager_state(m: KVCacheManager, state: ManagerState) -> None:
@@ -163,9 +164,10 @@ def import_manager_state(m: KVCacheManager, state: ManagerState) -> None:
             manager._producer_partial_tail_reqs.update((k, (blocks[b], n)) for k, (b, n) in g.partial_tails.items())
     for src, dst in state.copies:
         m.coordinator.cow.add(blocks[src], blocks[dst])
-    if state.held and max(state.held) >= n:
-        raise ValueError("snapshot's held blocks name block ids beyond the pool")
-    m.held.restore(state.held)
+    held = state.held
+    if len(held) % 2 or any(held[i] >= n or not 0 < held[i + 1] <= MAX_HELD_PER_BLOCK for i in range(0, len(held), 2)):
+        raise ValueError("snapshot's held blocks are not (block id, times held) pairs of this pool")
+    m.held.restore(zip(held[::2], held[1::2]))
     pool.num_evictions = state.evictions
     totals = m.prefix_cache_totals
     totals.queries, totals.hits, totals.requests = state.totals

@@ -116,7 +116,7 @@ def _encode_pool(pool: Pool) -> st.PoolState:
                         copy_src=_u32(s for s, _ in ms.copies), copy_dst=_u32(d for _, d in ms.copies),
                         evictions=ms.evictions, total_queries=ms.totals[0], total_hits=ms.totals[1],
                         total_requests=ms.totals[2], interval_stats=list(ms.interval),
-                        interval_reset=ms.interval_reset, held_block_ids=ms.held.tobytes())
+                        interval_reset=ms.interval_reset, held_blocks=ms.held.tobytes())
     for g in ms.groups:
         m.groups.add(request_keys=g.request_keys, num_blocks=g.num_blocks.tobytes(), block_ids=g.block_ids.tobytes(),
                      running_keys=g.running_keys, num_cached_block=g.num_cached_block.tobytes(),
@@ -150,7 +150,7 @@ def _encode_request(req: Request, owner: str) -> st.RequestState:
         has_lora_name=req.lora_name is not None, hash_seed=req.hash_seed,
         mm_identifiers=[i.identifier for i in req.mm_items], mm_offsets=_u32(i.offset for i in req.mm_items),
         mm_lengths=_u32(i.length for i in req.mm_items), chain_tip=req._chain_tip, owner=owner,
-        block_size=req.block_size)
+        block_size=req.block_size, shared_prefix_boundary=req.shared_prefix_boundary)
 
 
 def _encode_session(s: Session) -> st.SessionState:
@@ -259,7 +259,7 @@ def _decode_pool(ps: st.PoolState, state: AllocatorState) -> Pool:
                                  list(zip(_from_u32(m.copy_src, "copy_src"), _from_u32(m.copy_dst, "copy_dst"))),
                                  m.evictions, (m.total_queries, m.total_hits, m.total_requests),
                                  tuple(m.interval_stats), m.interval_reset,
-                                 held=_from_u32(m.held_block_ids, "held_block_ids"))
+                                 held=_from_u32(m.held_blocks, "held_blocks"))
     import_manager_state(pool.manager, manager_state)
     for rs in ps.requests:
         pool.requests[rs.key] = _decode_request(rs, pool.hash_spec, pool.hashes_may_lag)
@@ -328,6 +328,8 @@ def _decode_request(rs: st.RequestState, hash_spec: HashSpec, hashes_may_lag: bo
     req.num_tokens = rs.num_tokens
     req.num_computed_tokens = rs.num_computed_tokens
     req.num_preemptions = rs.num_preemptions
+    if rs.shared_prefix_boundary:
+        req.shared_prefix_boundary = rs.shared_prefix_boundary
     req._chain_tip = rs.chain_tip
     ns = rs.namespace
     raw = rs.block_hashes

@@ -51,7 +51,8 @@ STEP_REQUESTS = {StepRpc.STEP: pb.StepRequest, StepRpc.ALLOCATE: pb.AllocateRequ
 # AllocateOp fields only a pool with vLLM's semantics takes, and the ops such a pool refuses (vLLM has none).
 VLLM_FIELDS = ("num_output_placeholders", "num_in_flight_tokens", "waiting", "lookup", "num_new_computed_tokens",
                "full_sequence_must_fit", "reserved_blocks", "has_scheduled_reqs", "cache_tokens",
-               "num_external_computed_tokens", "num_encoder_tokens", "max_cache_hit_length", "connector_lookup")
+               "num_external_computed_tokens", "num_encoder_tokens", "max_cache_hit_length", "connector_lookup",
+               "shared_prefix_boundary")
 VLLM_REFUSED = frozenset({"decode", "admit", "fork", "pin"})
 NEW_STEP = NewStepOp()  # (it has no fields: one instance serves every Step)
 
@@ -257,7 +258,7 @@ def decode_allocate(a: pb.AllocateOp, max_len: int, vocab: int, field: str, inde
     if vllm or a.num_output_placeholders or a.num_in_flight_tokens or a.waiting or a.lookup \
             or a.num_new_computed_tokens or a.full_sequence_must_fit or a.reserved_blocks or a.has_scheduled_reqs \
             or a.cache_tokens or a.num_external_computed_tokens or a.num_encoder_tokens or a.max_cache_hit_length \
-            or a.connector_lookup:
+            or a.connector_lookup or a.HasField("shared_prefix_boundary"):
         _decode_vllm_fields(a, op, max_len, vllm, field, index)
     return op
 
@@ -283,6 +284,11 @@ def _decode_vllm_fields(a: pb.AllocateOp, op: AllocateOp, max_len: int, vllm: bo
         raise invalid(name("max_cache_hit_length"), cap, "caps an admission's hit (lookup)")
     if a.connector_lookup and not a.lookup:
         raise invalid(name("connector_lookup"), True, "says how an admission's hit (lookup) was looked up")
+    if a.HasField("shared_prefix_boundary"):
+        if not a.waiting:
+            raise invalid(name("shared_prefix_boundary"), a.shared_prefix_boundary, "is an admission's (waiting)")
+        op.shared_prefix_boundary = at_most(name("shared_prefix_boundary"), a.shared_prefix_boundary, max_len,
+                                            f"max_model_len {max_len}")
     if a.allow_transfer:
         raise invalid(name("allow_transfer"), True, "vLLM's semantics have no cross-pool transfers")
     if a.append_token_ids:

@@ -58,7 +58,6 @@ def encode_config(config: KVCacheConfig, max_model_len: int, dcp_world_size: int
             g.sink_full_attention.sink_len = spec.sink_len
         elif isinstance(spec, FullAttentionSpec):
             g.full_attention.block_size = spec.block_size
-            g.replicated = not spec.dcp_sharded
         elif isinstance(spec, SlidingWindowSpec):
             if dcp_world_size > 1 and spec.dcp_sharded:
                 raise ValueError(f"groups[{len(msg.groups) - 1}]: a sliding window under dcp_world_size "
@@ -84,6 +83,9 @@ def encode_config(config: KVCacheConfig, max_model_len: int, dcp_world_size: int
                 g.mamba.mamba_cache_mode = spec.mamba_cache_mode
         else:
             raise ValueError(f"groups[{len(msg.groups) - 1}]: the allocator carries no {type(spec).__name__} groups")
+        # (Sliding windows and Mamba are replicated under DCP by their kind; the rest say so.)
+        if not spec.dcp_sharded and not isinstance(spec, (SlidingWindowSpec, MambaSpec)):
+            g.replicated = True
     msg.eagle_group_ids.extend(config.eagle_group_ids)
     return msg
 
@@ -182,6 +184,8 @@ def encode_allocate(op: AllocateOp, a: pb.AllocateOp) -> None:
         a.has_scheduled_reqs, a.cache_tokens = op.has_scheduled_reqs, op.cache_tokens
         a.num_external_computed_tokens, a.num_encoder_tokens = op.num_external_computed_tokens, op.num_encoder_tokens
         a.max_cache_hit_length, a.connector_lookup = op.max_cache_hit_length, op.connector_lookup
+        if op.shared_prefix_boundary is not None:
+            a.shared_prefix_boundary = op.shared_prefix_boundary
 
 
 def encode_add(op: AddRequestOp, a: pb.AddRequestOp) -> None:
@@ -208,7 +212,8 @@ def encode_vllm_options(options: VllmOptions) -> pb.VllmManagerOptions:
                                  max_in_flight_tokens=options.max_in_flight_tokens, use_eagle=options.use_eagle,
                                  num_hash_lookahead_tokens=options.num_hash_lookahead_tokens,
                                  num_prefill_lookahead=options.num_prefill_lookahead,
-                                 mamba_recache_keyed_tails=options.mamba_recache_keyed_tails)
+                                 mamba_recache_keyed_tails=options.mamba_recache_keyed_tails,
+                                 mamba_shared_prefix_checkpoint=options.mamba_shared_prefix_checkpoint)
 
 
 def register_request(pool_id: str, config: KVCacheConfig, max_model_len: int, epoch: int, dcp_world_size: int,

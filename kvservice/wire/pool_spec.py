@@ -69,22 +69,23 @@ def decode_config(msg: pb.KVCacheConfig, field: str = "config") -> tuple[KVCache
         elif kind == "chunked_local":
             if sub.attention_chunk_size == 0:
                 raise InvalidArgument(f"{g}.chunked_local.attention_chunk_size", 0, "must be positive")
-            specs.append(ChunkedLocalAttentionSpec(sub.block_size, sub.attention_chunk_size))
+            specs.append(ChunkedLocalAttentionSpec(sub.block_size, sub.attention_chunk_size,
+                                                   dcp_sharded=not group.replicated))
         elif kind == "cross_attention":
-            specs.append(CrossAttentionSpec(sub.block_size))
+            specs.append(CrossAttentionSpec(sub.block_size, dcp_sharded=not group.replicated))
         elif kind == "sink_full_attention":
             if sub.sink_len == 0 or sub.sink_len % sub.block_size or sub.sink_len > MAX_MODEL_LEN:
                 raise InvalidArgument(f"{g}.sink_full_attention.sink_len", sub.sink_len,
                                       f"must be a positive multiple of the block size {sub.block_size}, at most "
                                       f"{MAX_MODEL_LEN}")
-            specs.append(SinkFullAttentionSpec(sub.block_size, sink_len=sub.sink_len))
+            specs.append(SinkFullAttentionSpec(sub.block_size, sink_len=sub.sink_len, dcp_sharded=not group.replicated))
         elif kind == "rswa":
             if sub.rswa_window == 0:
                 raise InvalidArgument(f"{g}.rswa.rswa_window", 0, "must be positive")
             check_count(f"{g}.rswa.rswa_window", sub.rswa_window, MAX_MODEL_LEN)
-            specs.append(RSWASpec(sub.block_size, rswa_window=sub.rswa_window))
+            specs.append(RSWASpec(sub.block_size, rswa_window=sub.rswa_window, dcp_sharded=not group.replicated))
         elif kind == "circular_buffer":
-            specs.append(CircularBufferSpec(sub.block_size))
+            specs.append(CircularBufferSpec(sub.block_size, dcp_sharded=not group.replicated))
         else:
             mode = sub.mamba_cache_mode or "align"
             if mode not in ("align", "none", "all"):
@@ -103,14 +104,10 @@ def decode_config(msg: pb.KVCacheConfig, field: str = "config") -> tuple[KVCache
             check_count(f"{g}.mamba.prefill_checkpoint_alignment", sub.prefill_checkpoint_alignment, MAX_MODEL_LEN)
             specs.append(MambaSpec(sub.block_size, mode, sub.num_speculative_blocks, sub.num_prefill_checkpoint_blocks,
                                    sub.prefill_checkpoint_alignment or None))
-        if dcp > 1 and kind not in ("full_attention", "sliding_window", "mamba"):
-            raise InvalidArgument(f"{field}.dcp_world_size", dcp, f"decode context parallelism needs full attention "
-                                                                  f"(sharded, or replicated) and sliding-window and "
-                                                                  f"Mamba (replicated) groups only; groups[{i}] is "
-                                                                  f"{kind}")
-        if group.replicated and kind != "full_attention":
-            raise InvalidArgument(f"{g}.replicated", True, f"only a full-attention group takes it ({kind} groups "
-                                                          f"are replicated under DCP, or sharded never)")
+        if dcp > 1 and specs[-1].dcp_sharded and kind not in ("full_attention", "sink_full_attention", "rswa"):
+            raise InvalidArgument(f"{g}.replicated", False, f"under decode context parallelism (dcp_world_size "
+                                                            f"{dcp}) only full-attention groups are sharded, as in "
+                                                            f"vLLM: a {kind} group must be replicated")
     retention = msg.prefix_cache_retention_interval if msg.has_prefix_cache_retention_interval else None
     eagle = tuple(msg.eagle_group_ids)
     bad = next((g for g in eagle if g >= len(specs)), None)
@@ -167,10 +164,11 @@ def decode_vllm_options(msg: pb.VllmManagerOptions, config: KVCacheConfig, field
     check_count(f"{field}.max_in_flight_tokens", msg.max_in_flight_tokens, MAX_MODEL_LEN)
     check_count(f"{field}.num_hash_lookahead_tokens", msg.num_hash_lookahead_tokens, MAX_MODEL_LEN)
     check_count(f"{field}.num_prefill_lookahead", msg.num_prefill_lookahead, MAX_MODEL_LEN)
-    if msg.mamba_recache_keyed_tails and not config.has_mamba_layers:
-        raise InvalidArgument(f"{field}.mamba_recache_keyed_tails", True, "only a pool with a Mamba group takes it")
+    for name in ("mamba_recache_keyed_tails", "mamba_shared_prefix_checkpoint"):
+        if getattr(msg, name) and not config.has_mamba_layers:
+            raise InvalidArgument(f"{field}.{name}", True, "only a pool with a Mamba group takes it")
     return VllmOptions(msg.watermark, size, msg.max_in_flight_tokens, msg.use_eagle, msg.num_hash_lookahead_tokens,
-                       msg.num_prefill_lookahead, msg.mamba_recache_keyed_tails)
+                       msg.num_prefill_lookahead, msg.mamba_recache_keyed_tails, msg.mamba_shared_prefix_checkpoint)
 
 
 def decode_hash_spec(msg: pb.HashSpec, hash_block_size: int, field: str = "hash_spec") -> HashSpec:

@@ -101,6 +101,10 @@ class Mode:
     dcp: int = 1
     # prefill context parallelism (vLLM's scheduler gives its KV-cache manager pcp_world_size 1 whatever it is)
     pcp: int = 1
+    # an EAGLE drafter's attention group beside the target's (is_eagle_group), and vLLM's
+    # enable_mamba_shared_prefix_checkpoint: with sub-block hits, Mamba states cached at shared-prefix junctions
+    eagle_group: bool = False
+    shared_prefix_checkpoint: bool = False
 
     @property
     def name(self) -> str:
@@ -116,7 +120,9 @@ class Mode:
                 + (f", {self.extra} group" if self.extra else "")
                 + (f", hash block {self.hash_block}" if self.hash_block else "")
                 + (f", dcp {self.dcp}" if self.dcp > 1 else "")
-                + (f", pcp {self.pcp}" if self.pcp > 1 else ""))
+                + (f", pcp {self.pcp}" if self.pcp > 1 else "")
+                + (", eagle group" if self.eagle_group else "")
+                + (", shared-prefix checkpoints" if self.shared_prefix_checkpoint else ""))
 
 
 DEFAULT = Mode()
@@ -133,13 +139,19 @@ FEATURE_MODES = (Mode(connector="sync"), Mode(connector="async"), Mode(async_sch
                  Mode(async_scheduling=False, mamba=True), Mode(mamba=True, mamba_checkpoints=True),
                  Mode(async_scheduling=False, mamba=True, mamba_checkpoints=True, spec_tokens=3),
                  Mode(extra="rswa"), Mode(async_scheduling=False, extra="rswa"), Mode(extra="ring"),
-                 Mode(async_scheduling=False, extra="ring"))
+                 Mode(async_scheduling=False, extra="ring"),
+                 # vLLM's default for Mamba groups: sparse retention (only semantic checkpoints cached), where a
+                 # hit's shared-prefix boundary decides what is cached
+                 Mode(mamba=True, retention=0), Mode(async_scheduling=False, mamba=True, mamba_checkpoints=True,
+                                                     retention=0))
 # Layouts that change the block geometry: sub-block prefix hits (a hybrid Mamba model hashing half-blocks: hits
-# ending inside a block, their copy-on-write copies held until the step that copies is processed), decode
+# ending inside a block, their copy-on-write copies held until the step that copies is processed; with an EAGLE
+# group, vLLM's shared-prefix checkpoints under sparse retention), decode
 # context parallelism (attention blocks sharded across 2 ranks; a replicated Mamba group beside), and prefill
 # context parallelism with it. Each needs an allocator at its hash block size (hash_block_size_of).
 LAYOUT_MODES = (Mode(mamba=True, hash_block=BLOCK // 2),
                 Mode(async_scheduling=False, mamba=True, mamba_checkpoints=True, spec_tokens=3, hash_block=BLOCK // 2),
+                Mode(mamba=True, hash_block=BLOCK // 2, retention=0, eagle_group=True, shared_prefix_checkpoint=True),
                 Mode(dcp=2), Mode(async_scheduling=False, dcp=2, spec_tokens=3), Mode(dcp=2, mamba=True),
                 Mode(async_scheduling=False, dcp=2, pcp=2))
 
@@ -165,6 +177,7 @@ def make_vllm_config(model_dir: Path, mode: Mode, max_model_len: int = 2048) -> 
     # scheduler reads only these.)
     config.parallel_config.decode_context_parallel_size = mode.dcp
     config.parallel_config.prefill_context_parallel_size = mode.pcp
+    config.cache_config.enable_mamba_shared_prefix_checkpoint = mode.shared_prefix_checkpoint
     register_all_kvcache_specs(config)
     return config
 
@@ -227,6 +240,9 @@ class Side:
             groups.append(KVCacheGroupSpec(["mamba"], MambaSpec(
                 block_size=BLOCK * mode.dcp, shapes=((1, 1),), dtypes=(torch.float32,), mamba_cache_mode="align",
                 num_speculative_blocks=mode.spec_tokens, **checkpoints)))
+        if mode.eagle_group:  # (a head size of its own, so vLLM keeps it apart from the target's group)
+            groups.append(KVCacheGroupSpec(["draft"], FullAttentionSpec(
+                block_size=BLOCK, num_kv_heads=1, head_size=4, dtype=torch.float32), is_eagle_group=True))
         if mode.extra:
             # (head sizes differ from the first group's so vLLM keeps the groups apart)
             common = dict(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float32)

@@ -88,17 +88,21 @@ def test_steps_coalesced_within_step_interval_ms(server, model_dir, mode):
     assert steps > 300 and rpcs <= steps // 5, (steps, rpcs)
 
 
-@pytest.mark.parametrize("interval_ms", [0, 60_000], ids=["every-step", "coalesced"])
-def test_a_hybrid_mamba_model_schedules_as_stock_however_steps_fall_into_rpcs(server, model_dir, interval_ms):
+@pytest.mark.parametrize("interval_ms, retention", [(0, None), (60_000, None), (0, 0)],
+                         ids=["every-step", "coalesced", "sparse-retention"])
+def test_a_hybrid_mamba_model_schedules_as_stock_however_steps_fall_into_rpcs(server, model_dir, interval_ms,
+                                                                             retention):
     """Full attention + Mamba ("align"): a state cached in a step is no hit until the next one. With steps
     coalesced into one Step the pool still hears where each scheduler step starts (NewStepOp), so the
-    schedules stay the stock scheduler's and the pool the replica's."""
-    mode = h.Mode(mamba=True)
+    schedules stay the stock scheduler's and the pool the replica's. With vLLM's default sparse retention
+    (prefix_cache_retention_interval 0) a hit's shared-prefix boundary decides which states are cached: the
+    pool hears it with the admission."""
+    mode = h.Mode(mamba=True, retention=retention)
     config = h.make_vllm_config(model_dir, mode)
     totals = h.Outcome()
     for seed in range(4):
         out = h.run_pair(h.Workload.random(seed, num_steps=100), mode, config, server.target,
-                         f"mamba-{interval_ms}-{seed}", {"step_interval_ms": interval_ms})
+                         f"mamba-{interval_ms}-{retention}-{seed}", {"step_interval_ms": interval_ms})
         totals.steps, totals.hits, totals.rpcs = (totals.steps + out.steps, totals.hits + out.hits,
                                                   totals.rpcs + out.rpcs)
     assert totals.hits > 20 and totals.rpcs <= (totals.steps if interval_ms == 0 else totals.steps // 3), totals
@@ -122,8 +126,10 @@ def test_mamba_prefill_checkpoints_and_speculative_blocks_schedule_as_stock(serv
 
 @pytest.mark.parametrize("mode", [h.Mode(mamba=True, hash_block=h.BLOCK // 2),
                                   h.Mode(async_scheduling=False, mamba=True, mamba_checkpoints=True, spec_tokens=3,
-                                         hash_block=h.BLOCK // 2)],
-                         ids=["async", "checkpoints-speculative-sync"])
+                                         hash_block=h.BLOCK // 2),
+                                  h.Mode(mamba=True, hash_block=h.BLOCK // 2, retention=0, eagle_group=True,
+                                         shared_prefix_checkpoint=True)],
+                         ids=["async", "checkpoints-speculative-sync", "eagle-shared-prefix-checkpoints"])
 def test_sub_block_prefix_hits_and_their_copies_schedule_as_stock(sub_block_server, model_dir, mode):
     """vLLM's hash_block_size below the block size (a hybrid Mamba model's prefix-match unit): a hit may end
     inside a block, whose shared tail the manager redirects to a private copy. The scheduler takes the step's
@@ -132,7 +138,7 @@ def test_sub_block_prefix_hits_and_their_copies_schedule_as_stock(sub_block_serv
     totals = h.Outcome()
     for seed in range(4):
         out = h.run_pair(h.Workload.random(seed, num_steps=100), mode, config, sub_block_server.target,
-                         f"sub-block-{mode.spec_tokens}-{seed}")
+                         f"sub-block-{mode.name}-{seed}")
         totals.steps, totals.copies, totals.rpcs = (totals.steps + out.steps, totals.copies + out.copies,
                                                     totals.rpcs + out.rpcs)
     assert totals.copies > 20 and totals.rpcs <= totals.steps, totals

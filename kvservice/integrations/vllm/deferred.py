@@ -11,9 +11,12 @@ the manager's evict_blocks (a KV connector's failed loads) calls it, and so may 
 
 vLLM 0.33's copy retentions return the same way: `take_kv_cache_block_copies()` hands the scheduler both
 ends of each partial hit's copy, and it frees them with `block_pool.free_blocks` once the step that copies
-is processed (deferred like a request's blocks under `defer_block_free`). So does anything that takes blocks
-straight from the block pool with `get_new_blocks`, which is watched too. Those blocks are held: the remote
-manager keeps the same ledger as the pool (FreeHeldBlocksOp returns them there).
+is processed (deferred like a request's blocks under `defer_block_free`). So do blocks taken straight from
+the block pool (`get_new_blocks`) and blocks a KV connector pins through it while it stores them (`touch`:
+vLLM's offloading connectors do), both watched too. The pool holds all of these outside requests' tables
+(TakeBlockCopiesOp, GetNewBlocksOp, TouchBlocksOp) and returns them at FreeHeldBlocksOp; the remote manager
+keeps no ledger of its own: a free of blocks nobody holds is refused by the pool, which the Step's check
+raises as PoolDiverged.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 class RecordingBlockPool:
     """The replica's BlockPool, with `free_blocks` calls from outside the manager reported to `on_free`
-    (which may refuse them by raising) before they apply, and `evict_blocks`, `get_new_blocks` and `touch`
+    before they apply, and `evict_blocks`, `get_new_blocks` and `touch`
     calls to `on_evict`, `on_take` and `on_touch` (the block ids, the blocks, the blocks; after they applied).
     Everything else is the pool's own."""
 

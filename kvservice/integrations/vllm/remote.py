@@ -117,6 +117,9 @@ class RemoteKVCacheManager(StepSender, KVCacheManager):
         self._deferred = DeferredFrees()
         self._hit_caps: dict[str, int] = {}  # request id -> its last hit lookup's cap (0.33's max_cache_hit_length)
         self._connector_lookups: set[str] = set()  # requests whose last lookup was the connector's per-group one
+        # request id -> the shared-prefix boundary the pool has for it (vLLM's lookup sets it on the request; an
+        # admission that changes it goes as an AllocateOp of its own, which carries it)
+        self._boundaries: dict[str, int] = {}
         # Mamba states cached in a step hit only from the next: the pool hears where each scheduler step starts.
         self._marks_steps = any(isinstance(m, MambaManager) for m in managers)
         self.block_pool = RecordingBlockPool(self.block_pool, self._returned, self._evicted, self._taken,
@@ -244,8 +247,11 @@ class RemoteKVCacheManager(StepSender, KVCacheManager):
                        skip_zeroing_group_ids: tuple[int, ...] = ()):
         waiting = request.status in _WAITING
         counts = self._num_cached
-        # An admission with a hit (the pool checks it), a KV connector's tokens or encoder tokens: its own op.
-        whole = num_new_computed_tokens > 0 or num_external_computed_tokens > 0 or num_encoder_tokens > 0
+        boundary = getattr(request, "shared_prefix_boundary", 0)  # (0.33; 0.32 has none)
+        # An admission with a hit (the pool checks it), a KV connector's tokens, encoder tokens or a new
+        # shared-prefix boundary: its own op.
+        whole = (num_new_computed_tokens > 0 or num_external_computed_tokens > 0 or num_encoder_tokens > 0
+                 or (waiting and boundary != self._boundaries.get(request.request_id, 0)))
         elidable = counts is not None and not waiting and not whole
         if whole:
             hashes, num_append = self._sync(request)
@@ -256,8 +262,11 @@ class RemoteKVCacheManager(StepSender, KVCacheManager):
                             num_new_computed_tokens > 0, num_new_computed_tokens, full_sequence_must_fit,
                             reserved_blocks, has_scheduled_reqs, 0, num_external_computed_tokens, num_encoder_tokens,
                             self._hit_caps.pop(request.request_id, 0) if hit else 0,
-                            connector_lookup=hit and request.request_id in self._connector_lookups)
+                            connector_lookup=hit and request.request_id in self._connector_lookups,
+                            shared_prefix_boundary=boundary if waiting else None)
             self._connector_lookups.discard(request.request_id)
+            if waiting:
+                self._boundaries[request.request_id] = boundary
         elif elidable:
             cached, free = counts.get(request.request_id, 0), self._free_queue.num_free_blocks
         try:
@@ -300,6 +309,7 @@ class RemoteKVCacheManager(StepSender, KVCacheManager):
     def free(self, request) -> None:
         super().free(request)
         self._hit_caps.pop(request.request_id, None)
+        self._boundaries.pop(request.request_id, None)
         self._connector_lookups.discard(request.request_id)
         if self._known.pop(request.request_id, None) is not None:
             self._record(FreeOp(request.request_id))
@@ -321,6 +331,7 @@ class RemoteKVCacheManager(StepSender, KVCacheManager):
     def pop_blocks_for_free(self, request):
         """A deferred free's first move: the pool hears of it at the second (`_returned`)."""
         blocks = super().pop_blocks_for_free(request)
+        self._boundaries.pop(request.request_id, None)
         if self._known.pop(request.request_id, None) is not None:
             if blocks:
                 self._deferred.popped(request.request_id, blocks)
@@ -342,8 +353,14 @@ class RemoteKVCacheManager(StepSender, KVCacheManager):
         (copy retentions, direct takes)."""
         ids = [b.block_id for b in blocks]
         request_id = self._deferred.returned(ids)
-        # (Blocks neither popped nor held are refused by the pool: PoolDiverged, never a wrong schedule.)
-        self._record(FreeOp(request_id, popped=True) if request_id is not None else FreeHeldBlocksOp(ids))
+        if request_id is not None:
+            self._record(FreeOp(request_id, popped=True))
+            return
+        # Held blocks (the null block is never held: vLLM's free_blocks skips it). Blocks neither popped nor held
+        # are refused by the pool: PoolDiverged, never a wrong schedule.
+        ids = [b.block_id for b in blocks if not b.is_null]
+        if ids:
+            self._record(FreeHeldBlocksOp(ids))
 
     def _touched(self, blocks) -> None:
         """Blocks pinned through the block pool itself (`block_pool.touch`: a KV connector offloading them)."""

@@ -74,7 +74,9 @@ class KVServiceScheduling:
         options = VllmOptions(float(self.scheduler_config.watermark), self.block_size,
                               self.vllm_config.max_in_flight_tokens or 0, bool(self.use_eagle_block_drop),
                               num_hash_lookahead_tokens(self), getattr(self, "num_prefill_lookahead", 0),
-                              VLLM.mamba_recaches_keyed_tails and config.has_mamba_layers)
+                              VLLM.mamba_recaches_keyed_tails and config.has_mamba_layers,
+                              bool(getattr(self.cache_config, "enable_mamba_shared_prefix_checkpoint", False))
+                              and config.has_mamba_layers)
         try:
             result = client.register_pool(pool_id, config, self.max_model_len, epoch,
                                           self.dcp_world_size, self.cache_config.enable_prefix_caching,
