@@ -29,6 +29,10 @@ from tests.service_helpers import start_server  # noqa: E402
 from tests.vllm import scheduler_harness as h  # noqa: E402
 
 NUM_WORKLOADS = 24  # per mode; the bench runs >= 200
+# An EAGLE group without EAGLE's block drop (the harness has no drafter) exists only in vLLM 0.33: 0.32 flags a
+# group as EAGLE's only for a drafter that drops blocks, and then drops them from every EAGLE group.
+needs_eagle_groups = pytest.mark.skipif(VLLM.minor < (0, 33), reason=f"vLLM {VLLM.version} has no EAGLE group "
+                                                                     f"without EAGLE's block drop")
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +131,9 @@ def test_mamba_prefill_checkpoints_and_speculative_blocks_schedule_as_stock(serv
 @pytest.mark.parametrize("mode", [h.Mode(mamba=True, hash_block=h.BLOCK // 2),
                                   h.Mode(async_scheduling=False, mamba=True, mamba_checkpoints=True, spec_tokens=3,
                                          hash_block=h.BLOCK // 2),
-                                  h.Mode(mamba=True, hash_block=h.BLOCK // 2, retention=0, eagle_group=True,
-                                         shared_prefix_checkpoint=True)],
+                                  pytest.param(h.Mode(mamba=True, hash_block=h.BLOCK // 2, retention=0,
+                                                      eagle_group=True, shared_prefix_checkpoint=True),
+                                               marks=needs_eagle_groups)],
                          ids=["async", "checkpoints-speculative-sync", "eagle-shared-prefix-checkpoints"])
 def test_sub_block_prefix_hits_and_their_copies_schedule_as_stock(sub_block_server, model_dir, mode):
     """vLLM's hash_block_size below the block size (a hybrid Mamba model's prefix-match unit): a hit may end
