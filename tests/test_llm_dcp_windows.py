@@ -72,15 +72,20 @@ def test_gemma3_dcp2_ray_ranks_shard_global_layers_only(checkpoints, server):
 
 def test_register_pool_under_dcp_names_what_it_cannot_shard(server):
     """A window a client marks DCP-sharded is refused before it is sent (the allocator would keep it
-    whole on each rank); chunked local attention under DCP is refused by the allocator, nothing registered."""
+    whole on each rank); chunked local attention marked sharded under DCP is refused by the allocator, nothing
+    registered (vLLM shards only full attention), and accepted replicated."""
     client = server.client()
     sharded_window = KVCacheConfig(16, [FullAttentionSpec(16), SlidingWindowSpec(16, 24)])
     with pytest.raises(ValueError, match=r"groups\[1\]: a sliding window under dcp_world_size 2 is replicated"):
         client.register_pool("dcp-sharded-window", sharded_window, 256, dcp_world_size=2)
-    with pytest.raises(InvalidArgument, match=r"config.dcp_world_size = 2: .* groups\[0\] is chunked_local"):
+    with pytest.raises(InvalidArgument, match=r"config.groups\[0\].replicated = False: .*dcp_world_size 2.* "
+                                              r"a chunked_local group must be replicated"):
         client.register_pool("dcp-chunked", KVCacheConfig(16, [ChunkedLocalAttentionSpec(16, 32)]), 256,
                              dcp_world_size=2)
     replicated = KVCacheConfig(16, [FullAttentionSpec(16), SlidingWindowSpec(16, 24, dcp_sharded=False)])
     client.register_pool("dcp-window", replicated, 256, dcp_world_size=2)
+    chunked = KVCacheConfig(16, [ChunkedLocalAttentionSpec(16, 32, dcp_sharded=False)])
+    client.register_pool("dcp-chunked-replicated", chunked, 256, dcp_world_size=2)
     pools = client.get_stats().pools
-    assert "dcp-window" in pools and "dcp-sharded-window" not in pools and "dcp-chunked" not in pools
+    assert "dcp-window" in pools and "dcp-chunked-replicated" in pools
+    assert "dcp-sharded-window" not in pools and "dcp-chunked" not in pools
