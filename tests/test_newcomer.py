@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvservice.client import AsyncKVServiceClient, KVServiceClient
-from kvservice.errors import Unauthenticated
+from kvservice.errors import Unauthenticated, Unavailable
 from kvservice.launch import start_serve, wait_ready
 from kvservice.ops import AddRequestOp, AllocateOp
 from tests.external_helpers import Publisher, chain, stored, wait_for
@@ -60,7 +60,11 @@ def leader_epoch(data: Path, tmp_path: Path) -> int:
     server = start_server("--data-dir", str(data), persistence=True, log_dir=tmp_path)
     try:
         with server.client() as c:
-            return c.get_stats().leader_epoch
+            try:
+                return c.get_stats().leader_epoch
+            except Unavailable as exc:  # seen once in a full run, never alone: say what the server was doing
+                raise AssertionError(f"{server.target} (exit status {server.proc.poll()}): {exc}; its log:\n"
+                                     f"{server.log.read_text()[-3000:]}") from exc
     finally:
         server.stop()
 
