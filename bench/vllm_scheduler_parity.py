@@ -74,8 +74,7 @@ def main() -> int:
                 except Exception as exc:  # a differing output, or PoolDiverged
                     failures.append(str(exc)[:300])
                     continue
-                for name in ("steps", "preemptions", "hits", "chunked", "n_gt_1", "rpcs", "copies"):
-                    setattr(totals, name, getattr(totals, name) + getattr(out, name))
+                totals.add(out)
             identical = args.workloads - len(failures)
             data[mode.name] = {"workloads": args.workloads, "identical": identical, "steps": totals.steps,
                                "preemptions": totals.preemptions, "prefix_hits": totals.hits,

@@ -19,6 +19,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 import pytest  # noqa: E402
 
+from tests.redis_helpers import RedisServer  # noqa: E402
 from tests.service_helpers import SMALL_HASH_BLOCK, start_server  # noqa: E402
 
 
@@ -28,6 +29,13 @@ def server(tmp_path_factory):
     proc = start_server(log_dir=tmp_path_factory.mktemp("server"))
     yield proc
     proc.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    """One Redis per test module that fsyncs every write (a module may define its own instead)."""
+    with RedisServer(tmp_path_factory.mktemp("redis"), appendfsync="always") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -12,18 +12,9 @@ from kvservice._proto import allocator_pb2 as pb
 from kvservice.core import FullAttentionSpec, KVCacheConfig
 from kvservice.errors import Code, KVServiceError, Unavailable
 from kvservice.ops import AddRequestOp, AdmitBatchOp, AllocateOp, ForkOp, FreeOp, OpStatus
-from tests.redis_helpers import RedisServer
 from tests.service_helpers import start_server
 
 CONFIG = KVCacheConfig(257, [FullAttentionSpec(16)])
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis"), appendfsync="always")
-    server.start()
-    yield server
-    server.stop()
 
 
 _STARTED = []

@@ -4,24 +4,13 @@ layout: a prefill checkpoint block, speculative blocks), come back from a snapsh
 
 import time
 
-import pytest
-
 from kvservice.commands import VllmOptions
 from kvservice.core import FullAttentionSpec, KVCacheConfig, MambaSpec, Request
 from kvservice.hashing import HashSpec
 from kvservice.ops import AddRequestOp, AllocateOp, FreeOp, NewStepOp, OpStatus
-from tests.redis_helpers import RedisServer
 from tests.test_persistence import _stop_started_servers, allocator, digest, kill  # noqa: F401 (an autouse fixture)
 from tests.test_vllm_group_kinds_wire import decode_steps
 from tests.test_vllm_mamba_wire import Pair
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis"), appendfsync="always")
-    server.start()
-    yield server
-    server.stop()
 
 
 def test_a_mamba_pools_step_under_way_survives_a_restart(redis_server, tmp_path):

@@ -22,7 +22,6 @@ from kvservice.ops import (
     TakeBlockCopiesOp,
     TouchBlocksOp,
 )
-from tests.redis_helpers import RedisServer
 from tests.test_persistence import _stop_started_servers, allocator, kill  # noqa: F401 (an autouse fixture)
 from tests.test_vllm_mamba_wire import BS, MAX_LEN, SPEC, Pair
 
@@ -184,14 +183,6 @@ def test_only_a_vllm_pool_takes_held_block_ops(client, request):
     client.register_pool(pool_id, KVCacheConfig(16, [FullAttentionSpec(BS)]), max_model_len=MAX_LEN, hash_spec=SPEC)
     with pytest.raises(InvalidArgument, match="only a pool registered with vllm options"):
         client.step(pool_id, [GetNewBlocksOp(1)])
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis"), appendfsync="always")
-    server.start()
-    yield server
-    server.stop()
 
 
 @pytest.mark.parametrize("snapshot", [True, False], ids=["snapshot", "wal"])

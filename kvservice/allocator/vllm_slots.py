@@ -64,26 +64,19 @@ class VllmSlots:
         held = pool.manager.held
         kind = type(op)
         if kind is GetNewBlocksOp:
-            if op.num_blocks > pool.manager.block_pool.get_num_free_blocks():
-                return OpResult("", OpStatus.NO_SPACE, f"pool {pool.pool_id!r} has "
-                                                       f"{pool.manager.block_pool.get_num_free_blocks()} free blocks, "
+            free = pool.manager.block_pool.get_num_free_blocks()
+            if op.num_blocks > free:
+                return OpResult("", OpStatus.NO_SPACE, f"pool {pool.pool_id!r} has {free} free blocks, "
                                                        f"not {op.num_blocks}")
             return OpResult("", new_block_ids=(held.get_new_blocks(op.num_blocks),))
-        if kind is TouchBlocksOp:
-            try:
-                held.touch(op.block_ids)
-            except ValueError as exc:
-                return OpResult("", OpStatus.FAILED_PRECONDITION, f"pool {pool.pool_id!r}: {exc}")
-            return OpResult("")
-        if kind is FreeHeldBlocksOp:
-            try:
-                held.free(op.block_ids)
-            except ValueError as exc:
-                return OpResult("", OpStatus.FAILED_PRECONDITION, f"pool {pool.pool_id!r}: {exc}")
-            return OpResult("")
         ids = op.block_ids
         try:
-            pool.manager.take_held_block_copies(list(zip(ids[::2], ids[1::2])))
+            if kind is TouchBlocksOp:
+                held.touch(ids)
+            elif kind is FreeHeldBlocksOp:
+                held.free(ids)
+            else:
+                pool.manager.take_held_block_copies(list(zip(ids[::2], ids[1::2])))
         except ValueError as exc:
             return OpResult("", OpStatus.FAILED_PRECONDITION, f"pool {pool.pool_id!r}: {exc}")
         return OpResult("")

@@ -14,19 +14,13 @@ from kvservice.hashing import HASH_BYTES, MultiModalItem
 from kvservice.ops import (
     AddRequestOp,
     AllocateOp,
-    EvictBlocksOp,
     ExternalSource,
     ForkOp,
-    FreeHeldBlocksOp,
     FreeOp,
-    GetNewBlocksOp,
     NewStepOp,
     Op,
     PinOp,
-    RemoveSkippedBlocksOp,
     ResetPrefixCacheOp,
-    TakeBlockCopiesOp,
-    TouchBlocksOp,
     UnpinOp,
 )
 from kvservice.wire.batches import decode_admit, decode_allocate_batch, decode_batch
@@ -45,6 +39,7 @@ from kvservice.wire.fields import (
 )
 from kvservice.wire.limits import MAX_MODEL_LEN, MAX_OPS_PER_STEP
 from kvservice.wire.pool_spec import decode_pool_spec
+from kvservice.wire.vllm_ops import decode_evict, decode_held, decode_remove_skipped
 
 STEP_REQUESTS = {StepRpc.STEP: pb.StepRequest, StepRpc.ALLOCATE: pb.AllocateRequest, StepRpc.FREE: pb.FreeRequest,
                  StepRpc.FORK: pb.ForkRequest}
@@ -307,52 +302,6 @@ def _decode_vllm_fields(a: pb.AllocateOp, op: AllocateOp, max_len: int, vllm: bo
     op.has_scheduled_reqs, op.cache_tokens = a.has_scheduled_reqs, cache
     op.num_external_computed_tokens, op.num_encoder_tokens, op.max_cache_hit_length = external, encoder, cap
     op.connector_lookup = a.connector_lookup
-
-
-def decode_evict(e: pb.EvictBlocksOp, spec: PoolSpec, vllm: bool, field: str) -> EvictBlocksOp:
-    """vLLM's evict_blocks: block ids of the pool (the null block and ids past it refused)."""
-    if not vllm:
-        raise InvalidArgument(field, "...", "only a pool registered with vllm options takes it (vLLM's evict_blocks)")
-    ids = list(e.block_ids)
-    check_count(f"{field}.block_ids", len(ids), spec.config.num_blocks)
-    bad = next((b for b in ids if not 0 < b < spec.config.num_blocks), None)
-    if bad is not None:
-        raise InvalidArgument(f"{field}.block_ids", bad, f"must be in [1, {spec.config.num_blocks - 1}] (block 0 is "
-                                                         f"the null block)")
-    return EvictBlocksOp(ids)
-
-
-def decode_held(op: pb.Op, kind: str, spec: PoolSpec, vllm: bool,
-                field: str) -> TakeBlockCopiesOp | GetNewBlocksOp | TouchBlocksOp | FreeHeldBlocksOp:
-    """The ops of blocks a vLLM scheduler holds outside requests: copy retentions, direct takes and touches."""
-    if not vllm:
-        raise InvalidArgument(field, "...", "only a pool registered with vllm options takes it (blocks a vLLM "
-                                            "scheduler holds outside its requests)")
-    num_blocks = spec.config.num_blocks
-    if kind == "get_new_blocks":
-        return GetNewBlocksOp(check_count(f"{field}.num_blocks", op.get_new_blocks.num_blocks, num_blocks))
-    ids = list(getattr(op, kind).block_ids)
-    check_count(f"{field}.block_ids", len(ids), 2 * num_blocks)
-    if kind == "take_block_copies" and len(ids) % 2:
-        raise InvalidArgument(f"{field}.block_ids", len(ids), "must be (src, dst) pairs: an even count")
-    bad = next((b for b in ids if not 0 < b < num_blocks), None)
-    if bad is not None:
-        raise InvalidArgument(f"{field}.block_ids", bad, f"must be in [1, {num_blocks - 1}] (block 0 is the null "
-                                                         f"block)")
-    if kind == "take_block_copies":
-        return TakeBlockCopiesOp(ids)
-    return TouchBlocksOp(ids) if kind == "touch_blocks" else FreeHeldBlocksOp(ids)
-
-
-def decode_remove_skipped(r: pb.RemoveSkippedBlocksOp, spec: PoolSpec, vllm: bool,
-                          field: str) -> RemoveSkippedBlocksOp:
-    """vLLM's remove_skipped_blocks outside an allocation: a request id and a processed-token count."""
-    if not vllm:
-        raise InvalidArgument(field, "...", "only a pool registered with vllm options takes it (vLLM's "
-                                            "remove_skipped_blocks)")
-    request_id = check_id(f"{field}.request_id", r.request_id)
-    num = check_count(f"{field}.processed_computed_tokens", r.processed_computed_tokens, spec.max_model_len)
-    return RemoveSkippedBlocksOp(request_id, num)
 
 
 def decode_external(e: pb.ExternalSource, max_len: int, field: Field) -> ExternalSource:

@@ -54,10 +54,11 @@ def decode_config(msg: pb.KVCacheConfig, field: str = "config") -> tuple[KVCache
             raise InvalidArgument(g, "{}", "set one of full_attention, sliding_window, chunked_local, mamba, "
                                            "cross_attention, sink_full_attention, rswa, circular_buffer")
         sub = getattr(group, kind)
+        sharded = not group.replicated  # (under DCP; sliding windows and Mamba are replicated by their kind)
         if sub.block_size == 0 or sub.block_size > MAX_BLOCK_SIZE:
             raise InvalidArgument(f"{g}.{kind}.block_size", sub.block_size, f"must be in [1, {MAX_BLOCK_SIZE}]")
         if kind == "full_attention":
-            specs.append(FullAttentionSpec(sub.block_size, dcp_sharded=not group.replicated))
+            specs.append(FullAttentionSpec(sub.block_size, dcp_sharded=sharded))
         elif kind == "sliding_window":
             if sub.sliding_window == 0:
                 raise InvalidArgument(f"{g}.sliding_window.sliding_window", 0, "must be positive")
@@ -69,23 +70,22 @@ def decode_config(msg: pb.KVCacheConfig, field: str = "config") -> tuple[KVCache
         elif kind == "chunked_local":
             if sub.attention_chunk_size == 0:
                 raise InvalidArgument(f"{g}.chunked_local.attention_chunk_size", 0, "must be positive")
-            specs.append(ChunkedLocalAttentionSpec(sub.block_size, sub.attention_chunk_size,
-                                                   dcp_sharded=not group.replicated))
+            specs.append(ChunkedLocalAttentionSpec(sub.block_size, sub.attention_chunk_size, dcp_sharded=sharded))
         elif kind == "cross_attention":
-            specs.append(CrossAttentionSpec(sub.block_size, dcp_sharded=not group.replicated))
+            specs.append(CrossAttentionSpec(sub.block_size, dcp_sharded=sharded))
         elif kind == "sink_full_attention":
             if sub.sink_len == 0 or sub.sink_len % sub.block_size or sub.sink_len > MAX_MODEL_LEN:
                 raise InvalidArgument(f"{g}.sink_full_attention.sink_len", sub.sink_len,
                                       f"must be a positive multiple of the block size {sub.block_size}, at most "
                                       f"{MAX_MODEL_LEN}")
-            specs.append(SinkFullAttentionSpec(sub.block_size, sink_len=sub.sink_len, dcp_sharded=not group.replicated))
+            specs.append(SinkFullAttentionSpec(sub.block_size, sink_len=sub.sink_len, dcp_sharded=sharded))
         elif kind == "rswa":
             if sub.rswa_window == 0:
                 raise InvalidArgument(f"{g}.rswa.rswa_window", 0, "must be positive")
             check_count(f"{g}.rswa.rswa_window", sub.rswa_window, MAX_MODEL_LEN)
-            specs.append(RSWASpec(sub.block_size, rswa_window=sub.rswa_window, dcp_sharded=not group.replicated))
+            specs.append(RSWASpec(sub.block_size, rswa_window=sub.rswa_window, dcp_sharded=sharded))
         elif kind == "circular_buffer":
-            specs.append(CircularBufferSpec(sub.block_size, dcp_sharded=not group.replicated))
+            specs.append(CircularBufferSpec(sub.block_size, dcp_sharded=sharded))
         else:
             mode = sub.mamba_cache_mode or "align"
             if mode not in ("align", "none", "all"):

@@ -334,6 +334,14 @@ class Outcome:
     stock_s: list[float] = field(default_factory=list)
     remote_s: list[float] = field(default_factory=list)
 
+    COUNTS = ("steps", "preemptions", "hits", "chunked", "n_gt_1", "rpcs", "copies")
+
+    def add(self, other: Outcome) -> Outcome:
+        """Adds `other`'s counts to these (the timings stay each run's own); returns self."""
+        for name in self.COUNTS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        return self
+
 
 def check_pool(scheduler, where: str) -> None:
     """The pool equals the scheduler's replica once its Steps are in: the free and the cached blocks, and
@@ -353,6 +361,17 @@ def check_pool(scheduler, where: str) -> None:
         assert info.block_ids == m.get_block_ids(request_id), f"{where}: request {request_id!r}"
         lag = scheduler.requests[request_id].num_tokens - info.num_tokens
         assert 0 <= lag <= scheduler.block_size, f"{where}: request {request_id!r} lags {lag} tokens"
+
+
+def run_seeds(mode: Mode, config: VllmConfig, address: str, pool_prefix: str, num_seeds: int,
+              settings: dict | None = None) -> Outcome:
+    """`run_pair` on random workloads of 100 steps, seeds 0 .. num_seeds - 1 (pools `{pool_prefix}-{seed}`):
+    their counts summed."""
+    totals = Outcome()
+    for seed in range(num_seeds):
+        totals.add(run_pair(Workload.random(seed, num_steps=100), mode, config, address, f"{pool_prefix}-{seed}",
+                            settings))
+    return totals
 
 
 def run_pair(workload: Workload, mode: Mode, config: VllmConfig, address: str, pool_id: str,

@@ -72,8 +72,7 @@ def test_schedules_equal_the_stock_scheduler(server, model_dir, mode):
         out = h.run_pair(workload, mode, config, server.target, f"parity-{mode.async_scheduling:d}"
                                                                  f"{mode.full_sequence_gate:d}-{seed}")
         assert out.rpcs <= out.steps  # one Step per scheduler step at most (none when nothing changed)
-        for name in ("steps", "preemptions", "hits", "chunked", "n_gt_1", "rpcs"):
-            setattr(totals, name, getattr(totals, name) + getattr(out, name))
+        totals.add(out)
     # The workloads exercise what the parity claims: preemption, prefix hits, chunked prefill, n > 1.
     assert totals.preemptions > 10 and totals.hits > 50 and totals.chunked > 20 and totals.n_gt_1 > 20, totals
 
@@ -84,12 +83,9 @@ def test_steps_coalesced_within_step_interval_ms(server, model_dir, mode):
     schedules stay the stock scheduler's, and the pool equals the replica at every check (check_pool sends
     what waits, every 10 steps)."""
     config = h.make_vllm_config(model_dir, mode)
-    steps = rpcs = 0
-    for seed in range(6):
-        out = h.run_pair(h.Workload.random(seed, num_steps=100), mode, config, server.target,
-                         f"coalesced-{mode.async_scheduling:d}-{seed}", {"step_interval_ms": 60_000})
-        steps, rpcs = steps + out.steps, rpcs + out.rpcs
-    assert steps > 300 and rpcs <= steps // 5, (steps, rpcs)
+    totals = h.run_seeds(mode, config, server.target, f"coalesced-{mode.async_scheduling:d}", 6,
+                         {"step_interval_ms": 60_000})
+    assert totals.steps > 300 and totals.rpcs <= totals.steps // 5, totals
 
 
 @pytest.mark.parametrize("interval_ms, retention", [(0, None), (60_000, None), (0, 0)],
@@ -103,12 +99,8 @@ def test_a_hybrid_mamba_model_schedules_as_stock_however_steps_fall_into_rpcs(se
     pool hears it with the admission."""
     mode = h.Mode(mamba=True, retention=retention)
     config = h.make_vllm_config(model_dir, mode)
-    totals = h.Outcome()
-    for seed in range(4):
-        out = h.run_pair(h.Workload.random(seed, num_steps=100), mode, config, server.target,
-                         f"mamba-{interval_ms}-{retention}-{seed}", {"step_interval_ms": interval_ms})
-        totals.steps, totals.hits, totals.rpcs = (totals.steps + out.steps, totals.hits + out.hits,
-                                                  totals.rpcs + out.rpcs)
+    totals = h.run_seeds(mode, config, server.target, f"mamba-{interval_ms}-{retention}", 4,
+                         {"step_interval_ms": interval_ms})
     assert totals.hits > 20 and totals.rpcs <= (totals.steps if interval_ms == 0 else totals.steps // 3), totals
 
 
@@ -119,12 +111,7 @@ def test_mamba_prefill_checkpoints_and_speculative_blocks_schedule_as_stock(serv
     """vLLM's Mamba2 layers in "align" mode: a checkpoint block a prefill chunk exports an interior state into
     and, under speculative decoding, a scratch block per draft token, relocated as drafts are accepted."""
     config = h.make_vllm_config(model_dir, mode)
-    totals = h.Outcome()
-    for seed in range(4):
-        out = h.run_pair(h.Workload.random(seed, num_steps=100), mode, config, server.target,
-                         f"mamba-ckpt-{mode.spec_tokens}-{seed}")
-        totals.steps, totals.hits, totals.rpcs = (totals.steps + out.steps, totals.hits + out.hits,
-                                                  totals.rpcs + out.rpcs)
+    totals = h.run_seeds(mode, config, server.target, f"mamba-ckpt-{mode.spec_tokens}", 4)
     assert totals.hits > 20 and totals.rpcs <= totals.steps, totals
 
 
@@ -140,12 +127,7 @@ def test_sub_block_prefix_hits_and_their_copies_schedule_as_stock(sub_block_serv
     inside a block, whose shared tail the manager redirects to a private copy. The scheduler takes the step's
     copies and frees both ends once the step that copies is processed; the pool holds them as long."""
     config = h.make_vllm_config(model_dir, mode)
-    totals = h.Outcome()
-    for seed in range(4):
-        out = h.run_pair(h.Workload.random(seed, num_steps=100), mode, config, sub_block_server.target,
-                         f"sub-block-{mode.name}-{seed}")
-        totals.steps, totals.copies, totals.rpcs = (totals.steps + out.steps, totals.copies + out.copies,
-                                                    totals.rpcs + out.rpcs)
+    totals = h.run_seeds(mode, config, sub_block_server.target, f"sub-block-{mode.name}", 4)
     assert totals.copies > 20 and totals.rpcs <= totals.steps, totals
 
 
@@ -158,12 +140,7 @@ def test_context_parallel_schedules_as_stock(dcp_server, model_dir, mode):
     Mamba group replicated beside them; prefill context parallelism, which vLLM's scheduler keeps out of its
     KV-cache manager (pcp_world_size 1), as this one does."""
     config = h.make_vllm_config(model_dir, mode)
-    totals = h.Outcome()
-    for seed in range(3):
-        out = h.run_pair(h.Workload.random(seed, num_steps=100), mode, config, dcp_server.target,
-                         f"cp-{mode.name}-{seed}")
-        totals.steps, totals.hits, totals.rpcs = (totals.steps + out.steps, totals.hits + out.hits,
-                                                  totals.rpcs + out.rpcs)
+    totals = h.run_seeds(mode, config, dcp_server.target, f"cp-{mode.name}", 3)
     assert totals.hits > 10 and totals.rpcs <= totals.steps, totals
 
 
@@ -227,11 +204,7 @@ def test_rswa_and_circular_buffer_groups_schedule_as_stock(server, model_dir, mo
     and the window each step) or a circular buffer (one block a request, never cached); the pool frees
     and holds what the replica does."""
     config = h.make_vllm_config(model_dir, mode)
-    totals = h.Outcome()
-    for seed in range(4):
-        out = h.run_pair(h.Workload.random(seed, num_steps=100), mode, config, server.target,
-                         f"{mode.extra}-{mode.async_scheduling:d}-{seed}")
-        totals.steps, totals.rpcs = totals.steps + out.steps, totals.rpcs + out.rpcs
+    totals = h.run_seeds(mode, config, server.target, f"{mode.extra}-{mode.async_scheduling:d}", 4)
     assert totals.steps > 200 and totals.rpcs <= totals.steps, totals
 
 
