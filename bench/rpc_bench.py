@@ -37,6 +37,7 @@ import grpc  # noqa: E402
 from bench.common import bar_plot, median, percentile, table, write_json  # noqa: E402
 from kvservice._proto import allocator_pb2 as pb  # noqa: E402
 from kvservice.client import KVServiceClient  # noqa: E402
+from kvservice.client.routing import channel_options  # noqa: E402
 from kvservice.core import FullAttentionSpec, KVCacheConfig, KVCacheManager, Request  # noqa: E402
 from kvservice.core.fast_path import PackedRows  # noqa: E402
 from kvservice.launch import wait_ready  # noqa: E402
@@ -214,8 +215,7 @@ def rpc_admit(client: KVServiceClient, bare: BareCore, prompts, s: int,
 
 
 def channel(target: str) -> grpc.Channel:
-    return grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 << 20),
-                                                  ("grpc.max_send_message_length", 64 << 20)])
+    return grpc.insecure_channel(target, options=channel_options())
 
 
 class Echo:

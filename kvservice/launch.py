@@ -65,6 +65,18 @@ class ServeProcess:
     def port(self) -> int:
         return int(self.target.rsplit(":", 1)[1])
 
+    def exited(self) -> str | None:
+        """None while it runs; else how it ended ("exit code 0", "killed by SIGKILL") and its log's last line."""
+        code = self.proc.poll()
+        if code is None:
+            return None
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        last = ""
+        if self.log is not None and self.log.exists():
+            lines = self.log.read_text(errors="replace").strip().splitlines()
+            last = f"; its log ends: {lines[-1]}" if lines else "; its log is empty"
+        return f"pid {self.proc.pid} {how}{last}"
+
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> int | None:
         """Signals the process (SIGTERM: a clean stop) and waits; kills it after `timeout_s`."""
         if self.proc.poll() is None:

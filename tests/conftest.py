@@ -28,7 +28,9 @@ def server(tmp_path_factory):
     """One plain allocator process per test module (auth off, default settings)."""
     proc = start_server(log_dir=tmp_path_factory.mktemp("server"))
     yield proc
+    ended = proc.exited()
     proc.stop()
+    assert ended is None, f"the module's server ended before the module did: {ended}"
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +46,9 @@ def small_hash_server(tmp_path_factory):
     tests' pools)."""
     proc = start_server("--hash-block-size", str(SMALL_HASH_BLOCK), log_dir=tmp_path_factory.mktemp("small-hash"))
     yield proc
+    ended = proc.exited()
     proc.stop()
+    assert ended is None, f"the module's server ended before the module did: {ended}"
 
 
 @pytest.fixture

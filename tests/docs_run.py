@@ -126,7 +126,8 @@ class PageRun:
             if self.server is not None:
                 raise AssertionError(f"{block.where}: a second `kvservice serve` on one page")
             self.server = start_serve([*args[1:], "--port", "0", "--data-dir", str(self.workdir / "kvservice-data")],
-                                      cwd=self.workdir, env=self.env(), death_signal=signal.SIGKILL, quiet=True)
+                                      cwd=self.workdir, env=self.env(), death_signal=signal.SIGKILL,
+                                      log=self.workdir / "kvservice-serve.log")
             return ""
         if cmd in ("status", "shards") and "--target" not in args and self.server is not None:
             args = [*args, "--target", self.server.target]

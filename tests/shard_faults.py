@@ -16,12 +16,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-
 from kvservice._proto import allocator_pb2 as pb
 from kvservice.cli import main as cli_main
 from kvservice.client import KVServiceClient
-from kvservice.client.routing import make_stub
+from kvservice.client.routing import make_stub, open_channel
 from kvservice.core import FullAttentionSpec, KVCacheConfig
 from kvservice.errors import KVServiceError
 from kvservice.ops import AddRequestOp, AllocateOp, FreeOp, OpStatus
@@ -68,7 +66,7 @@ class Shard:
 
     def call(self, method: str, request, timeout_s: float = 60.0):
         """One RPC to this shard only (no routing, no redirects)."""
-        with grpc.insecure_channel(self.target) as channel:
+        with open_channel(self.target) as channel:
             return getattr(make_stub(channel), method)(request, timeout=timeout_s)
 
     def pools(self) -> dict[str, pb.PoolStats]:

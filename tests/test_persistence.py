@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from kvservice._proto import allocator_pb2 as pb
+from kvservice.client.routing import open_channel
 from kvservice.core import FullAttentionSpec, KVCacheConfig
 from kvservice.errors import Code, KVServiceError, Unavailable
 from kvservice.ops import AddRequestOp, AdmitBatchOp, AllocateOp, ForkOp, FreeOp, OpStatus
@@ -273,7 +274,7 @@ def test_a_second_allocator_fences_the_first(redis_server, tmp_path):
             time.sleep(0.1)
     assert info.value.code in (Code.UNAVAILABLE,)
     assert first.proc.wait(15) == 3  # a fenced allocator exits
-    with grpc.insecure_channel(second.target) as ch:
+    with open_channel(second.target) as ch:
         status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
         assert status == health_pb2.HealthCheckResponse.SERVING
     with pytest.raises(KVServiceError):

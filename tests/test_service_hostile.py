@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from kvservice._proto import allocator_pb2 as pb
 from kvservice._proto import allocator_pb2_grpc as pb_grpc
+from kvservice.client.routing import open_channel
 from kvservice.ops import AddRequestOp, AllocateOp
 from tests.service_helpers import small_config, start_server
 
@@ -27,7 +28,7 @@ def env(tmp_path_factory):
     client.register_pool(POOL, small_config(64, 16), max_model_len=256, vocab_size=1000)
     client.step(POOL, [AddRequestOp("held", token_ids=list(range(40))), AllocateOp("held", num_new_tokens=40),
                        AddRequestOp("waiting", token_ids=[1, 2, 3])])
-    channel = grpc.insecure_channel(proc.target)
+    channel = open_channel(proc.target)
     yield proc, client, pb_grpc.AllocatorStub(channel), channel
     channel.close()
     client.close()

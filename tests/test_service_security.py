@@ -12,6 +12,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from kvservice.client.routing import open_channel
 from kvservice.errors import Code, InvalidArgument, KVServiceError, PermissionDenied, Unauthenticated, Unavailable
 from kvservice.ops import AddRequestOp, AllocateOp, OpStatus
 from tests.service_helpers import small_config, start_server
@@ -46,7 +47,7 @@ def test_missing_and_wrong_tokens_are_unauthenticated(secured):
 def test_health_and_reflection_are_exempt(secured):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-    with grpc.insecure_channel(secured.target) as channel:
+    with open_channel(secured.target) as channel:
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
@@ -233,7 +234,7 @@ def test_requests_per_session_limit(tmp_path):
 def test_every_rpc_requires_a_token(secured):
     """Not just a few: every method of the service answers UNAUTHENTICATED without a valid token."""
     from kvservice._proto import allocator_pb2 as pb
-    with grpc.insecure_channel(secured.target) as channel:
+    with open_channel(secured.target) as channel:
         for method in pb.DESCRIPTOR.services_by_name["Allocator"].methods:
             request = method.input_type._concrete_class().SerializeToString()
             path = f"/kvservice.v1.Allocator/{method.name}"

@@ -21,6 +21,7 @@ from kvservice._proto import allocator_pb2 as pb
 from kvservice._proto import allocator_pb2_grpc as pb_grpc
 from kvservice.allocator.pins import no_such_pin
 from kvservice.client import KVServiceClient
+from kvservice.client.routing import open_channel
 from kvservice.core import FullAttentionSpec, KVCacheConfig
 from kvservice.errors import AlreadyExists, NotFound
 from kvservice.hashing import spec_fingerprint
@@ -185,7 +186,7 @@ class Raw:
     """One shard's stub with one tenant's token (no client-side routing: what that shard itself answers)."""
 
     def __init__(self, address: str, token: str) -> None:
-        self.channel = grpc.insecure_channel(address)
+        self.channel = open_channel(address)
         self.stub = pb_grpc.AllocatorStub(self.channel)
         self.md = (("authorization", f"Bearer {token}"),)
         self.session = self.stub.OpenSession(pb.OpenSessionRequest(client_name="raw"), metadata=self.md,

@@ -20,7 +20,14 @@ from typing import Any
 import grpc
 
 from kvservice._proto import allocator_pb2 as pb
-from kvservice.client.routing import SERVICE_NAME, Conn, ConnectionReplaced, Shards, channel_credentials
+from kvservice.client.routing import (
+    SERVICE_NAME,
+    Conn,
+    ConnectionReplaced,
+    Shards,
+    channel_credentials,
+    channel_options,
+)
 from kvservice.commands import VllmOptions
 from kvservice.core import KVCacheConfig
 from kvservice.errors import InvalidArgument, KVServiceError
@@ -88,8 +95,7 @@ class ClientBase:
                heartbeat: bool = True, failover_timeout_s: float = 15.0, fan_out_grace_s: float = 0.5) -> None:
         """`grpc_module` is grpc (blocking) or grpc.aio; `target` any shard (or the only allocator), or several
         comma-separated addresses (an allocator and its standbys)."""
-        options = [("grpc.max_receive_message_length", max_message_bytes),
-                   ("grpc.max_send_message_length", max_message_bytes)]
+        options = channel_options(max_message_bytes)
         if tls_ca or tls_cert:
             creds = channel_credentials(tls_ca, tls_cert, tls_key)
             make = lambda address: grpc_module.secure_channel(address, creds, options)

@@ -35,6 +35,28 @@ def channel_credentials(tls_ca: str | None, tls_cert: str | None, tls_key: str |
     return grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
 
 
+def channel_options(max_message_bytes: int = 64 * 1024 * 1024) -> list[tuple[str, int]]:
+    """The options of every channel to an allocator.
+
+    `use_local_subchannel_pool`: by default gRPC shares one connection (subchannel) per address among all the
+    channels of a process, with its reconnect backoff. A channel to an allocator that stopped keeps backing
+    off (up to 2 minutes), and a *new* channel to a new allocator that was given the same port (a restart, or
+    port 0 handing out the port again) inherited that state: its first call failed at once with the dead
+    server's "Connection refused" although the new one was serving. Each channel now has its own.
+    The backoff cap: a client whose allocator restarts reconnects within a second or two, not minutes.
+    """
+    return [("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.use_local_subchannel_pool", 1),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 2000)]
+
+
+def open_channel(address: str) -> grpc.Channel:
+    """A plain (insecure) blocking channel with `channel_options()`: for probes and tests."""
+    return grpc.insecure_channel(address, channel_options())
+
 
 class ConnectionReplaced(grpc.RpcError):
     """A call's channel was closed under it: another thread (a map refresh) swapped in the shard's new

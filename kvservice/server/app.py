@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import gc
 import logging
+import os
 import signal
 import time
 from pathlib import Path
@@ -64,6 +66,7 @@ class AllocatorServer:
         self.embedded = None  # EmbeddedRedis, when this server started its own
         self.stopped = asyncio.Event()
         self.exit_code = 0
+        self.stop_reason = ""  # why it stopped, logged on the way out (a signal, fencing)
         self.feeds: Feeds | None = None  # external pools' subscriptions (start_external)
         self._persistence_health: PersistenceState | None = None
 
@@ -140,6 +143,7 @@ class AllocatorServer:
         """A newer allocator took over: go NOT_SERVING and exit (never serve from memory)."""
         logger.critical("fenced (%s): going NOT_SERVING and exiting", message)
         self.exit_code = 3
+        self.stop_reason = f"fenced by a newer allocator ({message})"
         asyncio.get_running_loop().create_task(self._fence_shutdown())
 
     async def _fence_shutdown(self) -> None:
@@ -252,7 +256,7 @@ def attach_sharding(server: AllocatorServer, url: str) -> None:
         server.servicer.sharding = ShardRouter(ShardMapStore(url, config.redis_namespace), config.shard_id)
 
 
-async def _serve_standby(config: ServerSettings, ready_line: bool) -> int:
+async def _serve_standby(config: ServerSettings, ready_line: bool) -> tuple[int, str]:
     """A hot standby: follows the leader's WAL, answers only GetShardMap (and health: NOT_SERVING), and takes
     over (a new epoch, the old leader fenced) once the leader's lease has lapsed for a whole lease."""
     from kvservice.store.follower import Follower
@@ -270,16 +274,14 @@ async def _serve_standby(config: ServerSettings, ready_line: bool) -> int:
         await server.set_serving(False)
         if ready_line:
             print(f"{READY_PREFIX}{config.host}:{port}", flush=True)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, server.stopped.set)
+        stop_on_signals(server)
         stopping = asyncio.create_task(server.stopped.wait())
         while True:
             following = asyncio.create_task(follower.follow_until_lapse(config.leader_lease_s))
             await asyncio.wait([following, stopping], return_when=asyncio.FIRST_COMPLETED)
             if server.stopped.is_set():
                 following.cancel()
-                return server.exit_code
+                return server.exit_code, server.stop_reason or "stopped"
             started = time.monotonic()
             epoch = await store.take_over()
             if epoch:
@@ -302,7 +304,7 @@ async def _serve_standby(config: ServerSettings, ready_line: bool) -> int:
     finally:
         await server.stop()
         await store.close()
-    return server.exit_code
+    return server.exit_code, server.stop_reason or "stopped"
 
 
 def advertised_address(config: ServerSettings, port: int) -> str:
@@ -361,15 +363,40 @@ def preflight(config: ServerSettings) -> DataDirLock | None:
 async def serve(config: ServerSettings, ready_line: bool = True) -> int:
     """Runs until SIGINT/SIGTERM (exit 0) or until fenced by a newer allocator (exit 3)."""
     gc.set_threshold(*GC_THRESHOLDS)
+    faulthandler.enable()  # a fatal signal (SIGSEGV, SIGABRT, ...) leaves the stacks in the log
     lock = preflight(config)
+    code, reason = 1, "an error (its traceback follows)"
     try:
-        return await _serve(config, ready_line)
+        code, reason = await _serve(config, ready_line)
+        return code
+    except asyncio.CancelledError:
+        reason = "cancelled"
+        raise
     finally:
         if lock is not None:
             lock.release()
+        logger.warning("kvservice serve (pid %d) exits with code %d: %s", os.getpid(), code, reason)
 
 
-async def _serve(config: ServerSettings, ready_line: bool) -> int:
+# Signals that end the server, each logged with its name: a server must never vanish without a word (only
+# SIGKILL is beyond its reach; whoever started it sees -9 as its exit status).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def stop_on_signals(server: AllocatorServer) -> None:
+    loop = asyncio.get_running_loop()
+
+    def stop(sig: signal.Signals) -> None:
+        if not server.stop_reason:
+            server.stop_reason = f"received {sig.name}"
+        logger.warning("kvservice serve (pid %d): %s; stopping", os.getpid(), sig.name)
+        server.stopped.set()
+
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, stop, sig)
+
+
+async def _serve(config: ServerSettings, ready_line: bool) -> tuple[int, str]:
     if config.standby:
         return await _serve_standby(config, ready_line)
     server = await build_server(config)
@@ -381,10 +408,8 @@ async def _serve(config: ServerSettings, ready_line: bool) -> int:
         await server.start_external()
         if ready_line:
             print(f"{READY_PREFIX}{config.host}:{port}", flush=True)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, server.stopped.set)
+        stop_on_signals(server)
         await server.stopped.wait()
     finally:
         await server.stop()
-    return server.exit_code
+    return server.exit_code, server.stop_reason or "stopped"

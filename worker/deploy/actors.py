@@ -95,8 +95,10 @@ class AllocatorActor:
             return "running, TLS on"
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        from kvservice.client.routing import open_channel
         try:
-            with grpc.insecure_channel(f"127.0.0.1:{self.serve.port}") as channel:
+            with open_channel(f"127.0.0.1:{self.serve.port}") as channel:
                 reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
         except grpc.RpcError as exc:
             return f"unreachable: {exc.code().name}"
