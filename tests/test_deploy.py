@@ -120,6 +120,23 @@ def test_deploy_stores_puts_a_kv_block_store_on_every_node(up, config, tmp_path_
     config.stores = False
 
 
+def test_deploy_stores_take_the_allocators_block_size(cluster, tmp_path):
+    """An allocator hashing 32-token blocks: stores take its block size when --block-size is not given, and a
+    --block-size of 16 fails in one line naming both values (it failed deep in RegisterPool before)."""
+    from tests.service_helpers import start_server
+    server = start_server("--hash-block-size", "32", log_dir=tmp_path)
+    try:
+        cfg = deploy.DeployConfig(pools=0, allocator=server.target, stores=True, store_page_bytes=64, block_size=16,
+                                  store_dir=str(tmp_path))
+        with pytest.raises(RuntimeError, match=r"--block-size 16, but the allocator at .* hashes blocks of 32 "
+                                               r"tokens .* pass 32"):
+            deploy.deploy(cfg)
+        cfg.block_size = None
+        assert deploy.placement.block_size_for(cfg, server.target, 32) == 32
+    finally:
+        server.stop()
+
+
 def test_teardown_removes_every_named_actor(up, config):
     names = deploy.teardown()
     assert deploy.ALLOCATOR_NAME in names and deploy.rank_name("p2", 0) in names and len(names) == 9

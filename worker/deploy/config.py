@@ -14,7 +14,7 @@ class DeployConfig:
     add_pools: int = 0  # new pools after those up (scale out)
     dcp: int = 1
     num_blocks: int = 512  # per pool, including the null block
-    block_size: int = 16
+    block_size: int | None = None  # None: the allocator's hash block size (stores need exactly that)
     max_model_len: int = 1024
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 32

@@ -66,11 +66,24 @@ def deploy(cfg: DeployConfig) -> Deployment:
         cfg.token = ray.get(allocator.token.remote())  # the allocator's own (generated) token
     with KVServiceClient(target, cfg.token, retries=2, timeout_s=10, **cfg.client_tls()) as client:
         client.open_session()  # fails here, readably, on a wrong token or an unreachable allocator
+        cfg.block_size = block_size_for(cfg, target, client.get_stats().hash_block_size)
     store_actors = ensure_stores(cfg, target) if cfg.stores else {}
     stores = {name: node for name, (node, _) in store_actors.items()}
     engines, created = ensure_pools(cfg, target) if cfg.pools != 0 or cfg.add_pools else ({}, [])
     return Deployment(target, allocator, engines, created, cfg.token, cfg.client_tls(), stores,
                       {name: actor for name, (_, actor) in store_actors.items()})
+
+
+def block_size_for(cfg: DeployConfig, target: str, allocator_block_size: int) -> int:
+    """--block-size, or the allocator's hash block size when it is not given. A store's pages are hash blocks:
+    with --stores the two must be equal."""
+    if cfg.block_size is None:
+        return allocator_block_size
+    if cfg.stores and cfg.block_size != allocator_block_size:
+        raise RuntimeError(f"--block-size {cfg.block_size}, but the allocator at {target} hashes blocks of "
+                           f"{allocator_block_size} tokens (its --hash-block-size): a store's page is one such "
+                           f"block; drop --block-size or pass {allocator_block_size}")
+    return cfg.block_size
 
 
 def ensure_stores(cfg: DeployConfig, target: str) -> dict[str, tuple[str, object]]:
