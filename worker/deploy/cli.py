@@ -77,7 +77,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, DeployConfig
     parser.add_argument("--add-pools", type=int, default=0, metavar="K", help="K new pools after those up (scale out)")
     parser.add_argument("--dcp", type=int, default=d.dcp, help="DCP ranks per pool (one node per pool)")
     parser.add_argument("--num-blocks", type=int, default=d.num_blocks, help="KV blocks per pool")
-    parser.add_argument("--block-size", type=int, default=None, help="tokens per block of the pools and stores (default: the allocator's --hash-block-size; a store's must equal it)")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="tokens per block of the pools and stores (default: the allocator's "
+                        "--hash-block-size; a store's must equal it)")
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
     parser.add_argument("--backend", choices=["torch", "triton"], help="attention backend (default: triton "
                         "where the cluster has GPUs, the torch twin otherwise)")
