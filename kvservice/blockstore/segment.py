@@ -1,5 +1,6 @@
-"""A store's memory: `num_blocks` pages of `page_bytes` in a file under /dev/shm, mapped by every process of
-the node that reads or writes it, and a small JSON descriptor beside it that names the current segment."""
+"""A store's memory: `num_blocks` pages of `page_bytes` in a file under /dev/shm (with a header and each page's
+metadata), mapped by every process of the node that reads or writes it, and a small JSON descriptor beside it
+that names the current segment."""
 
 from __future__ import annotations
 
@@ -66,18 +67,48 @@ def write_descriptor(d: Descriptor, directory: str = DEFAULT_DIR) -> Path:
     return path
 
 
-class Segment:
-    """The pages, as a `[num_blocks, page_bytes]` uint8 array backed by the shared file."""
+HEADER_BYTES = 4096
+MAGIC = b"KVSSEG02"
+MAX_SLOTS = 16  # page slices: one per tensor-parallel rank of the engine that wrote the page
+META_FIELDS = 4  # per (page, slice): tag, checksum, format, spare (uint64 each)
+TAG, CHECKSUM, FORMAT = 0, 1, 2
+_HEADER = np.dtype([("magic", "S8"), ("num_blocks", "<u8"), ("page_bytes", "<u8"), ("slots", "<u8"),
+                    ("generation", "<u8"), ("closed", "<u8")])
 
-    def __init__(self, path: str, num_blocks: int, page_bytes: int, create: bool = False) -> None:
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def segment_bytes(num_blocks: int, page_bytes: int) -> tuple[int, int, int]:
+    """(meta offset, pages offset, total size) of a segment: a header page, then each page's metadata, then
+    the pages (aligned to 4 KiB, as O_DIRECT reads and page-locking want)."""
+    meta_offset = HEADER_BYTES
+    pages_offset = _round_up(meta_offset + num_blocks * MAX_SLOTS * META_FIELDS * 8, 4096)
+    return meta_offset, pages_offset, pages_offset + num_blocks * page_bytes
+
+
+class Segment:
+    """A store's memory in a shared file: a header, per-page metadata and the pages.
+
+    - `pages`: `[num_blocks, page_bytes]` uint8, the KV.
+    - `meta`: `[num_blocks, MAX_SLOTS, 4]` uint64: per page and slice (an engine rank's part of the page) the
+      tag of the save that wrote it, the checksum of its bytes and its format, written by the writer before
+      it commits. A reader checks them before it tells vLLM a block is there.
+    - the header: the store's generation, and whether the store closed it (a reader that mapped it earlier
+      then stops reading it). A store killed leaves it as it was: its pinned pages are what was committed.
+    """
+
+    def __init__(self, path: str, num_blocks: int, page_bytes: int, create: bool = False,
+                 generation: int = 0) -> None:
         if num_blocks < 2 or page_bytes < 1:
             raise ValueError(f"a store segment needs num_blocks >= 2 and page_bytes >= 1, got {num_blocks} and "
                              f"{page_bytes}")
         self.path, self.num_blocks, self.page_bytes = path, num_blocks, page_bytes
-        size = num_blocks * page_bytes
+        meta_offset, pages_offset, size = segment_bytes(num_blocks, page_bytes)
         if not create and os.path.getsize(path) != size:
             raise ValueError(f"store segment {path}: {os.path.getsize(path)} bytes, expected {num_blocks} pages of "
-                             f"{page_bytes} bytes")
+                             f"{page_bytes} bytes ({size} with its header and metadata)")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600) if create else os.open(path, os.O_RDWR)
         try:
             if create:
@@ -86,11 +117,36 @@ class Segment:
             self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd)
-        self.pages = np.frombuffer(self._map, dtype=np.uint8).reshape(num_blocks, page_bytes)
+        self.header = np.frombuffer(self._map, dtype=_HEADER, count=1)
+        num_meta = num_blocks * MAX_SLOTS * META_FIELDS
+        self.meta = np.frombuffer(self._map, dtype="<u8", offset=meta_offset, count=num_meta).reshape(
+            num_blocks, MAX_SLOTS, META_FIELDS)
+        self.pages = np.frombuffer(self._map, dtype=np.uint8, offset=pages_offset,
+                                   count=num_blocks * page_bytes).reshape(num_blocks, page_bytes)
+        self.pages_offset = pages_offset
+        if create:
+            h = self.header[0]
+            h["num_blocks"], h["page_bytes"], h["slots"] = num_blocks, page_bytes, MAX_SLOTS
+            h["generation"] = generation
+            h["magic"] = MAGIC  # last: a reader sees a whole header or none
+        elif bytes(self.header[0]["magic"]) != MAGIC or int(self.header[0]["page_bytes"]) != page_bytes:
+            raise ValueError(f"store segment {path}: not a kvservice segment of {page_bytes}-byte pages (format "
+                             f"{bytes(self.header[0]['magic'])!r})")
 
     @classmethod
     def attach(cls, d: Descriptor) -> Segment:
         return cls(d.path, d.num_blocks, d.page_bytes)
+
+    @property
+    def generation(self) -> int:
+        return int(self.header[0]["generation"])
+
+    def mark_closed(self) -> None:
+        self.header[0]["closed"] = 1
+
+    @property
+    def closed(self) -> bool:
+        return bool(self.header[0]["closed"])
 
     def check_ids(self, block_ids) -> np.ndarray:
         ids = np.asarray(block_ids, dtype=np.int64)
@@ -103,14 +159,20 @@ class Segment:
         """A copy of the pages, in the order named."""
         return self.pages[self.check_ids(block_ids)]
 
-    def write(self, block_ids, data: np.ndarray) -> None:
+    def read_meta(self, block_ids) -> np.ndarray:
+        """A copy of the pages' metadata, `[n, MAX_SLOTS, 4]`."""
+        return self.meta[self.check_ids(block_ids)]
+
+    def write(self, block_ids, data: np.ndarray, meta: np.ndarray | None = None) -> None:
         ids = self.check_ids(block_ids)
         if data.shape != (len(ids), self.page_bytes):
             raise ValueError(f"data: shape {tuple(data.shape)}, expected ({len(ids)}, {self.page_bytes})")
         self.pages[ids] = data
+        if meta is not None:
+            self.meta[ids] = meta
 
     def close(self, unlink: bool = False) -> None:
-        self.pages = None  # the mapping goes with the last view of it (views a caller still holds keep it)
+        self.pages = self.meta = self.header = None  # the mapping goes with the last view of it
         self._map = None
         if unlink:
             try:

@@ -57,7 +57,7 @@ class BlockStore:
         self.generation = time.time_ns()
         sweep_dead(directory)
         path = os.path.join(directory, f"kvservice-store-{name}-{self.generation}")
-        self.segment = Segment(path, num_blocks, page_bytes, create=True)
+        self.segment = Segment(path, num_blocks, page_bytes, create=True, generation=self.generation)
         self.pool_id = store_pool_id(name)
         self.num_registrations = 0
         try:
@@ -87,6 +87,7 @@ class BlockStore:
         self.client.register_pool(self.pool_id, self.config, max_model_len=self.max_model_len, epoch=generation,
                                   kv_layout=store_layout(self.page_bytes), bound_to_session=True)
         self.generation = generation
+        self.segment.header[0]["generation"] = generation
         self.descriptor = Descriptor(self.name, self.pool_id, self.segment.path, self.segment.num_blocks,
                                      self.page_bytes, self.block_size, generation, self.node_id, os.getpid())
         write_descriptor(self.descriptor, self.directory)
@@ -142,6 +143,7 @@ class BlockStore:
         the descriptor, and ends the session."""
         self._stop.set()
         self._watcher.join(timeout=10)
+        self.segment.mark_closed()  # readers on this node stop using its pages at once
         try:
             self.client.close()
         finally:

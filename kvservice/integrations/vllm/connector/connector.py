@@ -3,7 +3,6 @@ roles; the scheduler side and the worker side are separate objects in separate p
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,19 +10,12 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 
 from kvservice.integrations.vllm import version as _version  # noqa: F401 - refuses an unsupported vLLM
+from kvservice.integrations.vllm.connector.identity import model_namespace
 from kvservice.integrations.vllm.connector.plan import Load, Save
-from kvservice.integrations.vllm.connector.settings import ConnectorSettings
+from kvservice.integrations.vllm.connector.settings import ConnectorSettings, hand_down_ray_node
 
 logger = logging.getLogger(__name__)
-
-
-def model_namespace(vllm_config) -> str:
-    """What must be equal for two engines' pages to be interchangeable: the model, its dtype, the KV cache's
-    dtype and the block size (a short fingerprint, salted into the prompts' hashes)."""
-    model, cache = vllm_config.model_config, vllm_config.cache_config
-    identity = "|".join(str(x) for x in (model.model, getattr(model, "revision", None), model.dtype,
-                                         cache.cache_dtype, cache.block_size))
-    return "kvc-" + hashlib.sha256(identity.encode()).hexdigest()[:16]
+hand_down_ray_node()  # vLLM imports this module in the process that builds the engine's config
 
 
 @dataclass

@@ -3,9 +3,22 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, fields
 
 ENV_STORE = "KVSERVICE_STORE"  # the local store's name, when extra_config names none (kvservice deploy sets it)
+# The Ray node of the process that built the engine, for vLLM's own subprocesses (its engine core and workers run
+# outside Ray when vLLM uses multiprocessing): `store: auto` finds that node's store from them.
+ENV_RAY_NODE = "KVSERVICE_RAY_NODE_ID"
+
+
+def hand_down_ray_node() -> None:
+    """Notes this process's Ray node in the environment its later subprocesses inherit. vLLM imports the
+    connector in the process that builds its config (an actor's, when the engine is made in a Ray actor)
+    before it starts its engine-core and worker processes. Never imports Ray itself."""
+    ray = sys.modules.get("ray")
+    if ENV_RAY_NODE not in os.environ and ray is not None and ray.is_initialized():
+        os.environ[ENV_RAY_NODE] = ray.get_runtime_context().get_node_id()
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,17 +93,18 @@ class ConnectorSettings:
 
 
 def auto_store(shm_dir: str) -> str:
-    """`store: auto`: this Ray node's deploy store, or the only live store of this node."""
-    try:
-        import ray
-        if ray.is_initialized():
-            from kvservice.blockstore.actor import node_store_name
-            return node_store_name(ray.get_runtime_context().get_node_id())
-    except ImportError:
-        pass
+    """`store: auto`: this Ray node's deploy store (this process's node, or the node of the process that
+    started it, $KVSERVICE_RAY_NODE_ID), or the only live store of this node."""
+    from kvservice.blockstore.actor import node_store_name
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return node_store_name(ray.get_runtime_context().get_node_id())
+    if os.environ.get(ENV_RAY_NODE):
+        return node_store_name(os.environ[ENV_RAY_NODE])
     from kvservice.blockstore.segment import live_descriptors
     live = sorted({d.name for d in live_descriptors(shm_dir)})
     if len(live) != 1:
-        raise ValueError(f"kv_connector_extra_config.store: 'auto' is not in Ray and found {len(live)} live stores "
-                         f"in {shm_dir} ({', '.join(live) or 'none'}); name this node's store")
+        raise ValueError(f"kv_connector_extra_config.store: 'auto' is not in Ray (nor started from a Ray process) "
+                         f"and found {len(live)} live stores in {shm_dir} ({', '.join(live) or 'none'}); name this "
+                         f"node's store")
     return live[0]

@@ -10,7 +10,9 @@ the store's Ray actor through Ray's object store.
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import sys
 import threading
 import time
 import warnings
@@ -23,7 +25,7 @@ from kvservice.blockstore.saves import commit_save
 from kvservice.blockstore.segment import Segment, read_descriptor
 from kvservice.errors import session_lost
 from kvservice.integrations.vllm.connector.plan import Load, Save, store_name
-from kvservice.integrations.vllm.connector.settings import ConnectorSettings
+from kvservice.integrations.vllm.connector.settings import ENV_RAY_NODE, ConnectorSettings
 from kvservice.ops import FreeOp, OpStatus, UnpinOp
 
 logger = logging.getLogger(__name__)
@@ -81,36 +83,55 @@ class PageLayout:
                 flat[b:b + k].copy_(pages[p:p + k, offset:offset + size])
 
 
+def this_node() -> str:
+    """This process's Ray node, or the node of the Ray process that started it, or "" (not known)."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return ray.get_runtime_context().get_node_id()
+    return os.environ.get(ENV_RAY_NODE, "")
+
+
 class Stores:
     """This process's ways to the stores: segments of the stores on this node, actors of the others."""
 
     def __init__(self, settings: ConnectorSettings) -> None:
         self.settings = settings
-        self.segments: dict[str, tuple[int, Segment, torch.Tensor]] = {}
+        self.segments: dict[str, tuple[str, Segment, torch.Tensor]] = {}
+        self.node_id = this_node()
         self.actors: dict[str, object] = {}
         self.num_local_reads = self.num_remote_reads = 0
 
     def local(self, name: str, generation: int) -> torch.Tensor | None:
-        """The pages of the store `name` if it runs on this node at `generation` (else None)."""
-        if name != self.settings.store:
-            return None
-        # The descriptor as it is now, every time: a store that restarted (or registered again) since the pin
-        # or the page allocation was taken names another generation, and its pages mean something else.
+        """The pages of the store `name` if it runs on this node (at `generation`, else LookupError), or None
+        when it is on another node. On this node means: its descriptor is in this node's shm_dir, and the Ray
+        node it names is this process's (when both are known); the `store` setting plays no part."""
         d = read_descriptor(name, self.settings.shm_dir)
-        if d is None or d.generation != generation:
-            raise LookupError(f"store {name!r} on this node is not at generation {generation} (it restarted, "
-                              f"registered again or stopped): the pages named are gone")
+        if d is None or (d.node_id and self.node_id and d.node_id != self.node_id):
+            return None
         have = self.segments.get(name)
         if have is None or have[0] != d.path:
             seg = Segment.attach(d)
             have = (d.path, seg, torch.from_numpy(seg.pages))
             self.segments[name] = have
+        seg = have[1]
+        # The segment's own header, every time: a store that closed it, or restarted (or registered again) since
+        # the pin or the page allocation was taken: its pages mean nothing now. (A store killed leaves its pinned
+        # pages as they were committed: they still load, until its lease retires its pool.)
+        if seg.closed:
+            raise LookupError(f"store {name!r} on this node stopped: the pages named are gone")
+        if seg.generation != generation:
+            raise LookupError(f"store {name!r} on this node is not at generation {generation} (it restarted or "
+                              f"registered again): the pages named are gone")
         return have[2]
 
     def actor(self, name: str):
         actor = self.actors.get(name)
         if actor is None:
-            import ray
+            try:
+                import ray
+            except ImportError:
+                raise LookupError(f"store {name!r} is on another node, and its pages come through Ray there: Ray "
+                                  f"is not installed in this engine's environment (pip install ray)") from None
             if not ray.is_initialized():
                 ray.init(address=self.settings.ray_address or "auto", namespace=NAMESPACE,
                          ignore_reinit_error=True, log_to_driver=False)
