@@ -86,6 +86,7 @@ lint:
 
 gpu-check:
 	PYTHONPATH=. python3 worker/gpu_check.py
+	PYTHONPATH=. python3 bench/gpu_attention_bench.py $$(test -d $(VLLM_ENV)/src/vllm && echo --vllm-src $(VLLM_ENV)/src)
 	PYTHONPATH=. python3 worker/gpu_connector_check.py
 
 soak:

@@ -99,6 +99,15 @@ def test_sharded_attention_with_sliding_window_and_gpu_tiles(monkeypatch, world,
     run_dcp_case([(120, 5), (77, 1), (9, 30)], world, interleave, dtype=torch.float32, sliding_window=29)
 
 
+@pytest.mark.parametrize("window", [None, 29], ids=["full", "window"])
+def test_sharded_attention_split_kv(monkeypatch, window):
+    # Every rank splits its keys into 3 segments (16-key tiles): the short sequences leave segments empty,
+    # and each rank's partials (merged by LSE inside the kernel call) merge across ranks to full attention.
+    monkeypatch.setattr(paged_attention_module, "TILE_OVERRIDE", (16, 16))
+    monkeypatch.setattr(paged_attention_module, "NUM_SEGMENTS_OVERRIDE", 3)
+    run_dcp_case([(120, 5), (77, 1), (9, 30), (2, 1)], 2, 2, heads=(8, 2), sliding_window=window)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world,interleave", list(itertools.product([1, 2, 4], [1, 2, 16])))
 @pytest.mark.parametrize("kind", ["decode", "mixed"])

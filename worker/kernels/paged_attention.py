@@ -1,18 +1,21 @@
 """Paged attention over a varlen batch (prefill with context and decode in one launch), GQA, DCP shards.
 
-One program per (query block of one sequence, KV head): the tile packs the whole GQA group of query heads,
-so every K/V tile read from the cache serves all of them. Online softmax in fp32 (base-2 internally).
+The launcher: argument checks, the launch configuration (interpreter tiles here, GPU tiles from
+`attention_config`), and the split-KV decision (`split_kv`): with more than one key segment the kernel writes
+partials to a preallocated workspace and `merge_segments` combines them. The kernel is in
+`attention_kernel.py`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-import triton
-import triton.language as tl
 
 from worker.kernels._common import (
     FLOAT_DTYPES,
     cache_strides,
+    cdiv,
     check_contiguous,
     check_dcp,
     check_kernel_device,
@@ -23,188 +26,100 @@ from worker.kernels._common import (
     interpreting,
     next_pow2,
 )
-from worker.kernels.dcp import dcp_global_pos, dcp_local_len, dcp_local_seq_lens
+from worker.kernels.attention_config import LaunchConfig, device_family, gpu_launch_config, num_sms
+from worker.kernels.attention_kernel import paged_attention_kernel
+from worker.kernels.dcp import dcp_local_seq_lens
+from worker.kernels.split_kv import (
+    TARGET_WAVES,
+    SplitKVWorkspace,
+    merge_segments,
+    num_kv_segments,
+    workspace_for,
+)
+
+__all__ = [
+    "NUM_SEGMENTS_OVERRIDE",
+    "TILE_OVERRIDE",
+    "LaunchPlan",
+    "launch_plan",
+    "paged_attention",
+    "paged_attention_kernel",
+]
 
 _LOG2E = 1.4426950408889634
 
-# (BLOCK_M, BLOCK_N) forced on any device; tests set it to run the GPU's small tiles (many query blocks,
-# many key tiles, online-softmax rescaling) under the interpreter.
-TILE_OVERRIDE: tuple[int, int] | None = None
+# (BLOCK_M, BLOCK_N), or (BLOCK_M, BLOCK_N, num_warps, num_stages), forced on any device; tests set it to
+# run the GPU's small tiles (many query blocks, many key tiles, online-softmax rescaling) under the
+# interpreter, and the GPU benchmark's --tune to try configurations.
+TILE_OVERRIDE: tuple[int, ...] | None = None
+
+# Key segments per program forced on any device (1: never split); tests set it to run the split-KV path
+# under the interpreter, where the SM-count heuristic never splits.
+NUM_SEGMENTS_OVERRIDE: int | None = None
 
 
-@triton.jit
-def paged_attention_kernel(
-    q_ptr,  # [num_tokens, num_q_heads, head_size]
-    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
-    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
-    block_table_ptr,  # [>= num_seqs, max_num_blocks_per_req] int32
-    query_start_loc_ptr,  # [num_seqs + 1] int32
-    seq_lens_ptr,  # [num_seqs] int32, global length (context + new tokens)
-    out_ptr,  # [num_tokens, num_q_heads, head_size]
-    lse_ptr,  # [num_tokens, num_q_heads] float32, written only when RETURN_LSE
-    qk_scale,  # softmax scale * log2(e)
-    num_seqs,
-    sliding_window,
-    dcp_rank,
-    q_stride_t: tl.int64,
-    q_stride_h: tl.int64,
-    out_stride_t: tl.int64,
-    out_stride_h: tl.int64,
-    lse_stride_t: tl.int64,
-    key_cache_stride_b: tl.int64,
-    key_cache_stride_s: tl.int64,
-    key_cache_stride_h: tl.int64,
-    value_cache_stride_b: tl.int64,
-    value_cache_stride_s: tl.int64,
-    value_cache_stride_h: tl.int64,
-    block_table_stride: tl.int64,
-    NUM_QUERIES_PER_KV: tl.constexpr,
-    HEAD_SIZE: tl.constexpr,
-    HEAD_PAD: tl.constexpr,  # next power of two >= HEAD_SIZE
-    BLOCK_SIZE: tl.constexpr,  # per-rank cache block size
-    BLOCK_M: tl.constexpr,  # tile rows = BLOCK_Q query tokens x NUM_QUERIES_PER_KV heads
-    BLOCK_Q: tl.constexpr,
-    BLOCK_N: tl.constexpr,  # keys per iteration
-    SEQS_PAD: tl.constexpr,  # power of two > num_seqs
-    USE_WINDOW: tl.constexpr,
-    RETURN_LSE: tl.constexpr,
-    DCP_WORLD_SIZE: tl.constexpr,
-    INTERLEAVE: tl.constexpr,
-    DOT_FP32: tl.constexpr,  # fp32 tl.dot: exact for fp32 inputs; always on the interpreter (its bf16 dot is broken)
-):
-    # Index math is int64 throughout: offsets pass 2**31 on large caches, and the interpreter adds an
-    # overflow check to every int32 add/mul, which would dominate its run time.
-    q_block = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1).to(tl.int64)
-
-    # Sequence s owns query blocks [qsl[s] // BLOCK_Q + s, qsl[s+1] // BLOCK_Q + s + 1): a vectorised
-    # count instead of a binary search, because the interpreter pays per scalar step.
-    seq_idx = tl.arange(0, SEQS_PAD).to(tl.int64)
-    is_seq = seq_idx < num_seqs
-    starts = tl.load(query_start_loc_ptr + seq_idx, mask=is_seq, other=0).to(tl.int64)
-    owns = is_seq & (starts // BLOCK_Q + seq_idx <= q_block)
-    seq = tl.sum(owns.to(tl.int64), axis=0) - 1
-
-    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
-    q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64) - q_start
-    q_block_in_seq = q_block - (q_start // BLOCK_Q + seq)
-    if q_block_in_seq * BLOCK_Q < q_len:
-        context_len = tl.load(seq_lens_ptr + seq).to(tl.int64) - q_len
-
-        rows = tl.arange(0, BLOCK_M).to(tl.int64)
-        q_in_seq = q_block_in_seq * BLOCK_Q + rows // NUM_QUERIES_PER_KV
-        head = kv_head * NUM_QUERIES_PER_KV + rows % NUM_QUERIES_PER_KV
-        row_ok = (rows < BLOCK_Q * NUM_QUERIES_PER_KV) & (q_in_seq < q_len)
-        # Padding rows get position -1: no key is visible to them.
-        q_pos = tl.where(row_ok, context_len + q_in_seq, -1)[:, None]
-        tok = q_start + q_in_seq
-        dims = tl.arange(0, HEAD_PAD)
-        if HEAD_PAD == HEAD_SIZE:
-            q_mask = row_ok[:, None]
-        else:
-            q_mask = row_ok[:, None] & (dims < HEAD_SIZE)[None, :]
-        q = tl.load(q_ptr + (tok * q_stride_t + head * q_stride_h)[:, None] + dims[None, :], mask=q_mask, other=0.0)
-        if DOT_FP32:
-            q = q.to(tl.float32) * qk_scale
-
-        # Local keys are stored in increasing global position, so the keys this block can see form one
-        # contiguous local range [lo, hi), found with the per-rank length formula.
-        first_pos = context_len + q_block_in_seq * BLOCK_Q
-        last_pos = context_len + tl.minimum((q_block_in_seq + 1) * BLOCK_Q, q_len) - 1
-        # (Without DCP the helpers are skipped: a device-function call costs the interpreter ~1 ms.)
-        if DCP_WORLD_SIZE == 1:
-            hi = last_pos + 1
-        else:
-            hi = dcp_local_len(last_pos + 1, DCP_WORLD_SIZE, dcp_rank, INTERLEAVE)
-        lo = hi * 0
-        if USE_WINDOW:
-            lo_pos = tl.maximum(first_pos - sliding_window + 1, 0)
-            if DCP_WORLD_SIZE == 1:
-                lo = lo_pos
-            else:
-                lo = dcp_local_len(lo_pos, DCP_WORLD_SIZE, dcp_rank, INTERLEAVE)
-
-        table_row = block_table_ptr + seq * block_table_stride
-        k_base = key_cache_ptr + kv_head * key_cache_stride_h + dims[:, None]  # [HEAD_PAD, 1]
-        v_base = value_cache_ptr + kv_head * value_cache_stride_h + dims[None, :]  # [1, HEAD_PAD]
-        key_range = tl.arange(0, BLOCK_N).to(tl.int64)
-        # A finite floor instead of -inf keeps exp2(m_old - m_new) and exp2(s - m_new) NaN-free for rows
-        # that have seen no key yet; their l stays 0.
-        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
-        l_i = tl.full([BLOCK_M], 0.0, tl.float32)
-        acc = tl.full([BLOCK_M, HEAD_PAD], 0.0, tl.float32)
-        for start in range(lo, hi, BLOCK_N):
-            key_idx = start + key_range
-            key_ok = key_idx < hi
-            # A tile spans several cache blocks: one table lookup per key.
-            block = tl.load(table_row + key_idx // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-            offset = key_idx % BLOCK_SIZE
-            # Keys past `hi` read block 0 (in bounds) and are never visible, so K needs no key mask; V does,
-            # since 0 * garbage (NaN in a fresh cache) would poison the accumulator.
-            k_offs = block * key_cache_stride_b + offset * key_cache_stride_s
-            if HEAD_PAD == HEAD_SIZE:
-                k = tl.load(k_base + k_offs[None, :])  # [HEAD_PAD, BLOCK_N]
-            else:
-                k = tl.load(k_base + k_offs[None, :], mask=(dims < HEAD_SIZE)[:, None], other=0.0)
-            if DOT_FP32:
-                scores = tl.dot(q, k.to(tl.float32), input_precision="ieee")
-            else:
-                scores = tl.dot(q, k) * qk_scale
-
-            # Global positions grow with the local index, so every key at or past `hi` lies beyond the
-            # block's last query and the causal test alone masks it.
-            if DCP_WORLD_SIZE == 1:
-                key_pos = key_idx[None, :]
-            else:
-                key_pos = dcp_global_pos(key_idx, BLOCK_SIZE, DCP_WORLD_SIZE, dcp_rank, INTERLEAVE)[None, :]
-            if USE_WINDOW:
-                visible = (key_pos <= q_pos) & (key_pos > q_pos - sliding_window)
-            else:
-                visible = key_pos <= q_pos
-            scores = tl.where(visible, scores, float("-inf"))
-
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            p = tl.math.exp2(scores - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-
-            v_offs = block * value_cache_stride_b + offset * value_cache_stride_s
-            if HEAD_PAD == HEAD_SIZE:
-                v = tl.load(v_base + v_offs[:, None], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, HEAD_PAD]
-            else:
-                v = tl.load(v_base + v_offs[:, None], mask=key_ok[:, None] & (dims < HEAD_SIZE)[None, :], other=0.0)
-            if DOT_FP32:
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
-
-        seen = l_i > 0.0
-        out = acc / tl.where(seen, l_i, 1.0)[:, None]
-        out_offs = (tok * out_stride_t + head * out_stride_h)[:, None] + dims[None, :]
-        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
-        if RETURN_LSE:
-            # Back from base 2 to natural log: multiply by ln 2.
-            lse_2 = m_i + tl.math.log2(tl.where(seen, l_i, 1.0))
-            lse = tl.where(seen, lse_2 * 0.6931471805599453, float("-inf"))
-            tl.store(lse_ptr + tok * lse_stride_t + head, lse, mask=row_ok)
-
-
-def _tile_sizes(num_queries_per_kv: int, head_pad: int, max_query_len: int | None) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) for this device.
+def _launch_config(
+    num_queries_per_kv: int, head_pad: int, q: torch.Tensor, num_seqs: int, max_query_len: int | None
+) -> LaunchConfig:
+    """Tiles and schedule for this call.
 
     The interpreter pays per program and per loop iteration far more than per element, so it gets large
     tiles: many query rows for prefill (fewer programs), many keys for decode (fewer iterations). A GPU
-    gets vLLM-like tiles that fit registers and shared memory.
+    gets `attention_config.gpu_launch_config`: one GQA group's rows for decode, 64-128 rows for prefill.
     """
     group = next_pow2(num_queries_per_kv)
     if TILE_OVERRIDE is not None:
-        return max(16, group, TILE_OVERRIDE[0]), TILE_OVERRIDE[1]
+        block_m, block_n, *schedule = TILE_OVERRIDE
+        return LaunchConfig(max(16, group, block_m), block_n, *schedule)
     if interpreting() and max_query_len is not None:
         block_m = min(128, max(16, group, next_pow2(num_queries_per_kv * max_query_len)))
-        return max(block_m, group), (256 if block_m >= 128 else 512)
-    return max(16, group), (64 if head_pad <= 128 else 32)
+        return LaunchConfig(max(block_m, group), 256 if block_m >= 128 else 512)
+    if q.device.type != "cuda":
+        return LaunchConfig(max(16, group), 64 if head_pad <= 128 else 32)
+    avg_query_len = cdiv(q.shape[0], max(1, num_seqs))
+    return gpu_launch_config(num_queries_per_kv, head_pad, q.dtype, avg_query_len, device_family(q.device.index))
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchPlan:
+    """What `paged_attention` launches: tiles and schedule, and key segments per program (1: unsplit)."""
+
+    config: LaunchConfig
+    num_segments: int
+
+
+def launch_plan(
+    q: torch.Tensor,
+    num_kv_heads: int,
+    num_seqs: int,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    sliding_window: int | None = None,
+    dcp_world_size: int = 1,
+    dcp_rank: int = 0,
+    interleave: int = 1,
+) -> LaunchPlan:
+    """The plan `paged_attention` uses for these sizes, from host values only (no device sync).
+
+    Segments: NUM_SEGMENTS_OVERRIDE, else `split_kv.num_kv_segments` on a GPU, else 1.
+    """
+    num_tokens, num_q_heads, head_size = q.shape
+    qpk = num_q_heads // num_kv_heads
+    config = _launch_config(qpk, max(16, next_pow2(head_size)), q, num_seqs, max_query_len)
+    if NUM_SEGMENTS_OVERRIDE is not None:
+        return LaunchPlan(config, NUM_SEGMENTS_OVERRIDE)
+    if q.device.type != "cuda":
+        return LaunchPlan(config, 1)
+    block_q = config.block_m // qpk
+    # Programs that have work: at least one query block per sequence, and one more every block_q tokens.
+    working = max(num_seqs, cdiv(num_tokens, block_q)) * num_kv_heads
+    max_key_tiles = None
+    if max_seq_len is not None:
+        keys = int(dcp_local_seq_lens(max_seq_len, dcp_world_size, interleave, dcp_rank))
+        if sliding_window is not None:
+            keys = min(keys, cdiv(sliding_window + block_q, dcp_world_size) + interleave)
+        max_key_tiles = cdiv(keys, config.block_n)
+    return LaunchPlan(config, num_kv_segments(working, num_sms(q.device.index), max_key_tiles))
 
 
 def _check_lengths_on_host(
@@ -247,6 +162,8 @@ def paged_attention(
     dcp_world_size: int = 1,
     dcp_rank: int = 0,
     interleave: int = 1,
+    max_seq_len: int | None = None,
+    workspace: SplitKVWorkspace | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of each sequence's new tokens over its paged KV (this DCP rank's shard).
 
@@ -258,6 +175,10 @@ def paged_attention(
             `block_table[i, j // block_size]`, offset `j % block_size`.
         query_start_loc: int32 `[R + 1]`; seq_lens: int32 `[R]`.
         sliding_window: a query at position p sees keys at `(p - sliding_window, p]`; None: all `<= p`.
+        max_seq_len: optional host-side bound on `seq_lens` (no device sync), which keeps the split-KV
+            heuristic from cutting short sequences into empty segments; a wrong value costs speed only.
+        workspace: the split-KV scratch; None uses the device's shared one (`split_kv.workspace_for`). On a
+            GPU, call once outside CUDA-graph capture so it is sized before a graph captures it.
     Returns:
         out `[T, Hq, D]` in q's dtype, and with `return_lse` also lse `[T, Hq]` fp32 (natural log). Rows
         that see no key (and rows past `query_start_loc[-1]`) get out 0 and lse -inf.
@@ -296,6 +217,10 @@ def paged_attention(
     ):
         raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
     check_dcp(dcp_world_size, dcp_rank, interleave, block_size)
+    if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int)):
+        raise ValueError(f"max_seq_len must be None or an int (a bound on seq_lens), got {max_seq_len!r}")
+    if workspace is not None and workspace.device != device:
+        raise ValueError(f"workspace is on {workspace.device}, the tensors on {device}")
     max_query_len = None
     if device.type == "cpu":
         local_lens = dcp_local_seq_lens(seq_lens, dcp_world_size, interleave, dcp_rank)
@@ -304,44 +229,71 @@ def paged_attention(
 
     out = torch.zeros_like(q, memory_format=torch.contiguous_format)
     lse = torch.full((num_tokens, num_q_heads), float("-inf"), dtype=torch.float32, device=device)
-    if num_tokens > 0 and num_seqs > 0:
-        qpk = num_q_heads // num_kv_heads
-        head_pad = max(16, next_pow2(head_size))
-        block_m, block_n = _tile_sizes(qpk, head_pad, max_query_len)
-        block_q = block_m // qpk
-        grid = (num_tokens // block_q + num_seqs, num_kv_heads)
-        paged_attention_kernel[grid](
-            q_ptr=q,
-            key_cache_ptr=key_cache,
-            value_cache_ptr=value_cache,
-            block_table_ptr=block_table,
-            query_start_loc_ptr=query_start_loc,
-            seq_lens_ptr=seq_lens,
-            out_ptr=out,
-            lse_ptr=lse,
-            qk_scale=float(scale) * _LOG2E,
-            num_seqs=num_seqs,
-            sliding_window=sliding_window or 0,
-            dcp_rank=dcp_rank,
-            q_stride_t=q.stride(0),
-            q_stride_h=q.stride(1),
-            out_stride_t=out.stride(0),
-            out_stride_h=out.stride(1),
-            lse_stride_t=lse.stride(0),
-            **cache_strides(key_cache, value_cache),
-            block_table_stride=block_table.stride(0),
-            NUM_QUERIES_PER_KV=qpk,
-            HEAD_SIZE=head_size,
-            HEAD_PAD=head_pad,
-            BLOCK_SIZE=block_size,
-            BLOCK_M=block_m,
-            BLOCK_Q=block_q,
-            BLOCK_N=block_n,
-            SEQS_PAD=next_pow2(num_seqs + 1),
-            USE_WINDOW=sliding_window is not None,
-            RETURN_LSE=return_lse,
-            DCP_WORLD_SIZE=dcp_world_size,
-            INTERLEAVE=interleave,
-            DOT_FP32=q.dtype == torch.float32 or interpreting(),
-        )
+    if num_tokens == 0 or num_seqs == 0:
+        return (out, lse) if return_lse else out
+
+    qpk = num_q_heads // num_kv_heads
+    plan = launch_plan(
+        q, num_kv_heads, num_seqs, max_query_len, max_seq_len, sliding_window, dcp_world_size, dcp_rank, interleave
+    )
+    config, num_segments = plan.config, plan.num_segments
+    block_q = config.block_m // qpk
+    partial_out, partial_lse = out, lse  # placeholders the unsplit kernel never touches
+    if num_segments > 1:
+        workspace = workspace or workspace_for(device)
+        if device.type == "cuda":
+            # A split launch never needs more than this (`num_kv_segments`): sized once, outside capture.
+            workspace.reserve(TARGET_WAVES * num_sms(device.index) * config.block_m, head_size)
+        views = workspace.views(num_tokens, num_q_heads, num_segments, head_size)
+        if views is None:
+            num_segments = 1
+        else:
+            partial_out, partial_lse = views
+
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_segments)
+    paged_attention_kernel[grid](
+        q_ptr=q,
+        key_cache_ptr=key_cache,
+        value_cache_ptr=value_cache,
+        block_table_ptr=block_table,
+        query_start_loc_ptr=query_start_loc,
+        seq_lens_ptr=seq_lens,
+        out_ptr=out,
+        lse_ptr=lse,
+        partial_out_ptr=partial_out,
+        partial_lse_ptr=partial_lse,
+        qk_scale=float(scale) * _LOG2E,
+        num_seqs=num_seqs,
+        sliding_window=sliding_window or 0,
+        dcp_rank=dcp_rank,
+        num_segments=num_segments,
+        q_stride_t=q.stride(0),
+        q_stride_h=q.stride(1),
+        out_stride_t=out.stride(0),
+        out_stride_h=out.stride(1),
+        lse_stride_t=lse.stride(0),
+        partial_stride_t=partial_lse.stride(0),
+        partial_stride_h=partial_lse.stride(1),
+        **cache_strides(key_cache, value_cache),
+        block_table_stride=block_table.stride(0),
+        NUM_QUERIES_PER_KV=qpk,
+        HEAD_SIZE=head_size,
+        HEAD_PAD=max(16, next_pow2(head_size)),
+        BLOCK_SIZE=block_size,
+        BLOCK_M=config.block_m,
+        BLOCK_Q=block_q,
+        BLOCK_N=config.block_n,
+        SEQS_PAD=next_pow2(num_seqs + 1),
+        USE_WINDOW=sliding_window is not None,
+        RETURN_LSE=return_lse,
+        DCP_WORLD_SIZE=dcp_world_size,
+        INTERLEAVE=interleave,
+        DOT_FP32=q.dtype == torch.float32 or interpreting(),
+        SPLIT=num_segments > 1,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if num_segments > 1:
+        sms = num_sms(device.index) if device.type == "cuda" else None
+        merge_segments(partial_out, partial_lse, out, lse, query_start_loc, return_lse, sms)
     return (out, lse) if return_lse else out
