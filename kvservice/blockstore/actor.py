@@ -29,8 +29,8 @@ class _StoreActor:
     def descriptor(self):
         return self.store.descriptor
 
-    def read(self, block_ids, token=None, generation=None):
-        return self.store.read(block_ids, token, generation)
+    def read(self, block_ids, token=None, generation=None, with_meta=False):
+        return self.store.read(block_ids, token, generation, with_meta)
 
     def write(self, block_ids, data, token=None, generation=None) -> None:
         self.store.write(block_ids, data, token, generation)

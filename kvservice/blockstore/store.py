@@ -14,6 +14,7 @@ import numpy as np
 
 from kvservice.blockstore.segment import (
     DEFAULT_DIR,
+    TAG,
     Descriptor,
     Segment,
     descriptor_path,
@@ -122,11 +123,20 @@ class BlockStore:
         if not hmac.compare_digest((token or "").encode(), self.token.encode()):
             raise PermissionError(f"store {self.name!r}: the token does not match this store's tenant")
 
-    def read(self, block_ids, token: str | None = None, generation: int | None = None) -> np.ndarray:
-        """The pages `block_ids` (the reader pinned them), for a reader on another node."""
+    def read(self, block_ids, token: str | None = None, generation: int | None = None,
+             with_meta: bool = False):
+        """The pages `block_ids` (the reader pinned them), for a reader on another node; `with_meta`: and their
+        metadata, `(pages, meta)`, where a slice rewritten while it was read has its tag cleared (the reader
+        then refuses it)."""
         self._check_token(token)
         self._check_generation(generation)
-        return np.ascontiguousarray(self.segment.read(block_ids))
+        if not with_meta:
+            return np.ascontiguousarray(self.segment.read(block_ids))
+        before = self.segment.read_meta(block_ids)
+        pages = np.ascontiguousarray(self.segment.read(block_ids))
+        after = self.segment.read_meta(block_ids)
+        after[..., TAG][after[..., TAG] != before[..., TAG]] = 0
+        return pages, after
 
     def write(self, block_ids, data: np.ndarray, token: str | None = None, generation: int | None = None) -> None:
         self._check_token(token)

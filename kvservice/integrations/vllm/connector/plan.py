@@ -14,7 +14,8 @@ def store_name(pool_id: str) -> str:
 
 @dataclass(slots=True)
 class Load:
-    """Copy store pages `store_block_ids` of `pool_id` into the engine's `local_block_ids`, then unpin."""
+    """Copy store pages `store_block_ids` of `pool_id` into the engine's `local_block_ids`; the scheduler side
+    unpins once every worker reported it (`Done.loads`)."""
 
     req_id: str
     pool_id: str
@@ -22,12 +23,15 @@ class Load:
     generation: int  # the store's, when the pin was taken: another one means the pages are gone
     store_block_ids: list[int]
     local_block_ids: list[int]
+    async_load: bool = False  # vLLM waits for it (WAITING_FOR_REMOTE_KVS): reported in finished_recving
+    failed: str = ""  # a reason: nothing to read (a hand-over whose pages never came), the blocks fail
 
 
 @dataclass(slots=True)
 class Save:
     """Copy the engine's `local_block_ids` into store pages `store_block_ids` (either may be empty: nothing
-    new), then cache the store request `save_id` up to `num_tokens` and free it."""
+    new); once every worker reported it written (`Done.saves`) the scheduler side caches the store request
+    `save_id` up to `num_tokens` and frees it."""
 
     req_id: str
     save_id: str
@@ -51,6 +55,20 @@ class Hit:
 
 
 @dataclass(slots=True)
+class Handoff:
+    """A prefill/decode hand-over: the producer's `kv_transfer_params` named a save of `num_tokens` on
+    `pool_id`; this consumer waits for its pages (an asynchronous load) until `deadline`."""
+
+    pool_id: str
+    num_tokens: int
+    deadline: float
+    claimed: int = 0  # tokens past the engine's own hit, answered to vLLM
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    next_try: float = 0.0
+
+
+@dataclass(slots=True)
 class Tracked:
     """A request the scheduler side follows until its prompt is saved: its prompt and its blocks."""
 
@@ -59,3 +77,24 @@ class Tracked:
     block_ids: list[int] = field(default_factory=list)
     saved: bool = False
     loaded_blocks: int = 0  # the whole blocks its admission loaded from a store (the engine's hit included)
+    handoff: Handoff | None = None  # a producer's save this request waits for (prefill/decode)
+
+
+@dataclass(slots=True)
+class Done:
+    """What the workers finished (vLLM adds up every rank's report of a step, so counts are ranks): pins whose
+    loads ended, saves written or failed, asynchronous loads done."""
+
+    loads: dict[str, int] = field(default_factory=dict)  # pin id -> ranks
+    saves: dict[str, int] = field(default_factory=dict)  # save id -> ranks that wrote their slice
+    failed_saves: dict[str, int] = field(default_factory=dict)  # save id -> ranks that could not
+
+    def merge(self, other: Done) -> Done:
+        for mine, theirs in ((self.loads, other.loads), (self.saves, other.saves),
+                             (self.failed_saves, other.failed_saves)):
+            for key, n in theirs.items():
+                mine[key] = mine.get(key, 0) + n
+        return self
+
+    def __bool__(self) -> bool:
+        return bool(self.loads or self.saves or self.failed_saves)

@@ -4,32 +4,42 @@ store tier, and allocates store pages for the prompts the engine computed.
 Calls to the allocator, per scheduler step: none for a new request that no store holds more of than the
 engine (hits are found in a replica of the store pools' prefix index, kvservice.client.PrefixIndex, kept from
 the allocator's events), else one Step that pins on the store with the longest hit; one Step for all the
-saves the step asks for. With `index` off, one Lookup RPC per new request as well. Copies, commits and
-unpins are the worker side's. A failed call turns sharing off for `retry_after_s`: requests are then
-computed, never answered from memory that may be gone.
+saves the step asks for. With `index` off, one Lookup RPC per new request as well. Copies are the worker
+side's; once every worker rank reported a load or a save (`Done`, vLLM's worker metadata, added up over the
+ranks), this side unpins or commits it, in a thread of its own (teller.py). A failed call turns sharing off
+for `retry_after_s`: requests are then computed, never answered from memory that may be gone.
+
+Prefill/decode hand-over: a producer's finished request returns `kv_transfer_params` naming its save; a
+consumer given them waits for the pages (an asynchronous load, vLLM's WAITING_FOR_REMOTE_KVS) until they are
+committed, instead of finding nothing because it asked a moment too early.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 
-from kvservice.blockstore.saves import admit_save
+from kvservice.blockstore.saves import admit_save, commit_save
 from kvservice.errors import session_lost
-from kvservice.integrations.vllm.connector.plan import STORE_PREFIX, Hit, Load, Save, Tracked
+from kvservice.integrations.vllm.connector.counters import Counters
+from kvservice.integrations.vllm.connector.plan import STORE_PREFIX, Done, Handoff, Hit, Load, Save, Tracked, store_name
 from kvservice.integrations.vllm.connector.settings import ConnectorSettings
+from kvservice.integrations.vllm.connector.teller import Teller
 from kvservice.ops import FreeOp, OpStatus, PinOp, UnpinOp
 
 logger = logging.getLogger(__name__)
 
 EPOCH_REFRESH_S = 2.0
 LOADED_KEPT = 4096
+HANDOFF_POLL_S = 0.02  # a waiting hand-over asks for its pages at most this often
+PARAMS_KEY = "kvservice"  # in kv_transfer_params
 
 
 class SchedulerSide:
     def __init__(self, settings: ConnectorSettings, block_size: int, engine_id: str, *, loads: bool,
-                 saves: bool, namespace: str = "") -> None:
+                 saves: bool, namespace: str = "", world_size: int = 1) -> None:
         self.settings, self.block_size, self.engine_id = settings, block_size, engine_id
         # Salted into every prompt's hashes: engines of another model, dtype or layout never share pages.
         self.namespace = settings.namespace or namespace
@@ -47,6 +57,14 @@ class SchedulerSide:
         self.epochs_at = -1e9
         self.num_pins = self.num_saves = self.num_lookups = self.num_failures = 0
         self.num_lookup_rpcs = 0  # Lookups sent to the allocator (not answered by the replica)
+        self.world_size = world_size  # the worker ranks that must report a load or a save
+        self.counters = Counters()
+        self.pins_out: dict[str, str] = {}  # pin id -> pool: loads handed to the workers, not reported yet
+        self.saves_out: dict[str, list] = {}  # save id -> [pool, num_tokens, ranks written, ranks failed, request]
+        self.saved: dict[str, tuple[str, int]] = {}  # request id -> (pool, tokens) it saved (kv_transfer_params)
+        self.handoffs: dict[str, Handoff] = {}  # request id -> a hand-over it waits for
+        self._client_lock = threading.Lock()  # the step's calls and the teller's share one client
+        self.teller = Teller(self.step, f"kvservice-connector-{engine_id}")
         if loads and settings.index:
             try:  # now, so the replica has synced by the first request (else it starts on first use)
                 self.index()
@@ -59,6 +77,17 @@ class SchedulerSide:
         if self._client is None:
             self._client = self.settings.client(self.block_size, f"kvconnector:{self.engine_id}:scheduler", 1)
         return self._client
+
+    def step(self, pool_id: str, ops: list):
+        """One Step on the allocator (the teller's thread and the step's path share the client)."""
+        with self._client_lock:
+            try:
+                return self.client().step(pool_id, ops)
+            except Exception as exc:
+                if not session_lost(exc):
+                    raise
+                self.client().open_session()  # the allocator restarted without our session: a new one
+                return self.client().step(pool_id, ops)
 
     def available(self) -> bool:
         return time.monotonic() >= self.down_until
@@ -118,30 +147,37 @@ class SchedulerSide:
                 is not None:
             return  # multimodal, LoRA and embedding prompts are neither saved nor loaded (their ids say too little)
         salt = getattr(request, "cache_salt", None)
-        self.tracked[request.request_id] = Tracked(list(request.prompt_token_ids or ()),
-                                                   f"{self.namespace}|{salt}" if salt else self.namespace or None)
+        tracked = Tracked(list(request.prompt_token_ids or ()),
+                          f"{self.namespace}|{salt}" if salt else self.namespace or None)
+        params = (getattr(request, "kv_transfer_params", None) or {}).get(PARAMS_KEY)
+        if isinstance(params, dict) and params.get("pool_id", "").startswith(STORE_PREFIX):
+            tracked.handoff = Handoff(params["pool_id"], int(params.get("num_tokens", 0)),
+                                      time.monotonic() + self.settings.handoff_timeout_s)
+        self.tracked[request.request_id] = tracked
 
-    def num_new_matched_tokens(self, request, num_computed_tokens: int) -> int:
-        """The tokens past the engine's own hit a store holds, pinned for this request (whole blocks)."""
+    def num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        """(tokens past the engine's own hit a store holds, pinned for this request (whole blocks); whether vLLM
+        must wait for them: a hand-over whose pages may not be committed yet)."""
         req_id = request.request_id
         hit = self.hits.get(req_id)
         if hit is not None:  # asked again (not admitted last time): the engine's own hit may have changed
             hit.num_computed_tokens = num_computed_tokens
-            return max(0, hit.num_tokens - num_computed_tokens)
+            return max(0, hit.num_tokens - num_computed_tokens), False
         tracked = self.tracked.get(req_id)
         if not self.loads_on or tracked is None or not self.available():
-            return 0
+            return 0, False
         prompt = tracked.prompt
         if len(prompt) - 1 < num_computed_tokens + self.block_size:
-            return 0  # not a block more to find than the engine has
+            return 0, False  # not a block more to find than the engine has
+        if tracked.handoff is not None:
+            return self._await_handoff(req_id, tracked, num_computed_tokens), True
         try:
-            return self._pin(req_id, tracked, num_computed_tokens)
+            return self._pin(req_id, tracked, num_computed_tokens), False
         except Exception as exc:  # noqa: BLE001 - any failure: compute instead
             self.failed("a store lookup", exc)
-            return 0
+            return 0, False
 
     def _pin(self, req_id: str, tracked: Tracked, num_computed_tokens: int) -> int:
-        client = self.client()
         self.num_lookups += 1
         found = self.find(tracked)
         hits = [h for h in found.hits if h.pool_id.startswith(STORE_PREFIX)
@@ -149,50 +185,154 @@ class SchedulerSide:
         if not hits:
             return 0
         best = max(hits, key=lambda h: (h.num_cached_tokens, h.pool_id == self.local_pool))
-        generation = self.generation(best.pool_id)
-        if generation is None:
-            return 0
-        pin_id = self.next_id(req_id, "pin")
-        (r,) = client.step(best.pool_id, [PinOp(pin_id, token_ids=tracked.prompt, cache_salt=tracked.cache_salt)])
-        if r.status != OpStatus.OK or not r.new_block_ids:
-            return 0  # evicted since the lookup: nothing pinned
-        self.num_pins += 1
-        hit = Hit(best.pool_id, pin_id, generation, r.num_computed_tokens, list(r.new_block_ids[0]),
-                  num_computed_tokens)
-        if hit.num_tokens <= num_computed_tokens:
-            client.step(best.pool_id, [UnpinOp(pin_id)])
+        hit = self._pin_on(best.pool_id, req_id, tracked, num_computed_tokens)
+        if hit is None:
             return 0
         self.hits[req_id] = hit
+        self.counters.add("claimed", store_name(hit.pool_id))
+        self.counters.add("claimed_tokens", store_name(hit.pool_id), hit.num_tokens - num_computed_tokens)
         return hit.num_tokens - num_computed_tokens
+
+    def _pin_on(self, pool_id: str, req_id: str, tracked: Tracked, num_computed_tokens: int) -> Hit | None:
+        """One PinOp: the prompt's cached prefix on `pool_id`, pinned, if it has more than the engine."""
+        generation = self.generation(pool_id)
+        if generation is None:
+            return None
+        pin_id = self.next_id(req_id, "pin")
+        (r,) = self.step(pool_id, [PinOp(pin_id, token_ids=tracked.prompt, cache_salt=tracked.cache_salt)])
+        if r.status != OpStatus.OK or not r.new_block_ids:
+            return None  # evicted since the lookup: nothing pinned
+        self.num_pins += 1
+        hit = Hit(pool_id, pin_id, generation, r.num_computed_tokens, list(r.new_block_ids[0]), num_computed_tokens)
+        if hit.num_tokens <= num_computed_tokens:
+            self.step(pool_id, [UnpinOp(pin_id)])
+            return None
+        return hit
+
+    def _await_handoff(self, req_id: str, tracked: Tracked, num_computed_tokens: int) -> int:
+        """A hand-over: the whole blocks the producer saves (never the whole prompt), claimed now and loaded
+        once committed."""
+        handoff = tracked.handoff
+        end = min(handoff.num_tokens, (len(tracked.prompt) - 1) // self.block_size * self.block_size)
+        handoff.num_computed_tokens = num_computed_tokens
+        handoff.claimed = max(0, end - num_computed_tokens)
+        if handoff.claimed:
+            self.counters.add("claimed", store_name(handoff.pool_id))
+            self.counters.add("claimed_tokens", store_name(handoff.pool_id), handoff.claimed)
+        return handoff.claimed
 
     def after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
         """vLLM allocated the request's blocks: a positive answer becomes a load into them."""
-        hit = self.hits.pop(request.request_id, None)
+        req_id = request.request_id
+        tracked = self.tracked.get(req_id)
+        if tracked is not None and tracked.handoff is not None and num_external_tokens > 0:
+            tracked.handoff.block_ids = list(block_ids)
+            tracked.handoff.claimed = num_external_tokens
+            self.handoffs[req_id] = tracked.handoff
+            return
+        hit = self.hits.pop(req_id, None)
         if hit is None:
             return
         if num_external_tokens <= 0:
             self._unpin(hit)  # vLLM took none of it (skip_reading_prefix_cache, a capped hit)
             return
-        self.loaded[request.request_id] = num_external_tokens
-        if len(self.loaded) > LOADED_KEPT:
-            self.loaded.popitem(last=False)
+        self._note_loaded(req_id, num_external_tokens)
         # The engine's own hit, then the external tokens vLLM took (all of the answer, or less when capped).
         start = hit.num_computed_tokens // self.block_size
         end = min(hit.num_tokens, hit.num_computed_tokens + num_external_tokens) // self.block_size
-        tracked = self.tracked.get(request.request_id)
         if tracked is not None:
             tracked.loaded_blocks = end
-        self.pending.append(Load(request.request_id, hit.pool_id, hit.pin_id, hit.generation,
-                                 hit.store_block_ids[start:end], list(block_ids[start:end])))
+        self._hand_out(Load(req_id, hit.pool_id, hit.pin_id, hit.generation, hit.store_block_ids[start:end],
+                            list(block_ids[start:end])))
+
+    def _note_loaded(self, req_id: str, num_tokens: int) -> None:
+        self.loaded[req_id] = num_tokens
+        if len(self.loaded) > LOADED_KEPT:
+            self.loaded.popitem(last=False)
+
+    def _hand_out(self, load: Load) -> None:
+        self.pending.append(load)
+        if load.pin_id:
+            self.pins_out[load.pin_id] = load.pool_id
 
     def _unpin(self, hit: Hit) -> None:
-        try:
-            self.client().step(hit.pool_id, [UnpinOp(hit.pin_id)])
-        except Exception as exc:  # noqa: BLE001 - the pin goes with this session's lease anyway
-            self.failed("an unpin", exc)
+        self.teller.tell(hit.pool_id, [UnpinOp(hit.pin_id)])
+
+    def _poll_handoffs(self) -> None:
+        """Each waiting hand-over asks for its pages (a PinOp); pinned, or past its deadline, it becomes an
+        asynchronous load (a failed one: vLLM recomputes the blocks)."""
+        now = time.monotonic()
+        for req_id, handoff in list(self.handoffs.items()):
+            if now < handoff.next_try:
+                continue
+            handoff.next_try = now + HANDOFF_POLL_S
+            tracked = self.tracked.get(req_id)
+            start = handoff.num_computed_tokens // self.block_size
+            end = (handoff.num_computed_tokens + handoff.claimed) // self.block_size
+            hit = None
+            if tracked is not None and self.available():
+                try:
+                    hit = self._pin_on(handoff.pool_id, req_id, tracked, handoff.num_computed_tokens)
+                except Exception as exc:  # noqa: BLE001 - asked again until the deadline
+                    self.failed("pinning a hand-over", exc)
+            if hit is not None and hit.num_tokens >= handoff.num_computed_tokens + handoff.claimed:
+                del self.handoffs[req_id]
+                self._note_loaded(req_id, handoff.claimed)
+                if tracked is not None:
+                    tracked.loaded_blocks = end
+                self._hand_out(Load(req_id, hit.pool_id, hit.pin_id, hit.generation, hit.store_block_ids[start:end],
+                                    handoff.block_ids[start:end], async_load=True))
+                continue
+            if hit is not None:
+                self._unpin(hit)  # a part of it: wait for the whole save
+            if now >= handoff.deadline:
+                del self.handoffs[req_id]
+                logger.warning("kvservice connector: the hand-over of %s from %s was not committed within %.1f s; "
+                               "vLLM recomputes it", req_id, handoff.pool_id, self.settings.handoff_timeout_s)
+                self.pending.append(Load(req_id, handoff.pool_id, "", 0, [], handoff.block_ids[start:end],
+                                         async_load=True, failed="timeout"))
+
+    # ---- what the workers did ------------------------------------------------------------------
+    def workers_done(self, done: Done) -> None:
+        """Every rank reported these (vLLM added up the step's reports): unpin the loads, commit the saves all
+        ranks wrote, free those a rank could not write. Sent by the teller, off the step."""
+        for pin_id in done.loads:
+            pool_id = self.pins_out.pop(pin_id, None)
+            if pool_id is not None:
+                self.teller.tell(pool_id, [UnpinOp(pin_id)])
+        for save_id in set(done.saves) | set(done.failed_saves):
+            entry = self.saves_out.get(save_id)
+            if entry is None:
+                continue
+            entry[2] += done.saves.get(save_id, 0)
+            entry[3] += done.failed_saves.get(save_id, 0)
+            if entry[2] + entry[3] < self.world_size:
+                continue  # a rank has not reported yet
+            del self.saves_out[save_id]
+            pool_id, num_tokens = entry[0], entry[1]
+            self.teller.tell(pool_id, commit_save(save_id, num_tokens) if entry[3] == 0 else [FreeOp(save_id)])
+
+    def saving(self, req_id: str) -> bool:
+        """Whether a save of the request is not reported by every rank yet."""
+        return any(entry[4] == req_id for entry in self.saves_out.values())
+
+    def has_pending_work(self) -> bool:
+        """Loads, saves or hand-overs not settled yet: vLLM keeps stepping (so the workers report them)."""
+        return bool(self.pins_out or self.saves_out or self.handoffs)
+
+    def request_params(self, request) -> dict | None:
+        """The `kv_transfer_params` of a finished request that saved its prompt: a consumer given them waits
+        for those pages."""
+        saved = self.saved.pop(request.request_id, None)
+        if saved is None:
+            return None
+        pool_id, num_tokens = saved
+        return {PARAMS_KEY: {"pool_id": pool_id, "num_tokens": num_tokens}}
 
     # ---- saves ---------------------------------------------------------------------------------
     def build(self, scheduler_output) -> tuple[list[Load], list[Save]]:
+        if self.handoffs:
+            self._poll_handoffs()
         loads, self.pending = self.pending, []
         done: list[tuple[str, Tracked, int]] = []
         num_scheduled = scheduler_output.num_scheduled_tokens
@@ -241,7 +381,7 @@ class SchedulerSide:
             generation = self.generation(pool_id)
             if generation is None:
                 return []
-            results = self.client().step(pool_id, ops)
+            results = self.step(pool_id, ops)
         except Exception as exc:  # noqa: BLE001
             self.failed("allocating store pages", exc)
             return []
@@ -258,21 +398,25 @@ class SchedulerSide:
             start, end = allocated.num_computed_tokens // bs, num_tokens // bs
             saves.append(Save(req_id, ids[k], pool_id, generation, num_tokens, tracked.block_ids[start:end],
                               list(table[start:end])))
+            self.saves_out[ids[k]] = [pool_id, num_tokens, 0, 0, req_id]
+            self.saved[req_id] = (pool_id, num_tokens)
             self.num_saves += 1
-        if refused:
-            try:
-                self.client().step(pool_id, refused)
-            except Exception as exc:  # noqa: BLE001
-                self.failed("freeing refused saves", exc)
+        self.teller.tell(pool_id, refused)  # the store is full of pinned or in-use pages: not saved
         return saves
 
-    def finished(self, request) -> None:
-        self.tracked.pop(request.request_id, None)
-        hit = self.hits.pop(request.request_id, None)
+    def finished(self, request) -> dict | None:
+        """vLLM finished the request (aborts included); returns its kv_transfer_params."""
+        req_id = request.request_id
+        self.tracked.pop(req_id, None)
+        self.handoffs.pop(req_id, None)  # an async load vLLM no longer waits for; its pin (if any) is out
+        hit = self.hits.pop(req_id, None)
         if hit is not None:  # pinned, never loaded
             self._unpin(hit)
+        return self.request_params(request)
 
     def close(self) -> None:
+        self.teller.flush()
+        self.teller.close()
         if self._index is not None:
             self._index.close()
         if self._client is not None:

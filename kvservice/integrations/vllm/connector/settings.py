@@ -43,6 +43,10 @@ class ConnectorSettings:
             (5.0): the engine serves on, computing what it would have loaded.
         load_failure: "recompute" (default; sets vLLM's kv_load_failure_policy) or "fail" (vLLM's).
         shm_dir: where this node's stores keep their segments ("/dev/shm").
+        verify_checksums: check every loaded page's bytes against the checksum its writer stored (False: the
+            tag and format are always checked; the checksum costs about as much as the copy on a CPU).
+        handoff_timeout_s: how long a consumer given a producer's kv_transfer_params waits for its pages to be
+            committed before it computes the prompt itself (10.0).
     """
 
     address: str
@@ -56,6 +60,8 @@ class ConnectorSettings:
     retry_after_s: float = 5.0
     load_failure: str = "recompute"
     shm_dir: str = "/dev/shm"
+    handoff_timeout_s: float = 10.0
+    verify_checksums: bool = False
 
     def client(self, block_size: int, client_name: str, retries: int):
         """A client of the allocator as the connector's sides use it (short calls: a failure means compute)."""
@@ -81,7 +87,7 @@ class ConnectorSettings:
         if isinstance(stores, str):
             stores = tuple(s for s in stores.split(",") if s)
         extra["stores"] = tuple(stores)
-        for key in ("timeout_s", "retry_after_s"):
+        for key in ("timeout_s", "retry_after_s", "handoff_timeout_s"):
             value = extra.get(key, defaults[key])
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"kv_connector_extra_config.{key}: {value!r} is not a positive number of seconds")

@@ -1,0 +1,148 @@
+"""How a worker reaches a store's pages: the store's shared-memory segment when it runs on this node, else a
+transport to its node (Ray's object store through the store's actor).
+
+A store is on this node when its descriptor is in this node's shm_dir and the Ray node it names is this
+process's (when both are known); the connector's `store` setting plays no part in reading.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvservice.blockstore.actor import NAMESPACE, actor_name
+from kvservice.blockstore.segment import Segment, read_descriptor
+from kvservice.integrations.vllm.connector.settings import ENV_RAY_NODE, ConnectorSettings
+
+REMOTE_READ_TIMEOUT_S = 10.0  # a load from another node's store that takes longer fails (and is recomputed)
+
+
+class StoreUnreachable(LookupError):
+    """The store's pages cannot be read from here (another node and no transport, a timeout)."""
+
+
+@dataclass(slots=True)
+class PageRead:
+    """Pages to copy from: rows `rows` of `pages` (`[rows, page_bytes]` uint8, every rank's slices), and their
+    metadata as it is now (`meta()`: `[rows, MAX_SLOTS, 4]`; a segment's is live, read again after the copy)."""
+
+    pages: torch.Tensor
+    rows: list[int]
+    meta: Callable[[], np.ndarray]
+    local: bool
+
+
+def this_node() -> str:
+    """This process's Ray node, or the node of the Ray process that started it, or "" (not known)."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return ray.get_runtime_context().get_node_id()
+    return os.environ.get(ENV_RAY_NODE, "")
+
+
+class Stores:
+    """This process's ways to the stores: segments of the stores on this node, actors of the others."""
+
+    def __init__(self, settings: ConnectorSettings) -> None:
+        self.settings = settings
+        self.segments: dict[str, tuple[str, Segment, torch.Tensor]] = {}
+        self.actors: dict[str, object] = {}
+        self.node_id = this_node()
+        self.num_local_reads = self.num_remote_reads = 0
+        # Told of each segment's pages when first mapped and before one is dropped (the worker page-locks them).
+        self.on_attach: Callable[[torch.Tensor], None] | None = None
+        self.on_detach: Callable[[torch.Tensor], None] | None = None
+
+    def transport_name(self) -> str:
+        return "ray" if "ray" in sys.modules or _importable("ray") else "none (Ray is not installed)"
+
+    def local(self, name: str, generation: int) -> Segment | None:
+        """The segment of the store `name` if it runs on this node (at `generation`, else LookupError), or None
+        when it is on another node."""
+        d = read_descriptor(name, self.settings.shm_dir)
+        if d is None or (d.node_id and self.node_id and d.node_id != self.node_id):
+            return None
+        have = self.segments.get(name)
+        if have is None or have[0] != d.path:
+            if have is not None and self.on_detach is not None:
+                self.on_detach(have[2])
+            seg = Segment.attach(d)
+            have = (d.path, seg, torch.from_numpy(seg.pages))
+            self.segments[name] = have
+            if self.on_attach is not None:
+                self.on_attach(have[2])
+        seg = have[1]
+        # The segment's own header, every time: a store that closed it, or restarted (or registered again) since
+        # the pin or the page allocation was taken: its pages mean nothing now. (A store killed leaves its pinned
+        # pages as they were committed: they still load, until its lease retires its pool.)
+        if seg.closed:
+            raise LookupError(f"store {name!r} on this node stopped: the pages named are gone")
+        if seg.generation != generation:
+            raise LookupError(f"store {name!r} on this node is not at generation {generation} (it restarted or "
+                              f"registered again): the pages named are gone")
+        return seg
+
+    def read(self, name: str, generation: int, page_ids: list[int]) -> PageRead:
+        seg = self.local(name, generation)
+        if seg is not None:
+            seg.check_ids(page_ids)
+            return PageRead(self.segments[name][2], list(page_ids), lambda: seg.meta, True)
+        try:
+            data, meta = self._ray_read(name, generation, page_ids)
+        except ImportError:
+            raise StoreUnreachable(f"store {name!r} is on another node, and its pages come through Ray there: Ray "
+                                   f"is not installed in this engine's environment (pip install ray)") from None
+        with warnings.catch_warnings():  # Ray's zero-copy arrays are read-only; they are only read here
+            warnings.simplefilter("ignore", UserWarning)
+            return PageRead(torch.from_numpy(data), list(range(len(page_ids))), lambda: meta, False)
+
+    def count(self, read: PageRead) -> None:
+        if read.local:
+            self.num_local_reads += 1
+        else:
+            self.num_remote_reads += 1
+
+    def _ray_read(self, name: str, generation: int, page_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        import ray
+        try:
+            return ray.get(self._actor(name).read.remote(page_ids, self.settings.token, generation, True),
+                           timeout=REMOTE_READ_TIMEOUT_S)
+        except Exception:
+            self.actors.pop(name, None)  # look the store up again next time (it may have been restarted)
+            raise
+
+    def _actor(self, name: str):
+        actor = self.actors.get(name)
+        if actor is None:
+            import ray
+            if not ray.is_initialized():
+                ray.init(address=self.settings.ray_address or "auto", namespace=NAMESPACE,
+                         ignore_reinit_error=True, log_to_driver=False)
+            actor = ray.get_actor(actor_name(name), namespace=NAMESPACE)
+            self.actors[name] = actor
+        return actor
+
+    def writable(self, name: str, generation: int) -> torch.Tensor:
+        if self.local(name, generation) is None:
+            raise LookupError(f"store {name!r} is not on this node: saves go to this node's store only")
+        return self.segments[name][2]
+
+    def writable_meta(self, name: str) -> np.ndarray:
+        return self.segments[name][1].meta
+
+    def close(self) -> None:
+        if self.on_detach is not None:
+            for _, _, pages in self.segments.values():
+                self.on_detach(pages)
+        self.segments.clear()
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(module) is not None
