@@ -83,6 +83,8 @@ class PoolSpec:
     hash_spec: HashSpec | None = None  # None: kvservice's own with the allocator's seed
     vllm: VllmOptions | None = None  # None: kvservice's semantics
     bound_to_session: bool = False  # retired when the registering session ends (a KV store's pages)
+    # With bound_to_session: suspended instead of retired when that session ends (pages on disk outlive it)
+    suspend_on_session_end: bool = False
 
     @property
     def hash_bytes(self) -> int:
@@ -93,11 +95,13 @@ class PoolSpec:
         return (self.config == other.config and self.max_model_len == other.max_model_len
                 and self.dcp_world_size == other.dcp_world_size and self.enable_caching == other.enable_caching
                 and self.vocab_size == other.vocab_size and self.kv_layout == other.kv_layout
-                and self.vllm == other.vllm and self.bound_to_session == other.bound_to_session)
+                and self.vllm == other.vllm and self.bound_to_session == other.bound_to_session
+                and self.suspend_on_session_end == other.suspend_on_session_end)
 
     def with_epoch(self, epoch: int) -> PoolSpec:
         return PoolSpec(self.pool_id, self.config, self.max_model_len, self.dcp_world_size, self.enable_caching,
-                        self.vocab_size, self.kv_layout, epoch, self.hash_spec, self.vllm, self.bound_to_session)
+                        self.vocab_size, self.kv_layout, epoch, self.hash_spec, self.vllm, self.bound_to_session,
+                        self.suspend_on_session_end)
 
 
 # Decodes a Step's ops once its pool is known (its limits validate them): (pool spec, hash block size) -> ops.

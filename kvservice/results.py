@@ -38,13 +38,16 @@ class PoolHit:
     num_cached_blocks: int = 0
     external: bool = False  # an external pool (kvservice.external): num_cached_tokens is its GPU tier
     tiers: dict[str, int] = field(default_factory=dict)  # an external pool: hit tokens per medium
+    suspended: bool = False  # its store is away (PoolStats.suspended): no hit, never the best pool
 
 
 def best_pool(hits: list[PoolHit], first_block_hash: bytes | None) -> str:
     """Where a KV-aware router sends a prompt: the longest cached prefix; ties to the most free blocks that
     hold nothing cached (filling them evicts no one's prefix); remaining ties by the prompt's first block
     hash, so a prompt family keeps landing on the same pool instead of every cold prompt piling onto the
-    first one. The same rule whether one allocator or a client over several shards applies it."""
+    first one. A suspended pool takes no allocation: it is never picked. The same rule whether one allocator or
+    a client over several shards applies it."""
+    hits = [h for h in hits if not h.suspended]
     if not hits:
         return ""
     best = max(h.num_cached_tokens for h in hits)
@@ -135,6 +138,7 @@ class PoolStats:
     num_pending_transfers: int = 0
     plain_prefix: bool = False  # a replica of the index answers its Lookup exactly (kvservice.client.index)
     moving_to: str = ""  # frozen by a pool move on its way to this shard
+    suspended: bool = False  # its bound session ended (suspend_on_session_end): cached blocks kept, no hit
 
 
 @dataclass(slots=True)

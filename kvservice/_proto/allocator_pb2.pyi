@@ -189,7 +189,7 @@ class HashSpec(_message.Message):
     def __init__(self, algorithm: _Optional[str] = ..., seed: _Optional[str] = ..., has_seed: _Optional[bool] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("session_id", "sequence", "pool_id", "config", "hash_fingerprint", "epoch", "hash_spec", "vllm", "bound_to_session")
+    __slots__ = ("session_id", "sequence", "pool_id", "config", "hash_fingerprint", "epoch", "hash_spec", "vllm", "bound_to_session", "suspend_on_session_end")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +199,7 @@ class RegisterPoolRequest(_message.Message):
     HASH_SPEC_FIELD_NUMBER: _ClassVar[int]
     VLLM_FIELD_NUMBER: _ClassVar[int]
     BOUND_TO_SESSION_FIELD_NUMBER: _ClassVar[int]
+    SUSPEND_ON_SESSION_END_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     sequence: int
     pool_id: str
@@ -208,7 +209,8 @@ class RegisterPoolRequest(_message.Message):
     hash_spec: HashSpec
     vllm: VllmManagerOptions
     bound_to_session: bool
-    def __init__(self, session_id: _Optional[str] = ..., sequence: _Optional[int] = ..., pool_id: _Optional[str] = ..., config: _Optional[_Union[KVCacheConfig, _Mapping]] = ..., hash_fingerprint: _Optional[str] = ..., epoch: _Optional[int] = ..., hash_spec: _Optional[_Union[HashSpec, _Mapping]] = ..., vllm: _Optional[_Union[VllmManagerOptions, _Mapping]] = ..., bound_to_session: _Optional[bool] = ...) -> None: ...
+    suspend_on_session_end: bool
+    def __init__(self, session_id: _Optional[str] = ..., sequence: _Optional[int] = ..., pool_id: _Optional[str] = ..., config: _Optional[_Union[KVCacheConfig, _Mapping]] = ..., hash_fingerprint: _Optional[str] = ..., epoch: _Optional[int] = ..., hash_spec: _Optional[_Union[HashSpec, _Mapping]] = ..., vllm: _Optional[_Union[VllmManagerOptions, _Mapping]] = ..., bound_to_session: _Optional[bool] = ..., suspend_on_session_end: _Optional[bool] = ...) -> None: ...
 
 class VllmManagerOptions(_message.Message):
     __slots__ = ("watermark", "scheduler_block_size", "max_in_flight_tokens", "use_eagle", "num_hash_lookahead_tokens", "num_prefill_lookahead", "mamba_recache_keyed_tails", "mamba_shared_prefix_checkpoint")
@@ -717,20 +719,22 @@ class LookupRequest(_message.Message):
     def __init__(self, token_ids: _Optional[bytes] = ..., block_hashes: _Optional[bytes] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., pool_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[int] = ..., hash_bytes: _Optional[int] = ...) -> None: ...
 
 class PoolHit(_message.Message):
-    __slots__ = ("pool_id", "num_cached_tokens", "num_free_blocks", "num_cached_blocks", "external", "tiers")
+    __slots__ = ("pool_id", "num_cached_tokens", "num_free_blocks", "num_cached_blocks", "suspended", "external", "tiers")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SUSPENDED_FIELD_NUMBER: _ClassVar[int]
     EXTERNAL_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     num_cached_tokens: int
     num_free_blocks: int
     num_cached_blocks: int
+    suspended: bool
     external: bool
     tiers: _containers.RepeatedCompositeFieldContainer[TierHit]
-    def __init__(self, pool_id: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., external: _Optional[bool] = ..., tiers: _Optional[_Iterable[_Union[TierHit, _Mapping]]] = ...) -> None: ...
+    def __init__(self, pool_id: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., suspended: _Optional[bool] = ..., external: _Optional[bool] = ..., tiers: _Optional[_Iterable[_Union[TierHit, _Mapping]]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("hits", "best_pool_id")
@@ -811,7 +815,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, check_invariants: _Optional[bool] = ..., include_state_digest: _Optional[bool] = ..., pool_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("pool_id", "epoch", "num_blocks", "num_free_blocks", "usage", "num_requests", "prefix_hit_rate", "prefix_queries", "prefix_hits", "evictions", "num_cached_blocks", "invariant_violation", "num_pending_transfers", "plain_prefix", "moving_to")
+    __slots__ = ("pool_id", "epoch", "num_blocks", "num_free_blocks", "usage", "num_requests", "prefix_hit_rate", "prefix_queries", "prefix_hits", "evictions", "num_cached_blocks", "invariant_violation", "num_pending_transfers", "plain_prefix", "moving_to", "suspended")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -827,6 +831,7 @@ class PoolStats(_message.Message):
     NUM_PENDING_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     PLAIN_PREFIX_FIELD_NUMBER: _ClassVar[int]
     MOVING_TO_FIELD_NUMBER: _ClassVar[int]
+    SUSPENDED_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     epoch: int
     num_blocks: int
@@ -842,7 +847,8 @@ class PoolStats(_message.Message):
     num_pending_transfers: int
     plain_prefix: bool
     moving_to: str
-    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., evictions: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., invariant_violation: _Optional[str] = ..., num_pending_transfers: _Optional[int] = ..., plain_prefix: _Optional[bool] = ..., moving_to: _Optional[str] = ...) -> None: ...
+    suspended: bool
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., evictions: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., invariant_violation: _Optional[str] = ..., num_pending_transfers: _Optional[int] = ..., plain_prefix: _Optional[bool] = ..., moving_to: _Optional[str] = ..., suspended: _Optional[bool] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
     __slots__ = ("pools", "num_sessions", "persistence", "event_sequence", "lease_expiries", "hash_fingerprint", "hash_block_size", "state_digest", "wal_entries_written", "wal_bytes_written", "snapshots_written", "last_snapshot_bytes", "wal_lag", "leader_epoch", "external_pools")

@@ -219,7 +219,7 @@ class ManagerState(_message.Message):
     def __init__(self, ref_cnts: _Optional[bytes] = ..., free_order: _Optional[bytes] = ..., index_keys: _Optional[bytes] = ..., index_key_lengths: _Optional[bytes] = ..., index_block_ids: _Optional[bytes] = ..., groups: _Optional[_Iterable[_Union[GroupState, _Mapping]]] = ..., copy_src: _Optional[bytes] = ..., copy_dst: _Optional[bytes] = ..., evictions: _Optional[int] = ..., total_queries: _Optional[int] = ..., total_hits: _Optional[int] = ..., total_requests: _Optional[int] = ..., interval_stats: _Optional[_Iterable[int]] = ..., interval_reset: _Optional[bool] = ..., held_blocks: _Optional[bytes] = ...) -> None: ...
 
 class PoolState(_message.Message):
-    __slots__ = ("register_request", "pool_id", "epoch", "manager", "requests", "tombstone_keys", "tombstone_reasons", "owner_tenant", "moving_to", "pins")
+    __slots__ = ("register_request", "pool_id", "epoch", "manager", "requests", "tombstone_keys", "tombstone_reasons", "owner_tenant", "moving_to", "pins", "suspended")
     REGISTER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +230,7 @@ class PoolState(_message.Message):
     OWNER_TENANT_FIELD_NUMBER: _ClassVar[int]
     MOVING_TO_FIELD_NUMBER: _ClassVar[int]
     PINS_FIELD_NUMBER: _ClassVar[int]
+    SUSPENDED_FIELD_NUMBER: _ClassVar[int]
     register_request: bytes
     pool_id: str
     epoch: int
@@ -240,7 +241,8 @@ class PoolState(_message.Message):
     owner_tenant: str
     moving_to: str
     pins: _containers.RepeatedCompositeFieldContainer[PinState]
-    def __init__(self, register_request: _Optional[bytes] = ..., pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., manager: _Optional[_Union[ManagerState, _Mapping]] = ..., requests: _Optional[_Iterable[_Union[RequestState, _Mapping]]] = ..., tombstone_keys: _Optional[_Iterable[str]] = ..., tombstone_reasons: _Optional[_Iterable[str]] = ..., owner_tenant: _Optional[str] = ..., moving_to: _Optional[str] = ..., pins: _Optional[_Iterable[_Union[PinState, _Mapping]]] = ...) -> None: ...
+    suspended: bool
+    def __init__(self, register_request: _Optional[bytes] = ..., pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., manager: _Optional[_Union[ManagerState, _Mapping]] = ..., requests: _Optional[_Iterable[_Union[RequestState, _Mapping]]] = ..., tombstone_keys: _Optional[_Iterable[str]] = ..., tombstone_reasons: _Optional[_Iterable[str]] = ..., owner_tenant: _Optional[str] = ..., moving_to: _Optional[str] = ..., pins: _Optional[_Iterable[_Union[PinState, _Mapping]]] = ..., suspended: _Optional[bool] = ...) -> None: ...
 
 class PinState(_message.Message):
     __slots__ = ("key", "session_id", "block_ids", "num_tokens")

@@ -53,6 +53,7 @@ from kvservice.ops import (
     DecodeBatchOp,
     EvictBlocksOp,
     ForkOp,
+    FreeHeldBlocksOp,
     FreeOp,
     NewStepOp,
     Op,
@@ -62,6 +63,7 @@ from kvservice.ops import (
     RemoveSkippedBlocksOp,
     ResetPrefixCacheOp,
     StepResult,
+    UnpinOp,
 )
 from kvservice.results import LookupResult, PoolStats, RequestInfo, ResetResult, SessionOpened
 from kvservice.settings import AllocatorSettings
@@ -76,6 +78,21 @@ def _start_step(pool: Pool) -> None:
         m.new_step_starts()
         if m._pending_boundary_state_offloads:
             m.take_pending_boundary_state_offloads()
+
+
+# What a suspended pool still takes: ops that only release or drop blocks (its store is away: nothing may hit,
+# be pinned or be allocated until it registers the pool again).
+SUSPENDED_POOL_OPS = frozenset({FreeOp, UnpinOp, FreeHeldBlocksOp, RemoveSkippedBlocksOp, EvictBlocksOp,
+                                ResetPrefixCacheOp, NewStepOp})
+
+
+def _suspended(pool: Pool, op: Op) -> OpResult:
+    op_id = getattr(op, "request_id", None) or getattr(op, "pin_id", None) or getattr(op, "child_request_id", "")
+    return OpResult(op_id, OpStatus.FAILED_PRECONDITION,
+                    f"pool {pool.pool_id!r} is suspended until its store re-attaches (registers it again at epoch "
+                    f"{pool.epoch}): it takes no {type(op).__name__} now; frees and unpins still apply")
+
+
 EXTERNAL_COMMANDS = (IngestEvents, RegisterExternalPool, RemoveExternalPool)
 Guard = Callable[[], None]  # raises when a mutation must not happen now (e.g. persistence is down)
 
@@ -141,12 +158,7 @@ class Allocator:
             closed = [s for s in command.session_ids if s in self.state.sessions.sessions]
             for session_id in closed:
                 self.book.close_session(session_id)
-            ended = set(closed)
-            # Its memory went with the session's process. A pool moving between shards stays frozen as it is:
-            # the store registers it again wherever it lands.
-            for pool_id in [p.pool_id for p in self.state.pools.values()
-                            if p.bound_session in ended and not p.moving_to]:
-                self.registry.bump_epoch(pool_id)
+            self.registry.end_sessions(set(closed))
             return Applied(closed, True)
         if kind is ResetPrefixCache:
             return self._reset(command, guard)
@@ -198,9 +210,12 @@ class Allocator:
         if pool.spec.vllm is None:  # a Step is one step (Mamba: states cached in it hit from the next)
             _start_step(pool)
         allocate = self.scheduler.allocate_op if pool.spec.vllm is None else self._vllm_allocate
+        suspended = pool.suspended
         for op in ops:
             kind = type(op)
-            if kind is AllocateOp:
+            if suspended and kind not in SUSPENDED_POOL_OPS:
+                append(_suspended(pool, op))
+            elif kind is AllocateOp:
                 key = f"{tenant}{SEP}{op.request_id}" if tenant else op.request_id  # request_key, inline: per op
                 append(allocate(pool, session, key, op, admin))
             elif kind is AddRequestOp:
@@ -366,7 +381,7 @@ class Allocator:
                                  len(bp.cached_block_hash_to_block),
                                  self.invariant_violation(pool) if check_invariants else "",
                                  sum(1 for t in transfers if pool.pool_id in (t.src_pool, t.dst_pool)),
-                                 pool.plain_prefix, pool.moving_to))
+                                 pool.plain_prefix, pool.moving_to, pool.suspended))
         return out
 
     def lookup(self, tenant: str, token_ids=None, block_hashes: Sequence[bytes] | None = None, num_tokens: int = 0,

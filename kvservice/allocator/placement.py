@@ -42,6 +42,11 @@ class Placement:
         hits = []
         by_spec: dict[HashSpec, list[bytes] | None] = {}  # each pool asked in its own hash spec
         for p in pools:
+            if p.suspended:  # its store is away: nothing it holds can be read now
+                bp = p.manager.block_pool
+                hits.append(PoolHit(p.pool_id, 0, bp.get_num_free_blocks(), len(bp.cached_block_hash_to_block),
+                                    suspended=True))
+                continue
             spec = p.hash_spec
             if spec not in by_spec:
                 by_spec[spec] = self._hashes(p, raw, token_ids, block_hashes is not None, cache_salt, lora_name, ns)

@@ -63,7 +63,10 @@ class Pool:
         self.tombstones: OrderedDict[str, str] = OrderedDict()
         self.moving_to = ""  # frozen while a rebalance moves it to this shard
         self.pins: dict = {}  # pin key -> allocator.pins.Pin: prefixes held for cross-shard transfers
-        self.bound_session = ""  # spec.bound_to_session: the session whose end retires the pool
+        self.bound_session = ""  # spec.bound_to_session: the session whose end retires (or suspends) the pool
+        # spec.suspend_on_session_end, its bound session ended: blocks, index and LRU order kept, but no hit and
+        # no new request, allocation or pin until its store registers it again at this epoch
+        self.suspended = False
 
     @property
     def hash_block_size(self) -> int:

@@ -1,6 +1,6 @@
 """Pools and their epochs: registration (a pool belongs to the tenant that registered it), a new epoch when
 its workers restarted (their memory is gone: every in-flight request fails), forced epochs after a stale
-recovery."""
+recovery; a store's pool bound to its session, retired or suspended when that session ends."""
 
 from __future__ import annotations
 
@@ -57,6 +57,9 @@ class PoolRegistry:
                 f"pool {spec.pool_id!r} is registered at epoch {spec.epoch} with hash spec "
                 f"{current.hash_spec.fingerprint()!r} ({describe(current.hash_spec)}), not {declared.fingerprint()!r} "
                 f"({describe(declared)}); register with a higher epoch to replace it")
+        if spec.suspend_on_session_end and not spec.bound_to_session:
+            raise InvalidArgument("suspend_on_session_end", True, "a pool is suspended when its bound session ends: "
+                                  "set bound_to_session too")
         if current is not None and spec.epoch == current.epoch and not current.spec.same_shape(spec):
             raise FailedPrecondition(f"pool {spec.pool_id!r} is registered at epoch {spec.epoch} with another "
                                      f"config; register with a higher epoch to replace it")
@@ -66,6 +69,11 @@ class PoolRegistry:
         """Registers (or re-registers) a pool; `check` passed."""
         spec = command.spec
         if current is not None and spec.epoch == current.epoch:
+            if spec.suspend_on_session_end:  # its store is back (or restarted before its old lease lapsed)
+                if current.suspended:
+                    logger.info("pool %s: resumed at epoch %d by session %s", current.pool_id, current.epoch,
+                                session.session_id)
+                current.bound_session, current.suspended = session.session_id, False
             return self._result(current, False, 0)
         pool = self.state.new_pool(spec)  # validates the config
         pool.owner_tenant = current.owner_tenant if current is not None else session.tenant
@@ -73,6 +81,21 @@ class PoolRegistry:
         failed = self._retire(current, pool) if current is not None else 0
         self.state.pools[spec.pool_id] = pool
         return self._result(pool, True, failed)
+
+    def end_sessions(self, ended: set[str]) -> None:
+        """The pools bound to sessions that ended: suspended when their pages outlive the store
+        (suspend_on_session_end), else retired (their memory went with the store's process). A pool moving
+        between shards stays frozen as it is: the store registers it again wherever it lands."""
+        pools = self.state.pools
+        for pool_id in sorted(p for p, pool in pools.items()
+                              if pool.bound_session in ended and not pool.moving_to and not pool.suspended):
+            pool = pools[pool_id]
+            if pool.spec.suspend_on_session_end:
+                pool.suspended = True
+                logger.warning("pool %s: suspended at epoch %d (session %s ended), %d cached blocks kept", pool_id,
+                               pool.epoch, pool.bound_session, pool.num_cached_blocks())
+            else:
+                self.bump_epoch(pool_id)
 
     def bump_epoch(self, pool_id: str) -> None:
         """Forces a new epoch (stale recovery): same config, fresh memory."""

@@ -58,7 +58,8 @@ class TransferBook:
         best: tuple[Pool, int] | None = None
         for pool_id in sorted(pools):  # sorted: replay after recovery picks the same source
             other = pools[pool_id]
-            if (other is dst or other.owner_tenant != dst.owner_tenant or other.moving_to or not transferable(other)
+            if (other is dst or other.owner_tenant != dst.owner_tenant or other.moving_to or other.suspended
+                    or not transferable(other)
                     or not same_layout(other, dst) or other.hash_spec != dst.hash_spec):
                 continue
             hit = other.cached_prefix_tokens(req.block_hashes, req.num_tokens)

@@ -11,7 +11,8 @@ milliseconds behind; `bench/shard_bench.py`). While a shard's stream is not sync
 leader failed over, after a pool moved onto it) its pools are answered by a Lookup RPC to that shard, as
 are pools whose hits a replica cannot compute (several KV groups, blocks larger than hash blocks, a hash
 spec of their own such as vLLM's; their `PoolStats.plain_prefix` is false) and external pools. Free-block
-counts (the tie-break of `best_pool`) are refreshed every `refresh_s`.
+counts (the tie-break of `best_pool`) and whether a pool is suspended (its store away: no hit, its hashes kept
+for when it resumes) are refreshed every `refresh_s`.
 """
 
 from __future__ import annotations
@@ -97,12 +98,15 @@ class PrefixIndex:
                 if held is None:
                     remote.append(pool_id)
                     continue
+                stats = self._stats[pool_id]
+                if stats.suspended:  # its store is away (as of the last refresh): no hit, never the best pool
+                    hits.append(PoolHit(pool_id, 0, stats.num_free_blocks, len(held), suspended=True))
+                    continue
                 n = 0
                 for h in prefix:
                     if h not in held:
                         break
                     n += 1
-                stats = self._stats[pool_id]
                 hits.append(PoolHit(pool_id, n * bs, stats.num_free_blocks, len(held)))
         missing = []
         if remote:

@@ -102,7 +102,7 @@ def state_digest(allocator: Allocator) -> str:
 def _encode_pool(pool: Pool) -> st.PoolState:
     spec = pool.spec
     reg = pb.RegisterPoolRequest(pool_id=spec.pool_id, epoch=pool.epoch, bound_to_session=spec.bound_to_session,
-                                 session_id=pool.bound_session,
+                                 suspend_on_session_end=spec.suspend_on_session_end, session_id=pool.bound_session,
                                  config=encode_config(spec.config, spec.max_model_len, spec.dcp_world_size,
                                                       spec.enable_caching, spec.vocab_size, spec.kv_layout))
     if spec.hash_spec is not None:
@@ -129,7 +129,7 @@ def _encode_pool(pool: Pool) -> st.PoolState:
     out = st.PoolState(register_request=reg.SerializeToString(deterministic=True), pool_id=pool.pool_id,
                        epoch=pool.epoch, manager=m, tombstone_keys=list(pool.tombstones),
                        tombstone_reasons=list(pool.tombstones.values()), owner_tenant=pool.owner_tenant,
-                       moving_to=pool.moving_to)
+                       moving_to=pool.moving_to, suspended=pool.suspended)
     for key in sorted(pool.requests):
         out.requests.append(_encode_request(pool.requests[key], pool.owner.get(key, "")))
     for key in sorted(pool.pins):
@@ -236,6 +236,7 @@ def _decode_pool(ps: st.PoolState, state: AllocatorState) -> Pool:
     pool.bound_session = reg.session_id if spec.bound_to_session else ""
     pool.owner_tenant = ps.owner_tenant
     pool.moving_to = ps.moving_to
+    pool.suspended = ps.suspended  # (absent in older snapshots: False, as no pool was suspended then)
     m = ps.manager
     lengths = _from_u32(m.index_key_lengths, "index_key_lengths")
     raw_keys = m.index_keys  # bind once: each protobuf field access copies the bytes

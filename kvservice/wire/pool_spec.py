@@ -148,7 +148,7 @@ def decode_pool_spec(msg: pb.RegisterPoolRequest, hash_block_size: int) -> PoolS
         raise InvalidArgument("config.prefix_cache_retention_interval", retention, str(exc)) from None
     return PoolSpec(pool_id, config, max_model_len, dcp, not msg.config.disable_prefix_caching,
                     msg.config.vocab_size, check_name("config.kv_layout", msg.config.kv_layout) or "", msg.epoch,
-                    hash_spec, vllm, msg.bound_to_session)
+                    hash_spec, vllm, msg.bound_to_session, msg.suspend_on_session_end)
 
 
 def decode_vllm_options(msg: pb.VllmManagerOptions, config: KVCacheConfig, field: str = "vllm") -> VllmOptions:

@@ -143,7 +143,7 @@ def encode_lookup(r: LookupResult) -> pb.LookupResponse:
     out = pb.LookupResponse(best_pool_id=r.best_pool_id)
     for h in r.hits:
         hit = out.hits.add(pool_id=h.pool_id, num_cached_tokens=h.num_cached_tokens, num_free_blocks=h.num_free_blocks,
-                           num_cached_blocks=h.num_cached_blocks)
+                           num_cached_blocks=h.num_cached_blocks, suspended=h.suspended)
         if h.external:
             hit.external = True
             for medium, n in h.tiers.items():
@@ -153,7 +153,8 @@ def encode_lookup(r: LookupResult) -> pb.LookupResponse:
 
 def decode_lookup(r: pb.LookupResponse) -> LookupResult:
     return LookupResult([PoolHit(h.pool_id, h.num_cached_tokens, h.num_free_blocks, h.num_cached_blocks, h.external,
-                                 {t.medium: t.num_cached_tokens for t in h.tiers}) for h in r.hits], r.best_pool_id)
+                                 {t.medium: t.num_cached_tokens for t in h.tiers}, h.suspended) for h in r.hits],
+                         r.best_pool_id)
 
 
 def encode_pool_stats(p: PoolStats, out: pb.PoolStats) -> None:
@@ -162,13 +163,14 @@ def encode_pool_stats(p: PoolStats, out: pb.PoolStats) -> None:
     out.prefix_queries, out.prefix_hits, out.evictions = p.prefix_queries, p.prefix_hits, p.evictions
     out.num_cached_blocks, out.num_pending_transfers = p.num_cached_blocks, p.num_pending_transfers
     out.invariant_violation, out.plain_prefix, out.moving_to = p.invariant_violation, p.plain_prefix, p.moving_to
+    out.suspended = p.suspended
 
 
 def decode_stats(r: pb.GetStatsResponse) -> Stats:
     pools = {p.pool_id: PoolStats(p.pool_id, p.epoch, p.num_blocks, p.num_free_blocks, p.usage, p.num_requests,
                                   p.prefix_hit_rate, p.prefix_queries, p.prefix_hits, p.evictions,
                                   p.num_cached_blocks, p.invariant_violation, p.num_pending_transfers,
-                                  p.plain_prefix, p.moving_to)
+                                  p.plain_prefix, p.moving_to, p.suspended)
              for p in r.pools}
     external = {p.pool_id: decode_external_stats(p) for p in r.external_pools}
     return Stats(pools, r.num_sessions, r.persistence, r.event_sequence, r.lease_expiries, r.hash_fingerprint,
