@@ -28,6 +28,9 @@ class Descriptor:
     generation: int  # a store restart makes a new one (and a new pool epoch): old page ids mean nothing
     node_id: str = ""
     pid: int = 0
+    disk_dir: str = ""  # the store's disk tier (disk.py), when it has one: its pool and that pool's epoch
+    disk_pool_id: str = ""
+    disk_epoch: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -70,8 +73,8 @@ def write_descriptor(d: Descriptor, directory: str = DEFAULT_DIR) -> Path:
 HEADER_BYTES = 4096
 MAGIC = b"KVSSEG02"
 MAX_SLOTS = 16  # page slices: one per tensor-parallel rank of the engine that wrote the page
-META_FIELDS = 4  # per (page, slice): tag, checksum, format, spare (uint64 each)
-TAG, CHECKSUM, FORMAT = 0, 1, 2
+META_FIELDS = 4  # per (page, slice): tag, checksum, format, the writer's number of slices (uint64 each)
+TAG, CHECKSUM, FORMAT, WORLD = 0, 1, 2, 3
 _HEADER = np.dtype([("magic", "S8"), ("num_blocks", "<u8"), ("page_bytes", "<u8"), ("slots", "<u8"),
                     ("generation", "<u8"), ("closed", "<u8")])
 

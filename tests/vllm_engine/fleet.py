@@ -26,7 +26,10 @@ class Engine:
     """A vllm.LLM with KVServiceConnector, in this actor's process (engine core in-process too)."""
 
     def __init__(self, model_dir: str, kv_transfer_config: dict | None, overrides: dict) -> None:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # The engine core in this process (the tests read its connector), unless `multiprocessing`: vLLM's
+        # default, its engine core and worker in subprocesses outside Ray.
+        multiprocessing = overrides.pop("multiprocessing", False)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         kw = dict(overrides)
         if kv_transfer_config is not None:
@@ -43,18 +46,40 @@ class Engine:
         return e.generate(self.llm, prompts, params).tokens
 
     def connector_stats(self) -> dict:
-        """What the connector did: per request the tokens it loaded, and its counters (both sides)."""
+        """What the connector did: per request the tokens it loaded, and its counters (both sides), once its
+        workers' reports reached the scheduler side and the allocator heard of them."""
         core = e.scheduler_of(self.llm)
         side = core.connector.scheduler_side
         from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
         worker = get_kv_transfer_group().worker_side
         worker.flush()
+        side.teller.flush()
         return {"loaded": dict(side.loaded), "pins": side.num_pins, "saves": side.num_saves,
                 "lookups": side.num_lookups, "lookup_rpcs": side.num_lookup_rpcs, "failures": side.num_failures,
                 "loaded_blocks": worker.num_loaded_blocks, "saved_blocks": worker.num_saved_blocks,
                 "failed_loads": worker.num_failed_loads, "local_reads": worker.stores.num_local_reads,
                 "remote_reads": worker.stores.num_remote_reads, "fetch_s": worker.fetch_s,
-                "copy_in_s": worker.copy_in_s, "unpin_s": worker.unpin_s, "copy_out_s": worker.copy_out_s}
+                "copy_in_s": worker.copy_in_s, "copy_out_s": worker.copy_out_s,
+                "failed": {k: dict(v) for k, v in worker.counters.totals.items() if k == "failed"}.get("failed", {}),
+                "claimed_tokens": side.counters.total("claimed_tokens")}
+
+    def generate_handoff(self, prompts: list[list[int]], params: list[dict | None] | None = None,
+                         max_tokens: int = 8) -> tuple[list, list]:
+        """Greedy tokens and each request's kv_transfer_params (a producer's hand-over; given to a consumer)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                                 [SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                 extra_args={"kv_transfer_params": q} if q else None)
+                                  for q in (params or [None] * len(prompts))], use_tqdm=False)
+        return [[list(o.outputs[0].token_ids)] for o in outs], [o.kv_transfer_params for o in outs]
+
+    def metrics(self) -> dict[str, float]:
+        """vLLM's Prometheus series of this engine (the connector's included), summed over their labels."""
+        out: dict[str, float] = {}
+        for m in self.llm.get_metrics():
+            out[m.name] = out.get(m.name, 0.0) + getattr(m, "value", 0.0)
+        return out
 
     def namespace(self) -> str:
         """The connector's salt of this engine's prompts (what a test's own lookups must hash with)."""

@@ -94,12 +94,14 @@ def fleet_env(tmp_path_factory):
         engines = {}
 
         def engine(label: str, node: str, store: str | None = "same", token: str = "tok-a", scheduler=None,
-                   kvservice=None, **kw):
+                   kvservice=None, model_dir=None, multiprocessing: bool = False, **kw):
             if label not in engines:
                 config = fleet.connector_config(allocator.target, node if store == "same" else store,
                                                 token=token, shm_dir=str(shm), retry_after_s=2.0, **kw)
                 owned = {"scheduler": scheduler, "kvservice": kvservice} if scheduler else {}
-                engines[label] = fleet.start_engine(model, f"node_{node}", config, **owned)
+                if multiprocessing:
+                    owned["multiprocessing"] = True
+                engines[label] = fleet.start_engine(model_dir or model, f"node_{node}", config, **owned)
             return engines[label]
 
         def close(label: str) -> None:
@@ -324,7 +326,137 @@ def test_engines_serve_on_without_the_allocator_and_share_again_when_it_returns(
     assert got == stock_tokens(env, mine)
 
 
-def test_a_store_node_that_dies_is_recomputed_and_leaves_the_index(fleet_env):
+def test_a_consumer_handed_the_request_at_once_loads_it_every_time(fleet_env):
+    """Prefill/decode without a pause: the consumer (another node, no store) gets each prompt with the
+    producer's kv_transfer_params the moment the producer returned, before its pages may be committed. It
+    waits for them (an asynchronous load) and loads every whole block, every time; the tokens are stock."""
+    env = fleet_env
+    producer = env["engine"]("HP", "a", role="kv_producer")
+    consumer = env["engine"]("HD", "b", store=None, role="kv_consumer")
+    for k in range(4):
+        _, prompts = family(100 + k)
+        mine = prompts(0)
+        _, params = ray.get(producer.generate_handoff.remote(mine, max_tokens=1))
+        assert all(p and p["kvservice"]["num_tokens"] == whole_blocks(len(q)) for p, q in zip(params, mine)), params
+        before = dict(ray.get(consumer.connector_stats.remote())["loaded"])
+        got, _ = ray.get(consumer.generate_handoff.remote(mine, params, max_tokens=8))
+        now = ray.get(consumer.connector_stats.remote())
+        loaded = sorted(v for r, v in now["loaded"].items() if r not in before)
+        assert loaded == sorted(whole_blocks(len(q) - 1) for q in mine), (k, loaded)
+        assert got == stock_tokens(env, mine)
+    env["close"]("HP")
+    env["close"]("HD")
+
+
+def test_a_failed_load_is_counted_where_an_operator_scrapes(fleet_env):
+    """vLLM counts a claimed hit before the load; the connector's own series say what became of it: with
+    store a's pages overwritten and their checksums on, C's loads fail (reason checksum), vLLM recomputes
+    (stock tokens) and vllm:kvservice_blocks_failed counts them beside the claimed tokens."""
+    env = fleet_env
+    a = env["engine"]("A", "a")
+    v = env["engine"]("V", "a", verify_checksums=True)
+    _, prompts = family(12, lengths=(200,))
+    ray.get(a.generate.remote(prompts(120)))
+    wait_saved(env, a, prompts(120))
+    seg = Segment.attach(read_descriptor("a", str(env["shm"])))
+    saved = np.array(seg.pages)
+    try:
+        seg.pages[1:, 7] ^= 0x5A  # one byte of every page
+        mine = prompts(121)
+        before = ray.get(v.metrics.remote())
+        got = ray.get(v.generate.remote(mine))
+        stats, after = ray.get(v.connector_stats.remote()), ray.get(v.metrics.remote())
+    finally:
+        seg.pages[:] = saved
+        seg.close()
+    assert got == stock_tokens(env, mine)
+    assert stats["failed"] == {"a|checksum": whole_blocks(200) // e.BLOCK}, stats
+    grew = {k: after.get(k, 0) - before.get(k, 0) for k in ("vllm:kvservice_blocks_failed",
+                                                           "vllm:kvservice_hit_tokens_claimed")}
+    assert grew == {"vllm:kvservice_blocks_failed": whole_blocks(200) // e.BLOCK,
+                    "vllm:kvservice_hit_tokens_claimed": whole_blocks(200)}, grew
+    env["close"]("V")
+
+
+def test_store_auto_in_a_ray_actor_whose_engine_uses_multiprocessing(fleet_env):
+    """vLLM's default: the engine core and the worker are subprocesses of the actor, outside Ray; four live
+    stores share the node's shm dir. `store: auto` still picks the actor's node's deploy store (it refused to
+    start before): the prompts land there."""
+    from kvservice.blockstore.actor import node_store_name
+    env = fleet_env
+    names = {n: node_store_name(env["nodes"][f"node_{n}"]) for n in ("a", "b")}
+    stores = [start_store(names[n], env["allocator"].target, 64, fleet.page_bytes(), e.BLOCK, token="tok-a",
+                          node_id=env["nodes"][f"node_{n}"], directory=str(env["shm"])) for n in ("a", "b")]
+    try:
+        m = env["engine"]("M", "a", store="auto", multiprocessing=True)
+        _, prompts = family(13, lengths=(130,))
+        mine = prompts(130)
+        assert ray.get(m.generate.remote(mine)) == stock_tokens(env, mine)
+        with env["allocator"].tenant_a() as client:
+            wait_for(lambda: client.lookup(mine[0], cache_salt=salt(env, env["engine"]("A", "a")),
+                                           pool_ids=[f"kvstore:{names['a']}"]).tokens(f"kvstore:{names['a']}")
+                     == whole_blocks(130), "the prompt in node a's deploy store")
+        env["close"]("M")
+    finally:
+        for s in stores:
+            ray.get(s.stop.remote())
+            ray.kill(s)
+
+
+def test_a_consumer_with_no_store_loads_outside_ray(fleet_env, tmp_path):
+    """An engine in a plain process (Ray not imported), kv_consumer with no `store`: it reads node a's store
+    through shared memory (it failed every load before: 'No module named ray' / no Ray instance)."""
+    import json
+    import subprocess
+    import sys
+    env = fleet_env
+    a = env["engine"]("A", "a")
+    _, prompts = family(14)
+    ray.get(a.generate.remote(prompts(140)))
+    wait_saved(env, a, prompts(140), store="a")
+    mine = prompts(141)
+    config = fleet.connector_config(env["allocator"].target, None, role="kv_consumer", token="tok-a",
+                                    shm_dir=str(env["shm"]))
+    job = {"model": str(env["model"]), "kv_transfer_config": config, "prompts": mine, "max_tokens": 8}
+    run = subprocess.run([sys.executable, "-m", "tests.vllm_engine.consumer_outside_ray"], input=json.dumps(job),
+                         capture_output=True, text=True, cwd=REPO, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(REPO), "KVSERVICE_RAY_NODE_ID": ""})
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert not out["ray"] and out["failed"] == 0 and out["local_reads"] == 3, out
+    assert sorted(out["loaded"].values()) == [whole_blocks(n) for n in PREFIXES], out
+    assert out["tokens"] == stock_tokens(env, mine)
+
+
+def test_weights_rewritten_in_place_share_no_pages(fleet_env):
+    """A checkpoint updated in place (same path, same config, new weights): an engine started on it finds none
+    of the pages the old weights computed (it loaded them before and generated tokens neither model makes)."""
+    env = fleet_env
+    model = env["model"].parent / "rewritten"
+    e.save_model("llama", model, seed=0)
+    old = env["engine"]("R1", "a", model_dir=model)
+    _, prompts = family(15)
+    ray.get(old.generate.remote(prompts(150)))
+    old_salt = ray.get(old.namespace.remote())
+    with env["allocator"].tenant_a() as client:
+        wait_for(lambda: all(client.lookup(p, cache_salt=old_salt, pool_ids=["kvstore:a"]).tokens("kvstore:a")
+                             == whole_blocks(len(p)) for p in prompts(150)), "the old weights' pages")
+    env["close"]("R1")
+    e.save_model("llama", model, seed=1)  # new weights, in place
+    new = env["engine"]("R2", "a", model_dir=model)
+    assert ray.get(new.namespace.remote()) != old_salt
+    mine = prompts(151)
+    got = ray.get(new.generate.remote(mine))
+    assert not ray.get(new.connector_stats.remote())["loaded"]
+    env["close"]("R2")
+    stock = fleet.start_engine(model, "node_a", None)  # an actor: a second engine in this process would share
+    try:                                                # (and, closed, tear down) vLLM's process-wide groups
+        assert got == ray.get(stock.generate.remote(mine))
+    finally:
+        ray.get(stock.close.remote(), timeout=60)
+
+
+def test_a_store_node_that_dies_is_recomputed_and_leaves_the_index(fleet_env):  # last: it removes node b
     """Node b (engine B and store b) goes: C's lookup still finds store b's blocks (its pool outlives the node
     by the lease), the load fails, vLLM recomputes (same tokens); once the lease lapses the index has none."""
     env = fleet_env

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import xxhash
 
-from kvservice.blockstore.segment import CHECKSUM, FORMAT, TAG
+from kvservice.blockstore.segment import CHECKSUM, FORMAT, TAG, WORLD
 from kvservice.integrations.vllm.connector.counters import Counters, FailReason
 from kvservice.integrations.vllm.connector.movers import make_mover
 from kvservice.integrations.vllm.connector.pageformat import PageFormat
@@ -245,6 +245,7 @@ class WorkerSide:
                 for row in rows:
                     meta[row, self.rank, CHECKSUM] = checksum(pages[row].numpy())
                     meta[row, self.rank, FORMAT] = self.format_digest
+                    meta[row, self.rank, WORLD] = self.world_size
                 meta[rows, self.rank, TAG] = digest64(save.save_id)  # last
         except Exception as exc:  # noqa: BLE001
             logger.warning("kvservice connector: sealing %s failed (%s)", save.save_id, exc)
