@@ -13,8 +13,10 @@ kvservice.external with sockets and clocks; every decision it takes is a command
                                        or gone, has no replay to ask, and its connection triggers the check)
 A replay that does not answer (a busy engine services its ROUTER between sends) settles nothing: the index
 stays as of `last`, live frames are held behind the gap in order, and the replay is asked again every
-`retry_s`; only after `resync_after_s` without an answer (or MAX_HELD held frames) does the gap resync.
-Without a replay endpoint a gap resyncs and a restart starts a new epoch from the frame at hand.
+`retry_s`; only after `resync_after_s` without an answer (or MAX_HELD held frames) does the gap resync, as
+for a replay that skips a number (a batch the engine never buffered), which applies only up to the hole.
+Without a replay endpoint a gap resyncs and a restart starts a new epoch from the frame at hand. Repairs log
+at INFO; holds, holes and resyncs warn.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvservice.commands import IngestEvents
 from kvservice.errors import KVServiceError
-from kvservice.external.frames import FrameError, decode_pub_frame, decode_replay_frame
+from kvservice.external.frames import FrameError, decode_pub_frame
 from kvservice.external.pool import ExternalPool, ResetKind, payload_digest
+from kvservice.external.replay import Frames, consecutive, fetch_replay
 from kvservice.external.spec import ExternalSpec
 
 logger = logging.getLogger(__name__)
@@ -71,6 +74,7 @@ class Feed:
         self._held: list[tuple[int, bytes, bool]] = []  # (seq, payload, went back) behind an unsettled gap
         self._stalled_since: float | None = None  # when the first held frame's gap found no replay
         self._next_retry = 0.0
+        self._hole: tuple[int, int] | None = None  # the last break seen in a replay's numbering (logged once)
 
     # ---- the loop --------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -187,7 +191,7 @@ class Feed:
         if seq <= last and not went_back:
             return
         restarted = seq <= last
-        if not restarted and replay:
+        if not restarted and replay and self._stalled_since is None:  # (a held gap asked again is not a new one)
             self.gaps += 1
         await self._flush()
         self._counting_gap = True
@@ -207,8 +211,9 @@ class Feed:
             # would lose every block the engine still holds while its buffer may well have the batches.
             self._hold(seq, payload, went_back)
             return
-        logger.warning("external pool %s: %s at batch %d (last applied %d) and no replay settled it", self.spec.pool_id,
-                       "the publisher restarted" if restarted else "a sequence gap", seq, last)
+        if replay:  # no replay socket to wait for (`_give_up` says why it stopped waiting)
+            logger.warning("external pool %s: %s at batch %d (last applied %d) and no replay socket", self.spec.pool_id,
+                           "the publisher restarted" if restarted else "a sequence gap", seq, last)
         self._pending_reset = ResetKind.RESTART if restarted else ResetKind.RESYNC
         self._accept(seq, payload)
 
@@ -239,6 +244,8 @@ class Feed:
                 await self._order(seq, payload, went_back)
             await self._flush()
             if not self._held:
+                logger.info("external pool %s: the gap is filled; %d held batches applied, up to batch %d",
+                            self.spec.pool_id, len(held), self._position())
                 self._stalled_since = None
                 return
             if self._position() > before:
@@ -254,6 +261,9 @@ class Feed:
     async def _give_up(self) -> None:
         """The replay never filled the gap: what follows it applies as a gap without replay would (a resync)."""
         held, self._held, self._stalled_since = self._held, [], None
+        logger.warning("external pool %s: no replay filled the gap after batch %d within the bound (%d batches held):"
+                       " dropping the index and rebuilding it from the held batches", self.spec.pool_id,
+                       self._position(), len(held))
         for seq, payload, went_back in held:
             await self._order(seq, payload, went_back, replay=False)
         await self._flush()
@@ -287,10 +297,10 @@ class Feed:
             return True
         first = replayed[0][0] if replayed else None
         if first == last and payload_digest(replayed[0][1]) == digest:
-            self._count_missed(len(replayed) - 1)
+            self._count_missed(replayed[1:])
             await self._submit(replayed[1:])  # the same publisher: what came after us
         elif first == last + 1:
-            self._count_missed(len(replayed))
+            self._count_missed(replayed)
             await self._submit(replayed)  # our last batch left its buffer, but nothing is missing
         elif first is None or first == last:
             # Nothing at or after our position, or another batch under our last number: it restarted.
@@ -304,37 +314,37 @@ class Feed:
             await self._submit(replayed, ResetKind.RESYNC)
         return True
 
-    def _count_missed(self, num_frames: int) -> None:
+    def _count_missed(self, frames: Frames) -> None:
         """A catch-up that found batches the live stream had not delivered: a gap (unless `_one` counted it)."""
-        if num_frames and not self._counting_gap:
+        if not frames:
+            return
+        if not self._counting_gap:
             self.gaps += 1
+        logger.info("external pool %s: batches %d..%d applied from the replay socket (the live stream skipped "
+                    "some)", self.spec.pool_id, frames[0][0], frames[-1][0])
 
-    async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
-        """The publisher's buffered batches from `start` on; None when it did not answer in time."""
-        dealer = self.context.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.RCVHWM, 0)
-        out: list[tuple[int, bytes]] = []
+    async def _replay(self, start: int) -> Frames | None:
+        """The publisher's buffered batches from `start` on, up to the first number its buffer lacks; None when
+        it did not answer in time."""
         try:
-            dealer.connect(self.spec.replay_endpoint)
-            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
-            while True:
-                if not await dealer.poll(int(self.replay_timeout_s * 1000)):
-                    self.replay_failures += 1
-                    logger.warning("external pool %s: no replay from %s within %.1f s", self.spec.pool_id,
-                                   self.spec.replay_endpoint, self.replay_timeout_s)
-                    return None
-                frame = decode_replay_frame(await dealer.recv_multipart())
-                if frame is None:
-                    self.replays += 1
-                    return out
-                out.append(frame)
+            frames = await fetch_replay(self.context, self.spec.replay_endpoint, start, self.replay_timeout_s)
         except FrameError as exc:
             self.replay_failures += 1
             logger.error("external pool %s: bad replay frame: %s", self.spec.pool_id, exc)
             return None
-        finally:
-            dealer.close(0)
+        if frames is None:
+            self.replay_failures += 1
+            logger.warning("external pool %s: no replay from %s within %.1f s", self.spec.pool_id,
+                           self.spec.replay_endpoint, self.replay_timeout_s)
+            return None
+        self.replays += 1
+        frames, hole = consecutive(frames)
+        if hole is not None and hole != self._hole:
+            logger.warning("external pool %s: the replay from batch %d has batch %d after %d (vLLM buffers no batch "
+                           "whose send failed): it applies up to there, the rest waits for the gap to fill or the "
+                           "resync bound", self.spec.pool_id, start, hole[1], hole[0] - 1)
+        self._hole = hole
+        return frames
 
 
 class Feeds:
