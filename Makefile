@@ -1,7 +1,7 @@
 # kvservice — the README's set-up commands live here.
 # `make install` makes .venv/ (unless a virtualenv is already active), installs torch==2.13.0 when torch is
 # missing (a CPU build on local disk here; an unpinned torch pulls a multi-GB CUDA build), triton==3.9.0
-# beside a CPU torch, then the project with its [worker,dev] extras, and (as root, where apt exists) the
+# beside a CPU torch, then the project with its [worker,dev,nixl] extras, and (as root, where apt exists) the
 # Debian packages the tests run against: Redis 7 and Prometheus. Every other target uses that env, and
 # `make test` / `make run` install first when .venv/ is missing or older than pyproject.toml (a stamp).
 
@@ -40,7 +40,7 @@ install: system-deps
 	@if $(PY) -c "import torch, sys; sys.exit(0 if torch.version.cuda is None else 1)"; then \
 	  echo "CPU torch: installing triton==$(TRITON_VERSION) beside it"; $(PIP) install -q triton==$(TRITON_VERSION); \
 	fi
-	$(PIP) install -q -e '.[worker,dev]'
+	$(PIP) install -q -e '.[worker,dev,nixl]'
 	@$(PY) -c "import kvservice, worker, torch, triton, ray, grpc; print('kvservice installed; torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__)"
 	@touch $(STAMP)
 
