@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     store.add_argument("--block-size", type=int, required=True, help="the engines' block size (= the allocator's "
                                                                      "--hash-block-size)")
     store.add_argument("--dir", default="/dev/shm", help="where the segment lives (default: %(default)s)")
+    store.add_argument("--store-disk", metavar="DIR", help="a local-disk tier under the RAM pages: page files in DIR "
+                       "(pool kvdisk:NAME), kept across restarts")
+    store.add_argument("--store-disk-bytes", type=int, default=0, metavar="N",
+                       help="the disk tier's byte budget (with --store-disk)")
     store.add_argument("--token", help="bearer token: the store's pool belongs to its tenant")
     store.add_argument("--token-file", help="read the bearer token from this file (its first token)")
     store.add_argument("--tls-ca", help="CA that signed the server's certificate (PEM): turns on TLS")
@@ -220,16 +224,21 @@ def cmd_store(args: argparse.Namespace) -> int:
     if token is False:
         return 2
     try:
+        if args.store_disk and args.store_disk_bytes <= 0:
+            raise ValueError("--store-disk needs --store-disk-bytes N (the disk tier's byte budget)")
         store = BlockStore(args.name, args.target, args.pages, args.page_bytes, args.block_size, token=token,
-                           directory=args.dir, tls_ca=args.tls_ca)
+                           directory=args.dir, tls_ca=args.tls_ca, disk_dir=args.store_disk,
+                           disk_bytes=args.store_disk_bytes)
     except (KVServiceError, ValueError, OSError) as exc:
         print(f"kvservice store: {exc}", file=sys.stderr)
         return 2
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    disk = "" if store.disk is None else (f"; disk tier {store.disk.pool_id}: {store.disk.info.num_pages} pages in "
+                                          f"{store.disk.directory}, {store.disk.num_verified} verified")
     print(f"kvservice store {args.name}: pool {store.pool_id} at epoch {store.generation}, {args.pages} pages of "
-          f"{args.page_bytes} bytes in {store.descriptor.path}", flush=True)
+          f"{args.page_bytes} bytes in {store.descriptor.path}{disk}", flush=True)
     try:
         stop.wait()
     finally:

@@ -19,12 +19,14 @@ def node_store_name(node_id: str) -> str:
 
 class _StoreActor:
     def __init__(self, name: str, address: str, num_blocks: int, page_bytes: int, block_size: int,
-                 token: str | None = None, directory: str = DEFAULT_DIR, tls_ca: str | None = None) -> None:
+                 token: str | None = None, directory: str = DEFAULT_DIR, tls_ca: str | None = None,
+                 disk_dir: str | None = None, disk_bytes: int = 0) -> None:
         import ray
 
         from kvservice.blockstore.store import BlockStore
         self.store = BlockStore(name, address, num_blocks, page_bytes, block_size, token=token, directory=directory,
-                                node_id=ray.get_runtime_context().get_node_id(), tls_ca=tls_ca)
+                                node_id=ray.get_runtime_context().get_node_id(), tls_ca=tls_ca, disk_dir=disk_dir,
+                                disk_bytes=disk_bytes)
 
     def descriptor(self):
         return self.store.descriptor
@@ -41,7 +43,8 @@ class _StoreActor:
 
 def start_store(name: str, address: str, num_blocks: int, page_bytes: int, block_size: int, *,
                 node_id: str | None = None, token: str | None = None, directory: str = DEFAULT_DIR,
-                detached: bool = False, tls_ca: str | None = None):
+                detached: bool = False, tls_ca: str | None = None, disk_dir: str | None = None,
+                disk_bytes: int = 0):
     """Starts the store `name` as an actor (on the node `node_id`, hard affinity, when given; the one up under
     that name if there is one) and waits until its pool is registered. Returns the actor handle;
     `ray.get(handle.descriptor.remote())` describes it."""
@@ -54,6 +57,6 @@ def start_store(name: str, address: str, num_blocks: int, page_bytes: int, block
     if node_id is not None:
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
     actor = ray.remote(_StoreActor).options(**options).remote(name, address, num_blocks, page_bytes, block_size,
-                                                              token, directory, tls_ca)
+                                                              token, directory, tls_ca, disk_dir, disk_bytes)
     ray.get(actor.descriptor.remote())
     return actor

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvservice.blockstore.disk_tier import DiskTier
 from kvservice.blockstore.segment import (
     DEFAULT_DIR,
     TAG,
@@ -48,7 +49,8 @@ class BlockStore:
 
     def __init__(self, name: str, address: str, num_blocks: int, page_bytes: int, block_size: int, *,
                  token: str | None = None, directory: str = DEFAULT_DIR, node_id: str = "",
-                 max_model_len: int = 1 << 20, watch_s: float = 1.0, tls_ca: str | None = None) -> None:
+                 max_model_len: int = 1 << 20, watch_s: float = 1.0, tls_ca: str | None = None,
+                 disk_dir: str | None = None, disk_bytes: int = 0) -> None:
         from kvservice.client import KVServiceClient
         if not name or "/" in name or name.startswith("."):
             raise ValueError(f"name: {name!r} is not a store name (letters, digits, '-', '_', '.')")
@@ -61,10 +63,16 @@ class BlockStore:
         self.segment = Segment(path, num_blocks, page_bytes, create=True, generation=self.generation)
         self.pool_id = store_pool_id(name)
         self.num_registrations = 0
+        self.disk: DiskTier | None = None
         try:
+            if disk_dir:
+                self.disk = DiskTier(name, disk_dir, page_bytes, disk_bytes, block_size, max_model_len)
+                self.disk.verify()  # before the allocator serves any of its pages again
             self.client = KVServiceClient(address, token, client_name=f"kvstore:{name}", hash_block_size=block_size,
                                           timeout_s=2.0, retries=1, tls_ca=tls_ca)
             old = _old_segment(name, directory)
+            if self.disk is not None:
+                self.disk.attach(self.client)
             self._register(self.generation)
         except BaseException:
             self.segment.close(unlink=True)
@@ -89,8 +97,11 @@ class BlockStore:
                                   kv_layout=store_layout(self.page_bytes), bound_to_session=True)
         self.generation = generation
         self.segment.header[0]["generation"] = generation
+        disk = self.disk.info if self.disk is not None else None
         self.descriptor = Descriptor(self.name, self.pool_id, self.segment.path, self.segment.num_blocks,
-                                     self.page_bytes, self.block_size, generation, self.node_id, os.getpid())
+                                     self.page_bytes, self.block_size, generation, self.node_id, os.getpid(),
+                                     disk_dir=self.disk.directory if disk else "",
+                                     disk_pool_id=disk.pool_id if disk else "", disk_epoch=disk.epoch if disk else 0)
         write_descriptor(self.descriptor, self.directory)
         self.num_registrations += 1
 
@@ -104,7 +115,11 @@ class BlockStore:
                     logger.warning("store %s: another store of this name started on this node (%s); this one "
                                    "stops serving its pool", self.name, here.path)
                     return
-                stats = self.client.get_stats().pools.get(self.pool_id)
+                pools = self.client.get_stats().pools
+                if self.disk is not None and self.disk.ensure(self.client, pools.get(self.disk.pool_id)):
+                    logger.warning("store %s: its disk tier %s re-attached at epoch %d", self.name,
+                                   self.disk.pool_id, self.disk.info.epoch)
+                stats = pools.get(self.pool_id)
                 if stats is None or stats.epoch != self.generation:
                     generation = max(time.time_ns(), (stats.epoch + 1) if stats is not None else 0)
                     self._register(generation)

@@ -39,8 +39,8 @@ def _block_ids(field: str, block_ids, num_blocks: int, max_count: int, pairs: bo
 
 
 def decode_evict(e: pb.EvictBlocksOp, spec: PoolSpec, vllm: bool, field: str) -> EvictBlocksOp:
-    """vLLM's evict_blocks: block ids of the pool."""
-    _vllm_only(field, vllm, "vLLM's evict_blocks")
+    """vLLM's evict_blocks (a connector's failed loads), and a store's drop of pages whose files failed
+    verification: block ids of the pool, any pool."""
     num_blocks = spec.config.num_blocks
     return EvictBlocksOp(_block_ids(f"{field}.block_ids", e.block_ids, num_blocks, num_blocks))
 

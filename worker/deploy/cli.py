@@ -119,6 +119,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, DeployConfig
     parser.add_argument("--store-page-bytes", type=int, default=0, help="bytes of one block of every layer of the "
                         "engines' model (needed with --stores)")
     parser.add_argument("--store-dir", default=d.store_dir, help="each node's shared-memory dir (%(default)s)")
+    parser.add_argument("--store-disk", metavar="DIR", help="each store's local-disk tier: page files in DIR on its "
+                        "node (kept across restarts)")
+    parser.add_argument("--store-disk-bytes", type=int, default=0, metavar="N", help="each disk tier's byte budget")
     args = parser.parse_args(argv)
     cfg = DeployConfig(pools=args.pools, add_pools=args.add_pools, dcp=args.dcp, num_blocks=args.num_blocks,
                        block_size=args.block_size, max_model_len=args.max_model_len, backend=args.backend,
@@ -130,7 +133,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, DeployConfig
                        allocator=args.allocator, allocator_shards=args.allocator_shards, standbys=args.standbys,
                        detached=args.detached, timeout_s=args.timeout, stores=args.stores,
                        store_pages=args.store_pages, store_page_bytes=args.store_page_bytes,
-                       store_dir=args.store_dir)
+                       store_dir=args.store_dir, store_disk=args.store_disk,
+                       store_disk_bytes=args.store_disk_bytes)
     return args, cfg
 
 

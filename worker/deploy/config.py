@@ -40,6 +40,8 @@ class DeployConfig:
     store_pages: int = 1024  # pages per store (page 0 is never used)
     store_page_bytes: int = 0  # one block of every layer of the engines' model (the connector checks it)
     store_dir: str = "/dev/shm"  # where each node's store keeps its shared-memory segment
+    store_disk: str | None = None  # each node's store's disk tier (page files in this dir on its node)
+    store_disk_bytes: int = 0
 
     def shard_ids(self) -> list[str]:
         return [f"s{i}" for i in range(self.allocator_shards)] if self.allocator_shards > 1 else []

@@ -7,6 +7,7 @@ STRICT_PACK placement group) with pools spread over nodes, and the engines besid
 
 from __future__ import annotations
 
+import os
 import secrets
 import sys
 import time
@@ -102,6 +103,8 @@ def ensure_stores(cfg: DeployConfig, target: str) -> dict[str, tuple[str, object
             name = node_store_name(node["NodeID"])
             actor = start_store(name, target, cfg.store_pages, cfg.store_page_bytes, cfg.block_size,
                                 node_id=node["NodeID"], token=cfg.token, directory=cfg.store_dir,
+                                disk_dir=cfg.store_disk and os.path.join(cfg.store_disk, name),
+                                disk_bytes=cfg.store_disk_bytes,
                                 detached=cfg.detached, tls_ca=cfg.tls_ca)
             stores[name] = (node["NodeID"], actor)
     return stores

@@ -1,4 +1,5 @@
-"""What the connector's sides count, per store (and per reason for failures): the counts since vLLM last
+"""What the connector's sides count, per tier (a store's name, or "<store>:disk"; per reason for failures;
+"ram"/"disk" for checksum failures): the counts since vLLM last
 took them (its stats interval), and the totals since start (for `connector_stats` and tests). No vLLM here;
 stats.py hands them to vLLM."""
 
@@ -7,7 +8,8 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 
-KINDS = ("claimed", "claimed_tokens", "loaded", "failed", "saved")
+KINDS = ("claimed", "claimed_tokens", "loaded", "failed", "saved", "spilled", "promoted", "bytes_loaded",
+         "bytes_saved", "checksum_failures")
 
 
 class FailReason:

@@ -5,11 +5,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-STORE_PREFIX = "kvstore:"
+STORE_PREFIX = "kvstore:"  # a store's RAM tier (host memory, a shared-memory segment)
+DISK_PREFIX = "kvdisk:"  # a store's local-disk tier (page files; read on the store's node only)
 
 
 def store_name(pool_id: str) -> str:
-    return pool_id[len(STORE_PREFIX):]
+    """The store a tier's pool belongs to."""
+    return pool_id.split(":", 1)[1]
+
+
+def is_disk(pool_id: str) -> bool:
+    return pool_id.startswith(DISK_PREFIX)
+
+
+def is_store_pool(pool_id: str) -> bool:
+    return pool_id.startswith((STORE_PREFIX, DISK_PREFIX))
+
+
+def tier_label(pool_id: str) -> str:
+    """The counters' label of a tier's pool: the store's name, and ":disk" for its disk tier."""
+    return store_name(pool_id) + (":disk" if is_disk(pool_id) else "")
 
 
 @dataclass(slots=True)
@@ -28,6 +43,18 @@ class Load:
 
 
 @dataclass(slots=True)
+class DiskSave:
+    """The same prompt's pages into the store's disk tier: disk pages `page_ids` take the RAM pages `src_rows`
+    (the RAM save's, fresh or already there); reported under `save_id` once durable."""
+
+    save_id: str
+    pool_id: str
+    epoch: int
+    page_ids: list[int]
+    src_rows: list[int]
+
+
+@dataclass(slots=True)
 class Save:
     """Copy the engine's `local_block_ids` into store pages `store_block_ids` (either may be empty: nothing
     new); once every worker reported it written (`Done.saves`) the scheduler side caches the store request
@@ -40,6 +67,7 @@ class Save:
     num_tokens: int
     local_block_ids: list[int]
     store_block_ids: list[int]
+    disk: DiskSave | None = None  # write-through to the store's disk tier, from the RAM pages once sealed
 
 
 @dataclass(slots=True)
@@ -77,6 +105,7 @@ class Tracked:
     block_ids: list[int] = field(default_factory=list)
     saved: bool = False
     loaded_blocks: int = 0  # the whole blocks its admission loaded from a store (the engine's hit included)
+    loaded_from_disk: bool = False  # ...from a disk tier: saved into RAM again (promoted)
     handoff: Handoff | None = None  # a producer's save this request waits for (prefill/decode)
 
 

@@ -24,7 +24,19 @@ from collections import OrderedDict
 from kvservice.blockstore.saves import admit_save, commit_save
 from kvservice.errors import session_lost
 from kvservice.integrations.vllm.connector.counters import Counters
-from kvservice.integrations.vllm.connector.plan import STORE_PREFIX, Done, Handoff, Hit, Load, Save, Tracked, store_name
+from kvservice.integrations.vllm.connector.plan import (
+    STORE_PREFIX,
+    DiskSave,
+    Done,
+    Handoff,
+    Hit,
+    Load,
+    Save,
+    Tracked,
+    is_disk,
+    is_store_pool,
+    tier_label,
+)
 from kvservice.integrations.vllm.connector.settings import ConnectorSettings
 from kvservice.integrations.vllm.connector.teller import Teller
 from kvservice.ops import FreeOp, OpStatus, PinOp, UnpinOp
@@ -65,6 +77,8 @@ class SchedulerSide:
         self.handoffs: dict[str, Handoff] = {}  # request id -> a hand-over it waits for
         self._client_lock = threading.Lock()  # the step's calls and the teller's share one client
         self.teller = Teller(self.step, f"kvservice-connector-{engine_id}")
+        self._disk_pool: str | None = None
+        self._disk_at = -1e9
         if loads and settings.index:
             try:  # now, so the replica has synced by the first request (else it starts on first use)
                 self.index()
@@ -116,6 +130,8 @@ class SchedulerSide:
     def find(self, tracked: Tracked):
         """Per store pool, the cached prefix of the prompt: from the replica, else by a Lookup RPC."""
         pool_ids = [STORE_PREFIX + s for s in self.settings.stores]
+        if pool_ids and self.local_disk() is not None:
+            pool_ids.append(self.local_disk())
         index = self.index()
         if index is not None:
             before = index.remote_lookups
@@ -133,9 +149,28 @@ class SchedulerSide:
         now = time.monotonic()
         if pool_id not in self.epochs or now - self.epochs_at > EPOCH_REFRESH_S:
             pools = self.client().get_stats().pools
-            self.epochs = {p: s.epoch for p, s in pools.items() if p.startswith(STORE_PREFIX)}
+            self.epochs = {p: s.epoch for p, s in pools.items() if is_store_pool(p)}
             self.epochs_at = now
         return self.epochs.get(pool_id)
+
+    def local_disk(self) -> str | None:
+        """This node's store's disk tier pool (from its descriptor, looked at again every few seconds)."""
+        now = time.monotonic()
+        if self.settings.store and now - self._disk_at > EPOCH_REFRESH_S:
+            from kvservice.blockstore.segment import read_descriptor
+            try:
+                d = read_descriptor(self.settings.store, self.settings.shm_dir)
+            except (OSError, ValueError, TypeError):
+                d = None
+            self._disk_pool = d.disk_pool_id or None if d is not None else None
+            self._disk_at = now
+        return self._disk_pool
+
+    def rank(self, pool_id: str) -> int:
+        """Which tier a hit of equal length is loaded from: this node's RAM, its disk, another node's RAM."""
+        if pool_id == self.local_pool:
+            return 3
+        return 2 if is_disk(pool_id) else 1
 
     def next_id(self, req_id: str, kind: str) -> str:
         self._serial += 1
@@ -180,17 +215,18 @@ class SchedulerSide:
     def _pin(self, req_id: str, tracked: Tracked, num_computed_tokens: int) -> int:
         self.num_lookups += 1
         found = self.find(tracked)
-        hits = [h for h in found.hits if h.pool_id.startswith(STORE_PREFIX)
-                and h.num_cached_tokens > num_computed_tokens]
+        # A disk tier is read on its store's node only: another node's disk hits are not this engine's.
+        hits = [h for h in found.hits if h.num_cached_tokens > num_computed_tokens and is_store_pool(h.pool_id)
+                and (not is_disk(h.pool_id) or h.pool_id == self.local_disk())]
         if not hits:
             return 0
-        best = max(hits, key=lambda h: (h.num_cached_tokens, h.pool_id == self.local_pool))
+        best = max(hits, key=lambda h: (h.num_cached_tokens, self.rank(h.pool_id)))
         hit = self._pin_on(best.pool_id, req_id, tracked, num_computed_tokens)
         if hit is None:
             return 0
         self.hits[req_id] = hit
-        self.counters.add("claimed", store_name(hit.pool_id))
-        self.counters.add("claimed_tokens", store_name(hit.pool_id), hit.num_tokens - num_computed_tokens)
+        self.counters.add("claimed", tier_label(hit.pool_id))
+        self.counters.add("claimed_tokens", tier_label(hit.pool_id), hit.num_tokens - num_computed_tokens)
         return hit.num_tokens - num_computed_tokens
 
     def _pin_on(self, pool_id: str, req_id: str, tracked: Tracked, num_computed_tokens: int) -> Hit | None:
@@ -217,8 +253,8 @@ class SchedulerSide:
         handoff.num_computed_tokens = num_computed_tokens
         handoff.claimed = max(0, end - num_computed_tokens)
         if handoff.claimed:
-            self.counters.add("claimed", store_name(handoff.pool_id))
-            self.counters.add("claimed_tokens", store_name(handoff.pool_id), handoff.claimed)
+            self.counters.add("claimed", tier_label(handoff.pool_id))
+            self.counters.add("claimed_tokens", tier_label(handoff.pool_id), handoff.claimed)
         return handoff.claimed
 
     def after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
@@ -242,6 +278,7 @@ class SchedulerSide:
         end = min(hit.num_tokens, hit.num_computed_tokens + num_external_tokens) // self.block_size
         if tracked is not None:
             tracked.loaded_blocks = end
+            tracked.loaded_from_disk = is_disk(hit.pool_id)
         self._hand_out(Load(req_id, hit.pool_id, hit.pin_id, hit.generation, hit.store_block_ids[start:end],
                             list(block_ids[start:end])))
 
@@ -362,10 +399,13 @@ class SchedulerSide:
             return
         tracked.saved = True
         num_tokens = len(tracked.prompt) // self.block_size * self.block_size
-        # A prompt whose whole blocks were all loaded from a store is not saved again: the pages would only
-        # be copied to where they already are, or replicated to this node on the step's time.
-        if num_tokens // self.block_size > tracked.loaded_blocks and self.saves_on:
+        # A prompt whose whole blocks were all loaded from a store's RAM is not saved again: the pages would
+        # only be copied to where they already are, or replicated to this node on the step's time. Loaded from
+        # a disk tier, it is saved: its pages are promoted into RAM (and are the disk's most recent too).
+        if (num_tokens // self.block_size > tracked.loaded_blocks or tracked.loaded_from_disk) and self.saves_on:
             done.append((req_id, tracked, num_tokens))
+            if tracked.loaded_from_disk:
+                self.counters.add("promoted", tier_label(self.local_pool), tracked.loaded_blocks)
 
     def _allocate_saves(self, done: list[tuple[str, Tracked, int]]) -> list[Save]:
         """One Step on this node's store: per prompt a store request over its whole blocks plus one token
@@ -385,7 +425,7 @@ class SchedulerSide:
         except Exception as exc:  # noqa: BLE001
             self.failed("allocating store pages", exc)
             return []
-        saves, refused = [], []
+        saves, refused, tables = [], [], []
         bs = self.block_size
         for k, (req_id, tracked, num_tokens) in enumerate(done):
             added, allocated = results[2 * k], results[2 * k + 1]
@@ -398,11 +438,46 @@ class SchedulerSide:
             start, end = allocated.num_computed_tokens // bs, num_tokens // bs
             saves.append(Save(req_id, ids[k], pool_id, generation, num_tokens, tracked.block_ids[start:end],
                               list(table[start:end])))
+            tables.append(list(table[:end]))
             self.saves_out[ids[k]] = [pool_id, num_tokens, 0, 0, req_id]
             self.saved[req_id] = (pool_id, num_tokens)
             self.num_saves += 1
         self.teller.tell(pool_id, refused)  # the store is full of pinned or in-use pages: not saved
+        if saves and self.local_disk() is not None:
+            self._write_through(saves, tables, {req_id: tracked for req_id, tracked, _ in done})
         return saves
+
+    def _write_through(self, saves: list[Save], tables: list[list[int]], tracked: dict[str, Tracked]) -> None:
+        """One Step on this node's store's disk tier: the same prompts, admitted as there; each save's disk
+        pages not there yet take their bytes from its RAM pages (`tables`: every whole block's page)."""
+        pool_id = self.local_disk()
+        ops, ids = [], []
+        for save in saves:
+            save_id = self.next_id(save.req_id, "dsave")
+            ids.append(save_id)
+            ops += admit_save(save_id, tracked[save.req_id].prompt, save.num_tokens, tracked[save.req_id].cache_salt)
+        try:
+            epoch = self.generation(pool_id)
+            if epoch is None:
+                return
+            results = self.step(pool_id, ops)
+        except Exception as exc:  # noqa: BLE001 - the RAM saves go on; the disk tier misses these
+            logger.warning("kvservice connector: allocating disk pages on %s failed (%s: %s)", pool_id,
+                           type(exc).__name__, exc)
+            return
+        refused, bs = [], self.block_size
+        for k, save in enumerate(saves):
+            added, allocated = results[2 * k], results[2 * k + 1]
+            if added.status != OpStatus.OK:
+                continue
+            if allocated.status != OpStatus.OK:
+                refused.append(FreeOp(ids[k]))  # a suspended tier, or every page pinned
+                continue
+            start, end = allocated.num_computed_tokens // bs, save.num_tokens // bs
+            save.disk = DiskSave(ids[k], pool_id, epoch, list(allocated.new_block_ids[0][start:end]),
+                                 tables[k][start:end])
+            self.saves_out[ids[k]] = [pool_id, save.num_tokens, 0, 0, save.req_id]
+        self.teller.tell(pool_id, refused)
 
     def finished(self, request) -> dict | None:
         """vLLM finished the request (aborts included); returns its kv_transfer_params."""

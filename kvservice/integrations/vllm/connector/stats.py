@@ -12,6 +12,12 @@ still shows in `num_cached_tokens` and `vllm:external_prefix_cache_hits`. These 
 | `vllm:kvservice_blocks_loaded_total{store}` | blocks copied into the engine (verified) |
 | `vllm:kvservice_blocks_failed_total{store,reason}` | blocks whose load failed: vLLM recomputed them |
 | `vllm:kvservice_blocks_saved_total{store}` | blocks saved into a store |
+| `vllm:kvservice_blocks_spilled_total{store}` | blocks written through to a store's disk tier |
+| `vllm:kvservice_blocks_promoted_total{store}` | blocks loaded from a disk tier, saved into RAM again |
+| `vllm:kvservice_bytes_loaded_total{store}`, `..._bytes_saved_total{store}` | page bytes per tier (rates: GB/s) |
+| `kvservice_page_checksum_failures_total{tier}` | pages whose checksum failed at load (tier ram or disk) |
+
+`store` is the store's name for its RAM tier and `<name>:disk` for its disk tier.
 """
 
 from __future__ import annotations
@@ -57,6 +63,17 @@ class KVServiceConnectorPromMetrics(KVConnectorPromMetrics):
                         documentation="Blocks whose load failed (vLLM recomputed them), by reason."),
             "saved": c(name="vllm:kvservice_blocks_saved", labelnames=store,
                        documentation="Blocks saved into a store."),
+            "spilled": c(name="vllm:kvservice_blocks_spilled", labelnames=store,
+                         documentation="Blocks written through to a store's disk tier (durable)."),
+            "promoted": c(name="vllm:kvservice_blocks_promoted", labelnames=store,
+                          documentation="Blocks loaded from a disk tier and saved into RAM again."),
+            "bytes_loaded": c(name="vllm:kvservice_bytes_loaded", labelnames=store,
+                              documentation="Page bytes loaded into the engine, per tier."),
+            "bytes_saved": c(name="vllm:kvservice_bytes_saved", labelnames=store,
+                             documentation="Page bytes saved, per tier."),
+            "checksum_failures": shared_counter(
+                c, "kvservice_page_checksum_failures", [*labelnames, "tier"],
+                "Pages whose bytes did not match their checksum at load (vLLM recomputed them), by tier."),
         }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -66,6 +83,16 @@ class KVServiceConnectorPromMetrics(KVConnectorPromMetrics):
             for label, n in (counts or {}).items():
                 if counter is not None and n:
                     counter.labels(*engine, *label.split("|")).inc(n)
+
+
+def shared_counter(counter_cls, name: str, labelnames: list[str], documentation: str):
+    """A counter outside vLLM's `vllm:` names (vLLM unregisters only those when an engine starts again in the
+    same process): the one already registered under `name`, else a new one."""
+    from prometheus_client import REGISTRY
+    existing = REGISTRY._names_to_collectors.get(name + "_total")  # noqa: SLF001 - no public lookup by name
+    if existing is not None:
+        return existing
+    return counter_cls(name=name, documentation=documentation, labelnames=labelnames)
 
 
 def stats_of(counters: Counters) -> KVServiceConnectorStats | None:

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from kvservice.blockstore.actor import NAMESPACE, actor_name
-from kvservice.blockstore.segment import Segment, read_descriptor
+from kvservice.blockstore.disk import DiskPages
+from kvservice.blockstore.segment import MAX_SLOTS, META_FIELDS, Segment, read_descriptor
 from kvservice.integrations.vllm.connector.settings import ENV_RAY_NODE, ConnectorSettings
 
 REMOTE_READ_TIMEOUT_S = 10.0  # a load from another node's store that takes longer fails (and is recomputed)
@@ -29,13 +30,17 @@ class StoreUnreachable(LookupError):
 
 @dataclass(slots=True)
 class PageRead:
-    """Pages to copy from: rows `rows` of `pages` (`[rows, page_bytes]` uint8, every rank's slices), and their
-    metadata as it is now (`meta()`: `[rows, MAX_SLOTS, 4]`; a segment's is live, read again after the copy)."""
+    """Pages to copy from: rows `rows` of `pages` (`[rows, page_bytes]` uint8, every rank's slices, or this
+    rank's slice only when `sliced`), and their metadata as it is now (`meta()`: `[rows, MAX_SLOTS, 4]`; a
+    segment's is live, read again after the copy). `private`: a copy read for this load alone (from another
+    node or a disk), which nothing rewrites meanwhile."""
 
     pages: torch.Tensor
     rows: list[int]
     meta: Callable[[], np.ndarray]
     local: bool
+    sliced: bool = False
+    private: bool = False
 
 
 def this_node() -> str:
@@ -100,7 +105,24 @@ class Stores:
                                    f"is not installed in this engine's environment (pip install ray)") from None
         with warnings.catch_warnings():  # Ray's zero-copy arrays are read-only; they are only read here
             warnings.simplefilter("ignore", UserWarning)
-            return PageRead(torch.from_numpy(data), list(range(len(page_ids))), lambda: meta, False)
+            return PageRead(torch.from_numpy(data), list(range(len(page_ids))), lambda: meta, False, private=True)
+
+    def read_disk(self, name: str, epoch: int, page_ids: list[int], offset: int, width: int,
+                  into: torch.Tensor) -> PageRead:
+        """Slice (`offset`, `width` bytes) of the disk tier's pages of this node's store `name` at `epoch`, read
+        into `into` (`[>= n, width]` uint8, host memory: a GPU engine's is page-locked)."""
+        d = read_descriptor(name, self.settings.shm_dir)
+        if d is None or not d.disk_dir or (d.node_id and self.node_id and d.node_id != self.node_id):
+            raise StoreUnreachable(f"store {name!r}'s disk tier is not on this node: it is read on its node only")
+        if d.disk_epoch != epoch:
+            raise LookupError(f"store {name!r}'s disk tier is at epoch {d.disk_epoch}, not {epoch}: the pages "
+                              f"named are not its")
+        disk = DiskPages(d.disk_dir, d.page_bytes)
+        metas = np.zeros((len(page_ids), MAX_SLOTS, META_FIELDS), np.uint64)
+        for i, page_id in enumerate(page_ids):
+            metas[i] = disk.read_slice(page_id, offset, into[i].numpy())
+        return PageRead(into[:len(page_ids)], list(range(len(page_ids))), lambda: metas, True, sliced=True,
+                        private=True)
 
     def count(self, read: PageRead) -> None:
         if read.local:
@@ -132,6 +154,11 @@ class Stores:
         if self.local(name, generation) is None:
             raise LookupError(f"store {name!r} is not on this node: saves go to this node's store only")
         return self.segments[name][2]
+
+    def disk_of(self, name: str) -> DiskPages | None:
+        """The disk tier of this node's store `name` (where its saves are written through), or None."""
+        d = read_descriptor(name, self.settings.shm_dir)
+        return DiskPages(d.disk_dir, d.page_bytes) if d is not None and d.disk_dir else None
 
     def writable_meta(self, name: str) -> np.ndarray:
         return self.segments[name][1].meta

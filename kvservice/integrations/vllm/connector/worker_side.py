@@ -30,9 +30,9 @@ from kvservice.blockstore.segment import CHECKSUM, FORMAT, TAG, WORLD
 from kvservice.integrations.vllm.connector.counters import Counters, FailReason
 from kvservice.integrations.vllm.connector.movers import make_mover
 from kvservice.integrations.vllm.connector.pageformat import PageFormat
-from kvservice.integrations.vllm.connector.plan import Done, Load, Save, store_name
+from kvservice.integrations.vllm.connector.plan import Done, Load, Save, is_disk, store_name, tier_label
 from kvservice.integrations.vllm.connector.settings import ConnectorSettings
-from kvservice.integrations.vllm.connector.transports import PageRead, Stores, StoreUnreachable
+from kvservice.integrations.vllm.connector.transports import Stores, StoreUnreachable
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,9 @@ class WorkerSide:
         self._seal: queue.Queue = queue.Queue()
         self._sealer: threading.Thread | None = None
         self._job = 0
+        self._disk_buffer: torch.Tensor | None = None
+        self._disk_writes: queue.Queue = queue.Queue()
+        self._disk_writer: threading.Thread | None = None
 
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int | None = None) -> None:
         first = next(iter(kv_caches.values()))
@@ -134,29 +137,57 @@ class WorkerSide:
 
     def _load(self, load: Load) -> None:
         start = time.perf_counter()
-        read: PageRead = self.stores.read(store_name(load.pool_id), load.generation, load.store_block_ids)
+        name, disk = store_name(load.pool_id), is_disk(load.pool_id)
+        if disk:  # this rank's slices from the page files, into a buffer of this rank's
+            width = self.fmt.page_bytes
+            read = self.stores.read_disk(name, load.generation, load.store_block_ids, self.rank * width, width,
+                                         self._staging(len(load.store_block_ids)))
+        else:
+            read = self.stores.read(name, load.generation, load.store_block_ids)
         fetched = time.perf_counter()
-        pages = self._slice(read.pages)
+        pages = read.pages if read.sliced else self._slice(read.pages)
         before = self._check_meta(read.meta(), read.rows, load.pool_id)
+        # A disk page is always checked (its file may have been altered while nobody looked); a RAM page under
+        # verify_checksums. A private copy (a disk's, another node's) is checked before it is copied in.
+        verify = disk or self.settings.verify_checksums
+        if verify and read.private:
+            self._verify(load, pages, read.rows, before)
         self._job += 1
         self.mover.submit_load(self._job, pages, read.rows, load.local_block_ids)
         self.mover.wait([self._job])
         ok = dict(self.mover.finished()).get(self._job, False)
         if not ok:
             raise PageCheckError(FailReason.OTHER, "the copy into the engine failed")
-        after = self._check_meta(read.meta(), read.rows, load.pool_id)
-        if not np.array_equal(before[:, TAG], after[:, TAG]):
-            raise PageCheckError(FailReason.PIN_LOST, "a page was rewritten while it was read (its pin was gone)")
-        if self.settings.verify_checksums:
-            for i, row in enumerate(read.rows):
-                if checksum(pages[row].numpy()) != int(after[i, CHECKSUM]):
-                    raise PageCheckError(FailReason.CHECKSUM, f"page {load.store_block_ids[i]}'s bytes do not match "
-                                         f"their checksum")
+        if not read.private:
+            after = self._check_meta(read.meta(), read.rows, load.pool_id)
+            if not np.array_equal(before[:, TAG], after[:, TAG]):
+                raise PageCheckError(FailReason.PIN_LOST, "a page was rewritten while it was read (its pin was gone)")
+            if verify:
+                self._verify(load, pages, read.rows, after)
         self.stores.count(read)
         self.fetch_s += fetched - start
         self.copy_in_s += time.perf_counter() - fetched
         self.num_loaded_blocks += len(load.local_block_ids)
-        self.counters.add("loaded", store_name(load.pool_id), len(load.local_block_ids))
+        label = tier_label(load.pool_id)
+        self.counters.add("loaded", label, len(load.local_block_ids))
+        self.counters.add("bytes_loaded", label, len(load.local_block_ids) * self.fmt.page_bytes)
+
+    def _verify(self, load: Load, pages: torch.Tensor, rows: list[int], meta: np.ndarray) -> None:
+        for i, row in enumerate(rows):
+            if checksum(pages[row].numpy()) != int(meta[i, CHECKSUM]):
+                self.counters.add("checksum_failures", "disk" if is_disk(load.pool_id) else "ram")
+                raise PageCheckError(FailReason.CHECKSUM, f"page {load.store_block_ids[i]} of {load.pool_id}: its "
+                                     f"bytes do not match their checksum")
+
+    def _staging(self, n: int) -> torch.Tensor:
+        """A host buffer of at least `n` of this rank's pages, for reads from a disk tier (page-locked for a
+        GPU's copies)."""
+        have = self._disk_buffer
+        if have is None or have.shape[0] < n:
+            have = torch.empty(max(n, 64), self.fmt.page_bytes, dtype=torch.uint8,
+                               pin_memory=self.fmt.device.type == "cuda")
+            self._disk_buffer = have
+        return have
 
     def _check_meta(self, meta: np.ndarray, rows: list[int], pool_id: str) -> np.ndarray:
         """This rank's metadata of the rows read (`[n, 4]`); PageCheckError for a slice being written or never
@@ -174,7 +205,7 @@ class WorkerSide:
             self.num_failed_loads += 1
             logger.warning("kvservice connector: loading %d blocks of %s from %s failed (%s); they are recomputed",
                            len(load.local_block_ids), load.req_id, load.pool_id, message)
-        self.counters.add("failed", store_name(load.pool_id), len(load.local_block_ids), reason)
+        self.counters.add("failed", tier_label(load.pool_id), len(load.local_block_ids), reason)
         self.failed_blocks.update(load.local_block_ids)
         self.failed_requests[load.req_id] = None
         if len(self.failed_requests) > FAILED_KEPT:
@@ -251,6 +282,44 @@ class WorkerSide:
             logger.warning("kvservice connector: sealing %s failed (%s)", save.save_id, exc)
             ok = False
         self._sealed(save, ok)
+        if save.disk is not None:
+            if self._disk_writer is None:
+                self._disk_writer = threading.Thread(target=self._disk_loop, name="kvservice-disk", daemon=True)
+                self._disk_writer.start()
+            self._disk_writes.put((save, pages, meta, ok))
+
+    def _disk_loop(self) -> None:
+        """Writes saves through to the store's disk tier, off the step: each disk page takes this rank's slice
+        of its RAM page, durable (fsync) before it is reported; a full disk fails that save only."""
+        while True:
+            item = self._disk_writes.get()
+            if item is None:
+                return
+            save, pages, meta, ok = item
+            disk = save.disk
+            label = tier_label(disk.pool_id)
+            try:
+                target = self.stores.disk_of(store_name(save.pool_id)) if ok else None
+                if target is None:
+                    raise LookupError("the RAM pages were not written, or the store has no disk tier now")
+                width, tag = self.fmt.page_bytes, digest64(disk.save_id)
+                for page_id, row in zip(disk.page_ids, disk.src_rows):
+                    record = np.array(meta[row, self.rank], dtype=np.uint64)
+                    if not record[TAG]:
+                        raise LookupError(f"RAM page {row} is not whole")
+                    record[TAG] = tag
+                    target.write_slice(page_id, self.rank, self.rank * width, pages[row].numpy(), record)
+                self.counters.add("spilled", label, len(disk.page_ids))
+                self.counters.add("bytes_saved", label, len(disk.page_ids) * width)
+                ok = True
+            except Exception as exc:  # noqa: BLE001 - ENOSPC, a gone store: that save is freed, uncached
+                logger.warning("kvservice connector: writing %s through to %s failed (%s: %s)", save.req_id,
+                               disk.pool_id, type(exc).__name__, exc)
+                ok = False
+            with self._lock:
+                box = self._done.saves if ok else self._done.failed_saves
+                box[disk.save_id] = box.get(disk.save_id, 0) + 1
+            self._disk_writes.task_done()
 
     def _sealed(self, save: Save, ok: bool) -> None:
         with self._lock:
@@ -258,7 +327,9 @@ class WorkerSide:
             box[save.save_id] = box.get(save.save_id, 0) + 1
             if ok:
                 self.num_saved_blocks += len(save.store_block_ids)
-                self.counters.add("saved", store_name(save.pool_id), len(save.store_block_ids))
+                self.counters.add("saved", tier_label(save.pool_id), len(save.store_block_ids))
+                self.counters.add("bytes_saved", tier_label(save.pool_id),
+                                  len(save.store_block_ids) * self.fmt.page_bytes)
             pending = self._saves_of.get(save.req_id)
             if pending is not None:
                 pending.discard(save.save_id)
@@ -288,18 +359,21 @@ class WorkerSide:
         return sending or None, recving or None
 
     def flush(self) -> None:
-        """Waits until every save submitted is sealed (tests, shutdown)."""
+        """Waits until every save submitted is sealed and written through (tests, shutdown)."""
         if self.mover is not None:
             self.mover.wait(list(self._saving))
         self._poll()
         if self._sealer is not None:
             self._seal.join()
+        if self._disk_writer is not None:
+            self._disk_writes.join()
 
     def close(self) -> None:
         self.flush()
-        if self._sealer is not None:
-            self._seal.put(None)
-            self._sealer.join(timeout=5)
+        for thread, q in ((self._sealer, self._seal), (self._disk_writer, self._disk_writes)):
+            if thread is not None:
+                q.put(None)
+                thread.join(timeout=5)
         self.stores.close()
         if self.mover is not None:
             self.mover.close()
