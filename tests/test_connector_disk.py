@@ -54,7 +54,8 @@ class StoreProcess:
     def start(self) -> None:
         self.proc = subprocess.Popen(self.args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.line = self.proc.stdout.readline()
-        assert f"kvservice store {self.name}: pool kvstore:{self.name}" in self.line, self.line + self.proc.stderr.read()
+        ready = f"kvservice store {self.name}: pool kvstore:{self.name}"
+        assert ready in self.line, self.line + self.proc.stderr.read()
 
     @property
     def descriptor(self):
