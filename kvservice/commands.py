@@ -12,7 +12,7 @@ whose digest tells a retry from a different request reusing the sequence.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import IntEnum
 
 import xxhash
@@ -85,6 +85,9 @@ class PoolSpec:
     bound_to_session: bool = False  # retired when the registering session ends (a KV store's pages)
     # With bound_to_session: suspended instead of retired when that session ends (pages on disk outlive it)
     suspend_on_session_end: bool = False
+    # How engines reach its memory (a store's NIXL agent metadata), opaque here: a capability only its tenant
+    # is handed. Not part of its shape: registering again at the same epoch replaces it, nothing else changes.
+    endpoint: bytes = b""
 
     @property
     def hash_bytes(self) -> int:
@@ -99,9 +102,7 @@ class PoolSpec:
                 and self.suspend_on_session_end == other.suspend_on_session_end)
 
     def with_epoch(self, epoch: int) -> PoolSpec:
-        return PoolSpec(self.pool_id, self.config, self.max_model_len, self.dcp_world_size, self.enable_caching,
-                        self.vocab_size, self.kv_layout, epoch, self.hash_spec, self.vllm, self.bound_to_session,
-                        self.suspend_on_session_end)
+        return replace(self, epoch=epoch)
 
 
 # Decodes a Step's ops once its pool is known (its limits validate them): (pool spec, hash block size) -> ops.

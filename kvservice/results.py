@@ -139,6 +139,10 @@ class PoolStats:
     plain_prefix: bool = False  # a replica of the index answers its Lookup exactly (kvservice.client.index)
     moving_to: str = ""  # frozen by a pool move on its way to this shard
     suspended: bool = False  # its bound session ended (suspend_on_session_end): cached blocks kept, no hit
+    # RegisterPool's endpoint (a store's NIXL agent metadata, a capability): only for the pool's own tenant;
+    # anyone else who sees the pool (an admin) gets b"" and only endpoint_size, its length
+    endpoint: bytes = b""
+    endpoint_size: int = 0
 
 
 @dataclass(slots=True)

@@ -189,7 +189,7 @@ class HashSpec(_message.Message):
     def __init__(self, algorithm: _Optional[str] = ..., seed: _Optional[str] = ..., has_seed: _Optional[bool] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("session_id", "sequence", "pool_id", "config", "hash_fingerprint", "epoch", "hash_spec", "vllm", "bound_to_session", "suspend_on_session_end")
+    __slots__ = ("session_id", "sequence", "pool_id", "config", "hash_fingerprint", "epoch", "hash_spec", "vllm", "bound_to_session", "suspend_on_session_end", "endpoint")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +200,7 @@ class RegisterPoolRequest(_message.Message):
     VLLM_FIELD_NUMBER: _ClassVar[int]
     BOUND_TO_SESSION_FIELD_NUMBER: _ClassVar[int]
     SUSPEND_ON_SESSION_END_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     sequence: int
     pool_id: str
@@ -210,7 +211,8 @@ class RegisterPoolRequest(_message.Message):
     vllm: VllmManagerOptions
     bound_to_session: bool
     suspend_on_session_end: bool
-    def __init__(self, session_id: _Optional[str] = ..., sequence: _Optional[int] = ..., pool_id: _Optional[str] = ..., config: _Optional[_Union[KVCacheConfig, _Mapping]] = ..., hash_fingerprint: _Optional[str] = ..., epoch: _Optional[int] = ..., hash_spec: _Optional[_Union[HashSpec, _Mapping]] = ..., vllm: _Optional[_Union[VllmManagerOptions, _Mapping]] = ..., bound_to_session: _Optional[bool] = ..., suspend_on_session_end: _Optional[bool] = ...) -> None: ...
+    endpoint: bytes
+    def __init__(self, session_id: _Optional[str] = ..., sequence: _Optional[int] = ..., pool_id: _Optional[str] = ..., config: _Optional[_Union[KVCacheConfig, _Mapping]] = ..., hash_fingerprint: _Optional[str] = ..., epoch: _Optional[int] = ..., hash_spec: _Optional[_Union[HashSpec, _Mapping]] = ..., vllm: _Optional[_Union[VllmManagerOptions, _Mapping]] = ..., bound_to_session: _Optional[bool] = ..., suspend_on_session_end: _Optional[bool] = ..., endpoint: _Optional[bytes] = ...) -> None: ...
 
 class VllmManagerOptions(_message.Message):
     __slots__ = ("watermark", "scheduler_block_size", "max_in_flight_tokens", "use_eagle", "num_hash_lookahead_tokens", "num_prefill_lookahead", "mamba_recache_keyed_tails", "mamba_shared_prefix_checkpoint")
@@ -815,7 +817,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, check_invariants: _Optional[bool] = ..., include_state_digest: _Optional[bool] = ..., pool_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("pool_id", "epoch", "num_blocks", "num_free_blocks", "usage", "num_requests", "prefix_hit_rate", "prefix_queries", "prefix_hits", "evictions", "num_cached_blocks", "invariant_violation", "num_pending_transfers", "plain_prefix", "moving_to", "suspended")
+    __slots__ = ("pool_id", "epoch", "num_blocks", "num_free_blocks", "usage", "num_requests", "prefix_hit_rate", "prefix_queries", "prefix_hits", "evictions", "num_cached_blocks", "invariant_violation", "num_pending_transfers", "plain_prefix", "moving_to", "suspended", "endpoint", "endpoint_size")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -832,6 +834,8 @@ class PoolStats(_message.Message):
     PLAIN_PREFIX_FIELD_NUMBER: _ClassVar[int]
     MOVING_TO_FIELD_NUMBER: _ClassVar[int]
     SUSPENDED_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_SIZE_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     epoch: int
     num_blocks: int
@@ -848,7 +852,9 @@ class PoolStats(_message.Message):
     plain_prefix: bool
     moving_to: str
     suspended: bool
-    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., evictions: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., invariant_violation: _Optional[str] = ..., num_pending_transfers: _Optional[int] = ..., plain_prefix: _Optional[bool] = ..., moving_to: _Optional[str] = ..., suspended: _Optional[bool] = ...) -> None: ...
+    endpoint: bytes
+    endpoint_size: int
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., evictions: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., invariant_violation: _Optional[str] = ..., num_pending_transfers: _Optional[int] = ..., plain_prefix: _Optional[bool] = ..., moving_to: _Optional[str] = ..., suspended: _Optional[bool] = ..., endpoint: _Optional[bytes] = ..., endpoint_size: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
     __slots__ = ("pools", "num_sessions", "persistence", "event_sequence", "lease_expiries", "hash_fingerprint", "hash_block_size", "state_digest", "wal_entries_written", "wal_bytes_written", "snapshots_written", "last_snapshot_bytes", "wal_lag", "leader_epoch", "external_pools")

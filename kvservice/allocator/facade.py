@@ -366,7 +366,8 @@ class Allocator:
     def pool_stats(self, tenant: str = "", admin: bool = True, check_invariants: bool = False,
                    pool_ids: Sequence[str] = ()) -> list[PoolStats]:
         """Per pool the caller sees (its tenant's; an admin: all), only `pool_ids` if any are given.
-        `check_invariants` walks every block of each."""
+        `check_invariants` walks every block of each. A pool's endpoint is a capability: only its own tenant
+        gets the bytes (an admin sees that another tenant's pool has one, by its size, never the bytes)."""
         transfers = self.state.transfers.transfers.values()
         wanted = set(pool_ids)
         out = []
@@ -376,12 +377,14 @@ class Allocator:
             m = pool.manager
             bp = m.block_pool
             totals = m.prefix_cache_totals
+            endpoint = pool.spec.endpoint
             out.append(PoolStats(pool.pool_id, pool.epoch, bp.num_blocks, bp.get_num_free_blocks(), bp.get_usage(),
                                  len(pool.requests), totals.hit_rate, totals.queries, totals.hits, bp.num_evictions,
                                  len(bp.cached_block_hash_to_block),
                                  self.invariant_violation(pool) if check_invariants else "",
                                  sum(1 for t in transfers if pool.pool_id in (t.src_pool, t.dst_pool)),
-                                 pool.plain_prefix, pool.moving_to, pool.suspended))
+                                 pool.plain_prefix, pool.moving_to, pool.suspended,
+                                 endpoint if pool.owner_tenant == tenant else b"", len(endpoint)))
         return out
 
     def lookup(self, tenant: str, token_ids=None, block_hashes: Sequence[bytes] | None = None, num_tokens: int = 0,

@@ -1,10 +1,12 @@
 """Pools and their epochs: registration (a pool belongs to the tenant that registered it), a new epoch when
 its workers restarted (their memory is gone: every in-flight request fails), forced epochs after a stale
-recovery; a store's pool bound to its session, retired or suspended when that session ends."""
+recovery; a store's pool bound to its session, retired or suspended when that session ends, its endpoint
+replaced when it registers again at the same epoch."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from kvservice.allocator.pools import Pool
 from kvservice.allocator.requests import RequestBook
@@ -74,6 +76,10 @@ class PoolRegistry:
                     logger.info("pool %s: resumed at epoch %d by session %s", current.pool_id, current.epoch,
                                 session.session_id)
                 current.bound_session, current.suspended = session.session_id, False
+            if spec.endpoint != current.spec.endpoint:  # its store's agent restarted: same pages, new endpoint
+                current.spec = replace(current.spec, endpoint=spec.endpoint)
+                logger.info("pool %s: endpoint replaced at epoch %d (%d bytes)", current.pool_id, current.epoch,
+                            len(spec.endpoint))
             return self._result(current, False, 0)
         pool = self.state.new_pool(spec)  # validates the config
         pool.owner_tenant = current.owner_tenant if current is not None else session.tenant

@@ -234,19 +234,22 @@ class ClientBase:
     def register_pool(self, pool_id: str, config: KVCacheConfig, max_model_len: int, epoch: int = 0,
                       dcp_world_size: int = 1, enable_caching: bool = True, vocab_size: int = 0,
                       kv_layout: str = "", hash_spec: HashSpec | None = None, vllm: VllmOptions | None = None,
-                      bound_to_session: bool = False, suspend_on_session_end: bool = False):
+                      bound_to_session: bool = False, suspend_on_session_end: bool = False,
+                      endpoint: bytes = b""):
         """`hash_spec`: the chain this pool's requests are hashed with (None: kvservice's own with this
         client's hash_seed); its block size must be the allocator's hash block size. `vllm`: the pool
         follows vLLM 0.33.0's KVCacheManager semantics (AllocateOp's vLLM fields). `bound_to_session`: the
         pool's memory lives in this process (a KV store): when this session ends, the pool is retired (a new
         epoch, empty). `suspend_on_session_end` (with `bound_to_session`): its pages outlive the process (a
         store's disk tier): when this session ends the pool is suspended instead (kept, but no hit and no
-        allocation), and registering it again at the same epoch resumes it."""
+        allocation), and registering it again at the same epoch resumes it. `endpoint` (at most 64 KiB): how
+        engines reach the pool's memory (a store's NIXL agent metadata), handed only to this tenant's callers
+        in `PoolStats.endpoint`; registering again at the same epoch with another replaces it, nothing else."""
         fingerprint = spec_fingerprint(self.hash_seed, self.hash_block_size) if hash_spec is None \
             else hash_spec.fingerprint()
         msg = encode.register_request(pool_id, config, max_model_len, epoch, dcp_world_size, enable_caching,
                                       vocab_size, kv_layout, fingerprint, hash_spec, vllm, bound_to_session,
-                                      suspend_on_session_end)
+                                      suspend_on_session_end, endpoint)
         return self._run(Call("RegisterPool", msg, replies.decode_register_result, True, pool_id))
 
     def step(self, pool_id: str, ops: Sequence[Op]):

@@ -116,7 +116,8 @@ class PrefixIndex:
         return LookupResult(hits, best_pool(hits, raw[0] if raw else None), missing)
 
     def pool_stats(self, pool_id: str) -> PoolStats | None:
-        """The pool's stats as of the last refresh (its epoch, free blocks), or None for a pool not seen."""
+        """The pool's stats as of the last refresh (its epoch, free blocks, the endpoint its tenant is handed),
+        or None for a pool not seen."""
         with self._lock:
             return self._stats.get(pool_id)
 

@@ -103,6 +103,7 @@ def _encode_pool(pool: Pool) -> st.PoolState:
     spec = pool.spec
     reg = pb.RegisterPoolRequest(pool_id=spec.pool_id, epoch=pool.epoch, bound_to_session=spec.bound_to_session,
                                  suspend_on_session_end=spec.suspend_on_session_end, session_id=pool.bound_session,
+                                 endpoint=spec.endpoint,
                                  config=encode_config(spec.config, spec.max_model_len, spec.dcp_world_size,
                                                       spec.enable_caching, spec.vocab_size, spec.kv_layout))
     if spec.hash_spec is not None:
@@ -231,7 +232,7 @@ def _decode_pool(ps: st.PoolState, state: AllocatorState) -> Pool:
     """One pool into `state` (its requests' quota usage too; the sessions owning them are the caller's)."""
     settings = state.settings
     reg = pb.RegisterPoolRequest.FromString(ps.register_request)
-    spec = decode_pool_spec(reg, settings.hash_block_size)
+    spec = decode_pool_spec(reg, settings.hash_block_size)  # its endpoint too (older snapshots: none, empty)
     pool = state.new_pool(spec)
     pool.bound_session = reg.session_id if spec.bound_to_session else ""
     pool.owner_tenant = ps.owner_tenant

@@ -219,9 +219,11 @@ def encode_vllm_options(options: VllmOptions) -> pb.VllmManagerOptions:
 def register_request(pool_id: str, config: KVCacheConfig, max_model_len: int, epoch: int, dcp_world_size: int,
                      enable_caching: bool, vocab_size: int, kv_layout: str, fingerprint: str,
                      hash_spec: HashSpec | None = None, vllm: VllmOptions | None = None,
-                     bound_to_session: bool = False, suspend_on_session_end: bool = False) -> pb.RegisterPoolRequest:
+                     bound_to_session: bool = False, suspend_on_session_end: bool = False,
+                     endpoint: bytes = b"") -> pb.RegisterPoolRequest:
     msg = pb.RegisterPoolRequest(pool_id=pool_id, epoch=epoch, hash_fingerprint=fingerprint,
                                  bound_to_session=bound_to_session, suspend_on_session_end=suspend_on_session_end,
+                                 endpoint=endpoint,
                                  config=encode_config(config, max_model_len, dcp_world_size, enable_caching,
                                                       vocab_size, kv_layout))
     if hash_spec is not None:

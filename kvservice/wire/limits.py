@@ -9,3 +9,4 @@ MAX_DCP_WORLD_SIZE = 64
 MAX_BLOCK_SIZE = 1 << 16
 MAX_SPECULATIVE_BLOCKS = 64  # a Mamba group's scratch states (vLLM: one per speculative token)
 MAX_EPOCH = (1 << 63) - 1  # the allocator bumps epochs (stale recovery): keep them inside the uint64 on the wire
+MAX_ENDPOINT_BYTES = 64 * 1024  # RegisterPoolRequest.endpoint (a NIXL agent's metadata is a few KiB)

@@ -28,6 +28,7 @@ from kvservice.wire.limits import (
     MAX_BLOCK_SIZE,
     MAX_BLOCKS,
     MAX_DCP_WORLD_SIZE,
+    MAX_ENDPOINT_BYTES,
     MAX_EPOCH,
     MAX_MODEL_LEN,
     MAX_SPECULATIVE_BLOCKS,
@@ -122,6 +123,10 @@ def decode_config(msg: pb.KVCacheConfig, field: str = "config") -> tuple[KVCache
 
 def decode_pool_spec(msg: pb.RegisterPoolRequest, hash_block_size: int) -> PoolSpec:
     pool_id = check_id("pool_id", msg.pool_id)
+    endpoint = msg.endpoint  # bind once: each protobuf field access copies the bytes
+    if len(endpoint) > MAX_ENDPOINT_BYTES:
+        raise InvalidArgument("endpoint", len(endpoint), f"its length in bytes exceeds the limit of "
+                                                         f"{MAX_ENDPOINT_BYTES} (a NIXL agent's metadata is a few KiB)")
     if msg.epoch > MAX_EPOCH:
         raise InvalidArgument("epoch", msg.epoch, f"exceeds the limit {MAX_EPOCH}; count engine restarts from 0")
     config, max_model_len, dcp = decode_config(msg.config)
@@ -148,7 +153,7 @@ def decode_pool_spec(msg: pb.RegisterPoolRequest, hash_block_size: int) -> PoolS
         raise InvalidArgument("config.prefix_cache_retention_interval", retention, str(exc)) from None
     return PoolSpec(pool_id, config, max_model_len, dcp, not msg.config.disable_prefix_caching,
                     msg.config.vocab_size, check_name("config.kv_layout", msg.config.kv_layout) or "", msg.epoch,
-                    hash_spec, vllm, msg.bound_to_session, msg.suspend_on_session_end)
+                    hash_spec, vllm, msg.bound_to_session, msg.suspend_on_session_end, endpoint)
 
 
 def decode_vllm_options(msg: pb.VllmManagerOptions, config: KVCacheConfig, field: str = "vllm") -> VllmOptions:

@@ -163,14 +163,14 @@ def encode_pool_stats(p: PoolStats, out: pb.PoolStats) -> None:
     out.prefix_queries, out.prefix_hits, out.evictions = p.prefix_queries, p.prefix_hits, p.evictions
     out.num_cached_blocks, out.num_pending_transfers = p.num_cached_blocks, p.num_pending_transfers
     out.invariant_violation, out.plain_prefix, out.moving_to = p.invariant_violation, p.plain_prefix, p.moving_to
-    out.suspended = p.suspended
+    out.suspended, out.endpoint, out.endpoint_size = p.suspended, p.endpoint, p.endpoint_size
 
 
 def decode_stats(r: pb.GetStatsResponse) -> Stats:
     pools = {p.pool_id: PoolStats(p.pool_id, p.epoch, p.num_blocks, p.num_free_blocks, p.usage, p.num_requests,
                                   p.prefix_hit_rate, p.prefix_queries, p.prefix_hits, p.evictions,
                                   p.num_cached_blocks, p.invariant_violation, p.num_pending_transfers,
-                                  p.plain_prefix, p.moving_to, p.suspended)
+                                  p.plain_prefix, p.moving_to, p.suspended, p.endpoint, p.endpoint_size)
              for p in r.pools}
     external = {p.pool_id: decode_external_stats(p) for p in r.external_pools}
     return Stats(pools, r.num_sessions, r.persistence, r.event_sequence, r.lease_expiries, r.hash_fingerprint,
