@@ -357,6 +357,11 @@ class Allocator:
         return pool, req
 
     def request_info(self, tenant: str, pool_id: str, request_id: str, admin: bool = True) -> RequestInfo:
+        pool = self.state.pool(pool_id, tenant, admin)
+        pin = pool.pins.get(request_key(tenant, request_id))
+        if pin is not None:  # a live pin: its held blocks (a reader checks its pin outlived its copy)
+            return RequestInfo(request_id, pool.pool_id, pin.num_tokens, pin.num_tokens, (list(pin.block_ids),),
+                               0, False, pin.session_id)
         pool, req = self.get_request(tenant, pool_id, request_id, admin)
         key = req.request_id
         return RequestInfo(request_id, pool.pool_id, req.num_tokens, req.num_computed_tokens,

@@ -50,7 +50,7 @@ class BlockStore:
     def __init__(self, name: str, address: str, num_blocks: int, page_bytes: int, block_size: int, *,
                  token: str | None = None, directory: str = DEFAULT_DIR, node_id: str = "",
                  max_model_len: int = 1 << 20, watch_s: float = 1.0, tls_ca: str | None = None,
-                 disk_dir: str | None = None, disk_bytes: int = 0) -> None:
+                 disk_dir: str | None = None, disk_bytes: int = 0, nixl: bool = True) -> None:
         from kvservice.client import KVServiceClient
         if not name or "/" in name or name.startswith("."):
             raise ValueError(f"name: {name!r} is not a store name (letters, digits, '-', '_', '.')")
@@ -64,7 +64,10 @@ class BlockStore:
         self.pool_id = store_pool_id(name)
         self.num_registrations = 0
         self.disk: DiskTier | None = None
+        self.nixl = None  # the segment exported through NIXL, for other nodes' engines (transports/nixl.py)
         try:
+            if nixl:
+                self.nixl = export_segment(self.segment, name)
             if disk_dir:
                 self.disk = DiskTier(name, disk_dir, page_bytes, disk_bytes, block_size, max_model_len)
                 self.disk.verify()  # before the allocator serves any of its pages again
@@ -75,6 +78,8 @@ class BlockStore:
                 self.disk.attach(self.client)
             self._register(self.generation)
         except BaseException:
+            if self.nixl is not None:
+                self.nixl.close()
             self.segment.close(unlink=True)
             raise
         if old is not None and old != path:
@@ -92,11 +97,13 @@ class BlockStore:
             logger.info("store %s: no new session yet (%s)", self.name, exc)
 
     def _register(self, generation: int) -> None:
-        """The pool at epoch `generation`, bound to this store's session, and the descriptor naming it."""
+        """The pool at epoch `generation`, bound to this store's session, with its NIXL endpoint (which the
+        allocator hands only to this store's tenant), and the descriptor naming it."""
+        self.segment.header[0]["generation"] = generation  # first: a READ of the old epoch fails from now on
+        endpoint = json.dumps(self.nixl.info()).encode() if self.nixl is not None else b""
         self.client.register_pool(self.pool_id, self.config, max_model_len=self.max_model_len, epoch=generation,
-                                  kv_layout=store_layout(self.page_bytes), bound_to_session=True)
+                                  kv_layout=store_layout(self.page_bytes), bound_to_session=True, endpoint=endpoint)
         self.generation = generation
-        self.segment.header[0]["generation"] = generation
         disk = self.disk.info if self.disk is not None else None
         self.descriptor = Descriptor(self.name, self.pool_id, self.segment.path, self.segment.num_blocks,
                                      self.page_bytes, self.block_size, generation, self.node_id, os.getpid(),
@@ -169,6 +176,8 @@ class BlockStore:
         self._stop.set()
         self._watcher.join(timeout=10)
         self.segment.mark_closed()  # readers on this node stop using its pages at once
+        if self.nixl is not None:
+            self.nixl.close()  # other nodes' READs fail from now on
         try:
             self.client.close()
         finally:
@@ -179,6 +188,16 @@ class BlockStore:
             except (FileNotFoundError, ValueError, TypeError):
                 pass
             self.segment.close(unlink=True)
+
+
+def export_segment(segment: Segment, name: str):
+    """The segment through a NIXL agent where NIXL is installed (else None: other nodes read through Ray)."""
+    from kvservice.blockstore.transports import NixlExport, nixl_available, nixl_unavailable_reason
+    if not nixl_available():
+        logger.info("store %s: NIXL is not available (%s): other nodes read its pages through Ray", name,
+                    nixl_unavailable_reason())
+        return None
+    return NixlExport(segment, name, tenant="")
 
 
 def sweep_dead(directory: str) -> list[str]:

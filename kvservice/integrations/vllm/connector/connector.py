@@ -27,6 +27,7 @@ hand_down_ray_node()  # vLLM imports this module in the process that builds the 
 class KVServiceConnectorMetadata(KVConnectorMetadata):
     loads: list[Load] = field(default_factory=list)
     saves: list[Save] = field(default_factory=list)
+    endpoints: dict[str, bytes] = field(default_factory=dict)  # store pool -> NIXL endpoint, when new or changed
 
 
 @dataclass
@@ -132,7 +133,7 @@ class KVServiceConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if isinstance(meta, KVServiceConnectorMetadata) and meta.loads:
-            self.worker_side.load(meta.loads)
+            self.worker_side.load(meta.loads, meta.endpoints)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # every load finished in start_load_kv (FULL CUDA-graph batches skip the per-layer hooks)
@@ -168,7 +169,7 @@ class KVServiceConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         loads, saves = self.scheduler_side.build(scheduler_output)
-        return KVServiceConnectorMetadata(loads, saves)
+        return KVServiceConnectorMetadata(loads, saves, self.scheduler_side.endpoints_for(loads))
 
     def update_connector_output(self, connector_output) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)

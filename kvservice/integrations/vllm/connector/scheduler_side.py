@@ -17,13 +17,12 @@ committed, instead of finding nothing because it asked a moment too early.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import OrderedDict
 
 from kvservice.blockstore.saves import admit_save, commit_save
-from kvservice.errors import session_lost
 from kvservice.integrations.vllm.connector.counters import Counters
+from kvservice.integrations.vllm.connector.link import AllocatorLink
 from kvservice.integrations.vllm.connector.plan import (
     STORE_PREFIX,
     DiskSave,
@@ -38,143 +37,42 @@ from kvservice.integrations.vllm.connector.plan import (
     tier_label,
 )
 from kvservice.integrations.vllm.connector.settings import ConnectorSettings
-from kvservice.integrations.vllm.connector.teller import Teller
 from kvservice.ops import FreeOp, OpStatus, PinOp, UnpinOp
 
 logger = logging.getLogger(__name__)
 
-EPOCH_REFRESH_S = 2.0
 LOADED_KEPT = 4096
 HANDOFF_POLL_S = 0.02  # a waiting hand-over asks for its pages at most this often
 PARAMS_KEY = "kvservice"  # in kv_transfer_params
 
 
-class SchedulerSide:
+class SchedulerSide(AllocatorLink):
     def __init__(self, settings: ConnectorSettings, block_size: int, engine_id: str, *, loads: bool,
                  saves: bool, namespace: str = "", world_size: int = 1) -> None:
-        self.settings, self.block_size, self.engine_id = settings, block_size, engine_id
+        super().__init__(settings, block_size, engine_id)
         # Salted into every prompt's hashes: engines of another model, dtype or layout never share pages.
         self.namespace = settings.namespace or namespace
         self.loads_on, self.saves_on = loads, saves and settings.store is not None
-        self.local_pool = STORE_PREFIX + settings.store if settings.store else None
-        self._client = None
-        self._index = None  # the PrefixIndex replica (settings.index), started on first use
-        self.down_until = 0.0
         self.hits: dict[str, Hit] = {}  # request id -> its pinned, not yet loaded prefix
         self.pending: list[Load] = []  # loads for the next metadata
         self.tracked: dict[str, Tracked] = {}
-        self.epochs: dict[str, int] = {}
         # request id -> the tokens its last admission loaded (stats, tests): the latest LOADED_KEPT requests
         self.loaded: OrderedDict[str, int] = OrderedDict()
-        self.epochs_at = -1e9
-        self.num_pins = self.num_saves = self.num_lookups = self.num_failures = 0
-        self.num_lookup_rpcs = 0  # Lookups sent to the allocator (not answered by the replica)
+        self.num_pins = self.num_saves = self.num_lookups = 0
         self.world_size = world_size  # the worker ranks that must report a load or a save
         self.counters = Counters()
         self.pins_out: dict[str, str] = {}  # pin id -> pool: loads handed to the workers, not reported yet
         self.saves_out: dict[str, list] = {}  # save id -> [pool, num_tokens, ranks written, ranks failed, request]
         self.saved: dict[str, tuple[str, int]] = {}  # request id -> (pool, tokens) it saved (kv_transfer_params)
         self.handoffs: dict[str, Handoff] = {}  # request id -> a hand-over it waits for
-        self._client_lock = threading.Lock()  # the step's calls and the teller's share one client
-        self.teller = Teller(self.step, f"kvservice-connector-{engine_id}")
-        self._disk_pool: str | None = None
-        self._disk_at = -1e9
         if loads and settings.index:
             try:  # now, so the replica has synced by the first request (else it starts on first use)
                 self.index()
             except Exception as exc:  # noqa: BLE001 - the allocator away at start-up: the engine starts all the same
                 self.failed("starting the prefix-index replica", exc)
-        self._serial = 0
 
-    # ---- the allocator ------------------------------------------------------------------------
-    def client(self):
-        if self._client is None:
-            self._client = self.settings.client(self.block_size, f"kvconnector:{self.engine_id}:scheduler", 1)
-        return self._client
-
-    def step(self, pool_id: str, ops: list):
-        """One Step on the allocator (the teller's thread and the step's path share the client)."""
-        with self._client_lock:
-            try:
-                return self.client().step(pool_id, ops)
-            except Exception as exc:
-                if not session_lost(exc):
-                    raise
-                self.client().open_session()  # the allocator restarted without our session: a new one
-                return self.client().step(pool_id, ops)
-
-    def available(self) -> bool:
-        return time.monotonic() >= self.down_until
-
-    def failed(self, what: str, exc: BaseException) -> None:
-        self.num_failures += 1
-        if session_lost(exc):  # the allocator restarted without this session: its pins went with it
-            self.hits.clear()
-            try:
-                self.client().open_session()
-                logger.warning("kvservice connector: the allocator lost this engine's session; a new one is open")
-                return
-            except Exception as again:  # noqa: BLE001
-                exc = again
-        if self.available():
-            logger.warning("kvservice connector: %s failed (%s: %s); sharing is off for %.0f s (requests are "
-                           "computed)", what, type(exc).__name__, exc, self.settings.retry_after_s)
-        self.down_until = time.monotonic() + self.settings.retry_after_s
-
-    def index(self):
-        if self._index is None and self.settings.index:
-            from kvservice.client import PrefixIndex
-            self._index = PrefixIndex(self.client())
-        return self._index
-
-    def find(self, tracked: Tracked):
-        """Per store pool, the cached prefix of the prompt: from the replica, else by a Lookup RPC."""
-        pool_ids = [STORE_PREFIX + s for s in self.settings.stores]
-        if pool_ids and self.local_disk() is not None:
-            pool_ids.append(self.local_disk())
-        index = self.index()
-        if index is not None:
-            before = index.remote_lookups
-            found = index.lookup(tracked.prompt, cache_salt=tracked.cache_salt, pool_ids=pool_ids)
-            self.num_lookup_rpcs += index.remote_lookups - before
-            return found
-        self.num_lookup_rpcs += 1
-        return self.client().lookup(tracked.prompt, cache_salt=tracked.cache_salt, pool_ids=pool_ids)
-
-    def generation(self, pool_id: str) -> int | None:
-        index = self._index
-        stats = index.pool_stats(pool_id) if index is not None else None
-        if stats is not None:
-            return stats.epoch
-        now = time.monotonic()
-        if pool_id not in self.epochs or now - self.epochs_at > EPOCH_REFRESH_S:
-            pools = self.client().get_stats().pools
-            self.epochs = {p: s.epoch for p, s in pools.items() if is_store_pool(p)}
-            self.epochs_at = now
-        return self.epochs.get(pool_id)
-
-    def local_disk(self) -> str | None:
-        """This node's store's disk tier pool (from its descriptor, looked at again every few seconds)."""
-        now = time.monotonic()
-        if self.settings.store and now - self._disk_at > EPOCH_REFRESH_S:
-            from kvservice.blockstore.segment import read_descriptor
-            try:
-                d = read_descriptor(self.settings.store, self.settings.shm_dir)
-            except (OSError, ValueError, TypeError):
-                d = None
-            self._disk_pool = d.disk_pool_id or None if d is not None else None
-            self._disk_at = now
-        return self._disk_pool
-
-    def rank(self, pool_id: str) -> int:
-        """Which tier a hit of equal length is loaded from: this node's RAM, its disk, another node's RAM."""
-        if pool_id == self.local_pool:
-            return 3
-        return 2 if is_disk(pool_id) else 1
-
-    def next_id(self, req_id: str, kind: str) -> str:
-        self._serial += 1
-        return f"{self.engine_id}:{kind}:{req_id}:{self._serial}"
+    def session_lost(self) -> None:
+        self.hits.clear()  # their pins went with the session
 
     # ---- loads ---------------------------------------------------------------------------------
     def on_new_request(self, request) -> None:

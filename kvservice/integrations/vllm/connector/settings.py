@@ -43,6 +43,8 @@ class ConnectorSettings:
             (5.0): the engine serves on, computing what it would have loaded.
         load_failure: "recompute" (default; sets vLLM's kv_load_failure_policy) or "fail" (vLLM's).
         shm_dir: where this node's stores keep their segments ("/dev/shm").
+        transport: how pages of other nodes' stores move: "auto" (NIXL where it is installed and the store
+            published an endpoint, else Ray), "nixl" (NIXL only: a store without it is not read), "ray".
         verify_checksums: check every loaded page's bytes against the checksum its writer stored (False: the
             tag and format are always checked; the checksum costs about as much as the copy on a CPU).
         handoff_timeout_s: how long a consumer given a producer's kv_transfer_params waits for its pages to be
@@ -62,6 +64,7 @@ class ConnectorSettings:
     shm_dir: str = "/dev/shm"
     handoff_timeout_s: float = 10.0
     verify_checksums: bool = False
+    transport: str = "auto"
 
     def client(self, block_size: int, client_name: str, retries: int):
         """A client of the allocator as the connector's sides use it (short calls: a failure means compute)."""
@@ -92,6 +95,9 @@ class ConnectorSettings:
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"kv_connector_extra_config.{key}: {value!r} is not a positive number of seconds")
             extra[key] = float(value)
+        if extra.get("transport", "auto") not in ("auto", "nixl", "ray"):
+            raise ValueError(f"kv_connector_extra_config.transport: {extra['transport']!r} is not 'auto', 'nixl' or "
+                             f"'ray'")
         if extra.get("load_failure", "recompute") not in ("recompute", "fail"):
             raise ValueError(f"kv_connector_extra_config.load_failure: {extra['load_failure']!r} is not "
                              f"'recompute' or 'fail'")

@@ -1,5 +1,7 @@
 """How a worker reaches a store's pages: the store's shared-memory segment when it runs on this node, else a
-transport to its node (Ray's object store through the store's actor).
+transport to its node: one NIXL READ of the pages and their metadata (the store's agent info, its "endpoint",
+comes from the allocator, which hands it only to the store's tenant), or, where NIXL is not installed or the
+store has no endpoint, the store's Ray actor and Ray's object store.
 
 A store is on this node when its descriptor is in this node's shm_dir and the Ray node it names is this
 process's (when both are known); the connector's `store` setting plays no part in reading.
@@ -51,11 +53,69 @@ def this_node() -> str:
     return os.environ.get(ENV_RAY_NODE, "")
 
 
+class NixlPath:
+    """This worker's NIXL agent and its receive buffers (registered once, grown when a load needs more)."""
+
+    def __init__(self, name: str) -> None:
+        from kvservice.blockstore.transports import NixlImport
+        self.imp = NixlImport(name)
+        self.pages: np.ndarray | None = None
+        self.meta: np.ndarray | None = None
+        self.num_reads = self.num_bytes = 0
+
+    def _buffers(self, n: int, page_bytes: int) -> None:
+        if self.pages is not None and self.pages.shape[0] >= n and self.pages.shape[1] == page_bytes:
+            return
+        for buf in (self.pages, self.meta):
+            if buf is not None:
+                self.imp.deregister(buf)
+        rows = max(n, 64)
+        self.pages = np.empty((rows, page_bytes), np.uint8)
+        self.meta = np.zeros((rows, MAX_SLOTS, META_FIELDS), np.uint64)
+        self.imp.register(self.pages)
+        self.imp.register(self.meta)
+
+    def read(self, name: str, endpoint: bytes, generation: int, page_ids: list[int]) -> PageRead:
+        import json
+        info = json.loads(endpoint)
+        if info.get("segment_generation") != generation:
+            raise LookupError(f"store {name!r} is not at generation {generation} (its agent says "
+                              f"{info.get('segment_generation')}): it restarted; the pages named are gone")
+        n = len(page_ids)
+        self._buffers(n, int(info["page_bytes"]))
+        ticket = self.imp.read(info, page_ids, self.pages[:n], self.meta[:n])
+        try:
+            if not ticket.wait(REMOTE_READ_TIMEOUT_S) or ticket.poll() != "DONE":
+                raise StoreUnreachable(f"NIXL READ from store {name!r} failed: {ticket.error or 'timed out'}")
+        finally:
+            ticket.release()
+        self.num_reads += 1
+        self.num_bytes += n * int(info["page_bytes"])
+        pages, meta = torch.from_numpy(self.pages[:n]), self.meta[:n].copy()
+        return PageRead(pages, list(range(n)), lambda: meta, False, private=True)
+
+    def close(self) -> None:
+        self.imp.close()
+
+
+def nixl_state() -> tuple[bool, str]:
+    """(whether this process can move pages with NIXL, why not)."""
+    try:
+        from kvservice.blockstore.transports import nixl_available, nixl_unavailable_reason
+    except ImportError as exc:
+        return False, str(exc)
+    return (True, "") if nixl_available() else (False, nixl_unavailable_reason())
+
+
 class Stores:
-    """This process's ways to the stores: segments of the stores on this node, actors of the others."""
+    """This process's ways to the stores: segments of the stores on this node, NIXL (or Ray actors) to the
+    others."""
 
     def __init__(self, settings: ConnectorSettings) -> None:
         self.settings = settings
+        self.endpoints: dict[str, bytes] = {}  # store name -> its NIXL endpoint (the connector's metadata)
+        self._nixl: NixlPath | None = None
+        self.nixl_on, self.nixl_why = nixl_state() if settings.transport in ("auto", "nixl") else (False, "off")
         self.segments: dict[str, tuple[str, Segment, torch.Tensor]] = {}
         self.actors: dict[str, object] = {}
         self.node_id = this_node()
@@ -65,7 +125,12 @@ class Stores:
         self.on_detach: Callable[[torch.Tensor], None] | None = None
 
     def transport_name(self) -> str:
-        return "ray" if "ray" in sys.modules or _importable("ray") else "none (Ray is not installed)"
+        """What moves pages from other nodes' stores (logged at start-up)."""
+        ray = "ray" if "ray" in sys.modules or _importable("ray") else ""
+        if self.nixl_on:
+            return "nixl" + (" (ray for stores with no NIXL endpoint)" if ray else "")
+        why = f"; NIXL: {self.nixl_why}" if self.nixl_why != "off" else ""
+        return (ray or "none (neither NIXL nor Ray is installed)") + why
 
     def local(self, name: str, generation: int) -> Segment | None:
         """The segment of the store `name` if it runs on this node (at `generation`, else LookupError), or None
@@ -98,6 +163,14 @@ class Stores:
         if seg is not None:
             seg.check_ids(page_ids)
             return PageRead(self.segments[name][2], list(page_ids), lambda: seg.meta, True)
+        endpoint = self.endpoints.get(name)
+        if self.nixl_on and endpoint:
+            if self._nixl is None:
+                self._nixl = NixlPath(f"{os.getpid()}")
+            return self._nixl.read(name, endpoint, generation, page_ids)
+        if self.settings.transport == "nixl":
+            raise StoreUnreachable(f"store {name!r} is on another node and transport is 'nixl': "
+                                   f"{self.nixl_why or 'the store published no NIXL endpoint'}")
         try:
             data, meta = self._ray_read(name, generation, page_ids)
         except ImportError:
@@ -129,6 +202,10 @@ class Stores:
             self.num_local_reads += 1
         else:
             self.num_remote_reads += 1
+
+    @property
+    def num_nixl_reads(self) -> int:
+        return self._nixl.num_reads if self._nixl is not None else 0
 
     def _ray_read(self, name: str, generation: int, page_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
         import ray
@@ -168,6 +245,8 @@ class Stores:
             for _, _, pages in self.segments.values():
                 self.on_detach(pages)
         self.segments.clear()
+        if self._nixl is not None:
+            self._nixl.close()
 
 
 def _importable(module: str) -> bool:

@@ -82,6 +82,7 @@ class WorkerSide:
         self._sealer: threading.Thread | None = None
         self._job = 0
         self._disk_buffer: torch.Tensor | None = None
+        self._client = None  # the allocator, only to check a remote load's pin
         self._disk_writes: queue.Queue = queue.Queue()
         self._disk_writer: threading.Thread | None = None
 
@@ -115,9 +116,12 @@ class WorkerSide:
         return pages[:, self.rank * width:(self.rank + 1) * width]
 
     # ---- loads: before the forward (vLLM calls start_load_kv first when a step has sync loads) ----------
-    def load(self, loads: list[Load]) -> None:
+    def load(self, loads: list[Load], endpoints: dict[str, bytes] | None = None) -> None:
         """Copies each load's pages in and checks them. Every load (done or failed) is reported in `Done.loads`
-        so the scheduler side unpins it; asynchronous ones are also reported finished to vLLM."""
+        so the scheduler side unpins it; asynchronous ones are also reported finished to vLLM. `endpoints`: the
+        NIXL endpoints of stores (by pool) the scheduler side learned since it last sent them."""
+        for pool_id, endpoint in (endpoints or {}).items():
+            self.stores.endpoints[store_name(pool_id)] = endpoint
         for load in loads:
             try:
                 if load.failed:
@@ -164,6 +168,9 @@ class WorkerSide:
                 raise PageCheckError(FailReason.PIN_LOST, "a page was rewritten while it was read (its pin was gone)")
             if verify:
                 self._verify(load, pages, read.rows, after)
+        if not read.local and load.pin_id and not self._pin_held(load):
+            raise PageCheckError(FailReason.PIN_LOST, f"its pin on {load.pool_id} lapsed during the transfer: the "
+                                 f"pages may have been reused meanwhile")
         self.stores.count(read)
         self.fetch_s += fetched - start
         self.copy_in_s += time.perf_counter() - fetched
@@ -171,6 +178,18 @@ class WorkerSide:
         label = tier_label(load.pool_id)
         self.counters.add("loaded", label, len(load.local_block_ids))
         self.counters.add("bytes_loaded", label, len(load.local_block_ids) * self.fmt.page_bytes)
+
+    def _pin_held(self, load: Load) -> bool:
+        """Whether the load's pin outlived the transfer from another node (one read RPC): a pin that is still
+        held was held all along, so its pages were not reused while they travelled."""
+        from kvservice.errors import NotFound
+        if self._client is None:
+            self._client = self.settings.client(self.block_size, f"kvconnector:{self.engine_id}:rank{self.rank}", 1)
+        try:
+            self._client.get_request(load.pool_id, load.pin_id)
+            return True
+        except NotFound:
+            return False
 
     def _verify(self, load: Load, pages: torch.Tensor, rows: list[int], meta: np.ndarray) -> None:
         for i, row in enumerate(rows):
@@ -377,6 +396,8 @@ class WorkerSide:
         self.stores.close()
         if self.mover is not None:
             self.mover.close()
+        if self._client is not None:
+            self._client.close()
 
 
 def cpu_attention_isa(dtype: torch.dtype, block_size: int, head_size: int | None, cache_dtype: str | None) -> str:
