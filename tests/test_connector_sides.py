@@ -430,3 +430,65 @@ def test_the_ray_path_checks_the_meta_it_read(server, store):
     assert data.shape == (3, PAGE) and (meta[:, 0, TAG] != 0).all() and np.array_equal(
         data, store.segment.pages[pages])
     a.close()
+
+
+def quantised_kv(seed: int, heads: int, content: int, dtype=torch.uint8) -> dict[str, torch.Tensor]:
+    """CUDA-style LBHNC views (contiguous per layer) of an fp8 (uint8) or bf16 cache, on CPU tensors."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.uint8:
+        return {f"model.layers.{i}.attn": torch.randint(0, 255, (NUM_BLOCKS, heads, BS, content), generator=g,
+                                                        dtype=torch.uint8) for i in range(LAYERS)}
+    return {f"model.layers.{i}.attn": torch.randn(NUM_BLOCKS, heads, BS, content, generator=g).to(dtype)
+            for i in range(LAYERS)}
+
+
+def test_fp8_and_mla_pages_load_only_into_an_engine_with_their_dtype_scales_and_shape(server, tmp_path):
+    """An fp8 engine's pages (uint8, scales 0.5/0.25) load into an fp8 engine with those scales, and never into
+    one with other scales, a bf16 cache or an MLA shape of the same page size: the per-page format digest fails
+    those loads (recomputed), whatever the namespace let through."""
+    fp8 = 2 * HEAD  # C of K and V, one byte each
+    page = LAYERS * HEADS * BS * fp8
+    store = BlockStore("q", server.target, 32, page, BS, directory=str(tmp_path))
+    try:
+        def engine(name, kv_caches, cache_dtype, scales):
+            w = WorkerSide(settings(server, store, store="q"), BS, name, head_size=HEAD, cache_dtype=cache_dtype,
+                           cpu_attention=False)
+            w.register(kv_caches, NUM_BLOCKS, scales)
+            return w
+
+        scales = {f"model.layers.{i}.attn": (0.5, 0.25) for i in range(LAYERS)}
+        written, same_kv = quantised_kv(1, HEADS, fp8), quantised_kv(2, HEADS, fp8)
+        writer = engine("w", written, "fp8", scales)
+        sched = SchedulerSide(settings(server, store, store="q", index=False), BS, "w", loads=True, saves=True)
+        prompt = list(range(800, 813))
+        sched.on_new_request(request("r", prompt))
+        _, saves = sched.build(scheduled("r", prompt, [1, 2, 3, 4], 0, len(prompt)))
+        writer.save(saves)
+        report(sched, writer)
+        reader_sched = SchedulerSide(settings(server, store, store="q", index=False), BS, "x", loads=True,
+                                     saves=False)
+        reader_sched.on_new_request(request("x", prompt))
+        assert reader_sched.num_new_matched_tokens(request("x", prompt), 0) == (12, False)
+        reader_sched.after_alloc(request("x", prompt), [5, 6, 7, 8], 12)
+        (load,), _ = reader_sched.build(scheduled("x", prompt, [5, 6, 7, 8], 12, 1))
+        other_scales = {k: (1.0, 1.0) for k in scales}
+        readers = {
+            "same": engine("a", same_kv, "fp8", scales),
+            "other scales": engine("b", quantised_kv(3, HEADS, fp8), "fp8", other_scales),
+            "e5m2": engine("c", quantised_kv(4, HEADS, fp8), "fp8_e5m2", scales),
+            "bf16, half the heads": engine("d", quantised_kv(5, HEADS // 2, fp8, torch.bfloat16), "auto", None),
+            "MLA-shaped": engine("e", quantised_kv(6, 1, HEADS * fp8), "fp8", scales),
+        }
+        failed = {}
+        for what, r in readers.items():
+            assert r.page_bytes == page, what  # the same page size: only the format tells them apart
+            r.load([load])
+            failed[what] = sorted(r.take_failed_blocks())
+        assert failed == {"same": [], "other scales": [5, 6, 7], "e5m2": [5, 6, 7], "bf16, half the heads": [5, 6, 7],
+                          "MLA-shaped": [5, 6, 7]}, failed
+        for name in written:
+            assert torch.equal(same_kv[name][[5, 6, 7]], written[name][[1, 2, 3]])
+        for side in (writer, sched, reader_sched, *readers.values()):
+            side.close()
+    finally:
+        store.close()

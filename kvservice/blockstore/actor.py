@@ -44,9 +44,10 @@ class _StoreActor:
 def start_store(name: str, address: str, num_blocks: int, page_bytes: int, block_size: int, *,
                 node_id: str | None = None, token: str | None = None, directory: str = DEFAULT_DIR,
                 detached: bool = False, tls_ca: str | None = None, disk_dir: str | None = None,
-                disk_bytes: int = 0):
+                disk_bytes: int = 0, env: dict[str, str] | None = None):
     """Starts the store `name` as an actor (on the node `node_id`, hard affinity, when given; the one up under
-    that name if there is one) and waits until its pool is registered. Returns the actor handle;
+    that name if there is one; `env`: its environment's extra variables) and waits until its pool is
+    registered. Returns the actor handle;
     `ray.get(handle.descriptor.remote())` describes it."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -56,6 +57,8 @@ def start_store(name: str, address: str, num_blocks: int, page_bytes: int, block
         options["lifetime"] = "detached"
     if node_id is not None:
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    if env:  # e.g. UCX_TLS / UCX_NET_DEVICES for its NIXL agent
+        options["runtime_env"] = {"env_vars": dict(env)}
     actor = ray.remote(_StoreActor).options(**options).remote(name, address, num_blocks, page_bytes, block_size,
                                                               token, directory, tls_ca, disk_dir, disk_bytes)
     ray.get(actor.descriptor.remote())

@@ -53,6 +53,16 @@ def page_family(vllm_config) -> str:
     return "canonical"
 
 
+def layer_scales(vllm_config, kv_caches) -> dict[str, tuple[float, float]] | None:
+    """Each layer's KV scales when the cache is quantised (fp8: `_k_scale_float` / `_v_scale_float`, from the
+    checkpoint or 1.0), read from vLLM's layers; None for an unquantised cache."""
+    if vllm_config.cache_config.cache_dtype in ("auto", None):
+        return None
+    layers = getattr(vllm_config.compilation_config, "static_forward_context", {}) or {}
+    return {name: (float(getattr(layers.get(name), "_k_scale_float", 1.0)),
+                   float(getattr(layers.get(name), "_v_scale_float", 1.0))) for name in kv_caches}
+
+
 class KVServiceConnector(KVConnectorBase_V1):
     """Prefix sharing through kvservice's stores (`kv_role` kv_both), or one direction of it: a `kv_producer`
     saves and never loads, a `kv_consumer` loads and never saves (prefill/decode disaggregation).
@@ -98,7 +108,8 @@ class KVServiceConnector(KVConnectorBase_V1):
             self.worker_side = WorkerSide(
                 self.settings, self.block_size, engine_id, rank=get_tensor_model_parallel_rank(),
                 world_size=self.world_size, layout=getattr(cache, "kv_cache_layout", None),
-                head_size=vllm_config.model_config.get_head_size(), cache_dtype=cache.cache_dtype)
+                head_size=vllm_config.model_config.get_head_size(), cache_dtype=cache.cache_dtype,
+                cpu_attention=str(getattr(vllm_config.device_config, "device_type", "cpu")) == "cpu")
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -128,7 +139,7 @@ class KVServiceConnector(KVConnectorBase_V1):
     # ---- worker side ---------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches) -> None:
         num_blocks = self._kv_cache_config.num_blocks if self._kv_cache_config is not None else None
-        self.worker_side.register(kv_caches, num_blocks)
+        self.worker_side.register(kv_caches, num_blocks, layer_scales(self._vllm_config, kv_caches))
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -57,10 +57,11 @@ class PageCheckError(LookupError):
 class WorkerSide:
     def __init__(self, settings: ConnectorSettings, block_size: int, engine_id: str, *, rank: int = 0,
                  world_size: int = 1, layout: str | None = None, head_size: int | None = None,
-                 cache_dtype: str | None = None) -> None:
+                 cache_dtype: str | None = None, cpu_attention: bool | None = None) -> None:
         self.settings, self.block_size, self.engine_id = settings, block_size, engine_id
         self.rank, self.world_size = rank, world_size
         self.layout, self.head_size, self.cache_dtype = layout, head_size, cache_dtype
+        self.cpu_attention = cpu_attention  # vLLM's CPU attention layout (None: when the KV is on the CPU)
         self.fmt: PageFormat | None = None
         self.mover = None
         self.format_digest = 0
@@ -86,18 +87,22 @@ class WorkerSide:
         self._disk_writes: queue.Queue = queue.Queue()
         self._disk_writer: threading.Thread | None = None
 
-    def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int | None = None) -> None:
+    def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int | None = None,
+                 scales: dict[str, tuple[float, float]] | None = None) -> None:
+        """The engine's KV views (vLLM's `register_kv_caches`); `scales`: each layer's (k_scale, v_scale) of a
+        quantised cache, which the page format digest pins (pages written under other scales fail to load)."""
         first = next(iter(kv_caches.values()))
         if num_blocks is None:
             num_blocks = first.shape[0]
-        cpu_isa = cpu_attention_isa(first.dtype, self.block_size, self.head_size, self.cache_dtype) \
-            if first.device.type == "cpu" else None
+        cpu = first.device.type == "cpu" if self.cpu_attention is None else self.cpu_attention
+        cpu_isa = cpu_attention_isa(first.dtype, self.block_size, self.head_size, self.cache_dtype) if cpu else None
         self.fmt = PageFormat.build(kv_caches, num_blocks=num_blocks, block_size=self.block_size, layout=self.layout,
                                     cpu_isa=cpu_isa, head_size=self.head_size, cache_dtype=self.cache_dtype)
         self.mover = make_mover(self.fmt)
         # The store's segment page-locked once it is mapped (a GPU's copies into it then need no bounce).
         self.stores.on_attach, self.stores.on_detach = self.mover.pin, self.mover.unpin
-        self.format_digest = digest64(self.fmt.format_id)
+        scale_text = ";".join(f"{n}={k!r},{v!r}" for n, (k, v) in sorted((scales or {}).items()))
+        self.format_digest = digest64(self.fmt.format_id + (f";scales={scale_text}" if scales else ""))
         logger.info("kvservice connector: rank %d of %d, pages of %d bytes (%s), %s copies, remote stores via %s",
                     self.rank, self.world_size, self.fmt.page_bytes, self.fmt.format_id, type(self.mover).__name__,
                     self.stores.transport_name())
