@@ -21,6 +21,7 @@ from kvservice.integrations.vllm.connector.scheduler_side import SchedulerSide
 from kvservice.integrations.vllm.connector.settings import ConnectorSettings
 from kvservice.integrations.vllm.connector.worker_side import WorkerSide
 from kvservice.ops import EvictBlocksOp
+from tests.disk_helpers import tiny_tmpfs
 from tests.service_helpers import REPO, start_server
 
 BS, LAYERS, HEADS, HEAD, NUM_BLOCKS = 4, 2, 2, 3, 32
@@ -227,17 +228,9 @@ def test_the_disk_tier_evicts_lru_at_its_bound(server, store):
 
 @pytest.fixture
 def tiny_disk(tmp_path):
-    """A tmpfs with room for 2 page files (as root, where mount works), else skip."""
-    mount = tmp_path / "tiny"
-    mount.mkdir()
-    size = 2 * (HEADER_BYTES + PAGE) + 3 * 4096  # two page files, the tier's json and the directory
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip()[:100]})")
-    try:
+    """A tmpfs with room for two page files, the tier's json and the directory (as root), else skip."""
+    with tiny_tmpfs(tmp_path / "tiny", 2 * (HEADER_BYTES + PAGE) + 3 * 4096) as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=False)
 
 
 def test_a_full_disk_fails_the_save_and_nothing_else(server, tmp_path, tiny_disk):

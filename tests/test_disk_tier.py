@@ -5,13 +5,13 @@ write and leaves the page untagged."""
 from __future__ import annotations
 
 import os
-import subprocess
 
 import numpy as np
 import pytest
 
 from kvservice.blockstore.disk import HEADER_BYTES, DiskPages, checksum, open_tier, page_path
 from kvservice.blockstore.segment import CHECKSUM, FORMAT, META_FIELDS, TAG, WORLD
+from tests.disk_helpers import tiny_tmpfs
 
 PAGE = 4096 * 3
 
@@ -73,16 +73,9 @@ def test_tier_identity_is_kept_and_a_foreign_directory_refused(tmp_path):
 
 @pytest.fixture
 def tiny_disk(tmp_path):
-    """A 64 KiB tmpfs (as root, where mount works), else skip."""
-    mount = tmp_path / "tiny"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip()[:100]})")
-    try:
+    """A tmpfs with room for 64 KiB (as root, where mount works), else skip."""
+    with tiny_tmpfs(tmp_path / "tiny", 64 << 10) as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=False)
 
 
 def test_a_full_disk_fails_the_write_and_leaves_the_page_untagged(tiny_disk):
