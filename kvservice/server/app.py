@@ -270,11 +270,11 @@ async def _serve_standby(config: ServerSettings, ready_line: bool) -> tuple[int,
     server.servicer.standby = (f"this is the hot standby of {who} (Redis namespace {config.store_namespace}); it "
                                f"serves once the leader's lease lapses: retry, or ask GetShardMap for the leader")
     try:
+        stop_on_signals(server)  # before the ready line: a signal right after it must stop it in order, and log
         port = await server.start()
         await server.set_serving(False)
         if ready_line:
             print(f"{READY_PREFIX}{config.host}:{port}", flush=True)
-        stop_on_signals(server)
         stopping = asyncio.create_task(server.stopped.wait())
         while True:
             following = asyncio.create_task(follower.follow_until_lapse(config.leader_lease_s))
@@ -401,6 +401,7 @@ async def _serve(config: ServerSettings, ready_line: bool) -> tuple[int, str]:
         return await _serve_standby(config, ready_line)
     server = await build_server(config)
     try:
+        stop_on_signals(server)  # before the ready line: a signal right after it must stop it in order, and log
         port = await server.start()
         server.journal.start()
         if server.servicer.sharding is not None:
@@ -408,7 +409,6 @@ async def _serve(config: ServerSettings, ready_line: bool) -> tuple[int, str]:
         await server.start_external()
         if ready_line:
             print(f"{READY_PREFIX}{config.host}:{port}", flush=True)
-        stop_on_signals(server)
         await server.stopped.wait()
     finally:
         await server.stop()
