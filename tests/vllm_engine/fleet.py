@@ -53,14 +53,19 @@ class Engine:
         from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
         worker = get_kv_transfer_group().worker_side
         worker.flush()
+        done = worker.take_done()  # what the next step's report would carry (an offline engine has no next step)
+        if done is not None:
+            side.workers_done(done)
         side.teller.flush()
         return {"loaded": dict(side.loaded), "pins": side.num_pins, "saves": side.num_saves,
                 "lookups": side.num_lookups, "lookup_rpcs": side.num_lookup_rpcs, "failures": side.num_failures,
                 "loaded_blocks": worker.num_loaded_blocks, "saved_blocks": worker.num_saved_blocks,
                 "failed_loads": worker.num_failed_loads, "local_reads": worker.stores.num_local_reads,
-                "remote_reads": worker.stores.num_remote_reads, "fetch_s": worker.fetch_s,
+                "remote_reads": worker.stores.num_remote_reads, "nixl_reads": worker.stores.num_nixl_reads,
+                "transport": worker.stores.transport_name(), "fetch_s": worker.fetch_s,
                 "copy_in_s": worker.copy_in_s, "copy_out_s": worker.copy_out_s,
-                "failed": {k: dict(v) for k, v in worker.counters.totals.items() if k == "failed"}.get("failed", {}),
+                "failed": dict(worker.counters.totals.get("failed", {})),
+                "loaded_by_tier": dict(worker.counters.totals.get("loaded", {})),
                 "claimed_tokens": side.counters.total("claimed_tokens")}
 
     def generate_handoff(self, prompts: list[list[int]], params: list[dict | None] | None = None,
@@ -89,8 +94,11 @@ class Engine:
         e.close(self.llm)
 
 
-def start_engine(model_dir, node_resource: str, kv_transfer_config: dict | None, **overrides):
-    actor = ray.remote(Engine).options(num_cpus=0, resources={node_resource: 0.01}).remote(
-        str(model_dir), kv_transfer_config, overrides)
+def start_engine(model_dir, node_resource: str, kv_transfer_config: dict | None, env: dict | None = None,
+                 **overrides):
+    options = dict(num_cpus=0, resources={node_resource: 0.01})
+    if env:
+        options["runtime_env"] = {"env_vars": dict(env)}
+    actor = ray.remote(Engine).options(**options).remote(str(model_dir), kv_transfer_config, overrides)
     ray.get(actor.node.remote())
     return actor

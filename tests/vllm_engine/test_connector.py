@@ -94,14 +94,14 @@ def fleet_env(tmp_path_factory):
         engines = {}
 
         def engine(label: str, node: str, store: str | None = "same", token: str = "tok-a", scheduler=None,
-                   kvservice=None, model_dir=None, multiprocessing: bool = False, **kw):
+                   kvservice=None, model_dir=None, multiprocessing: bool = False, env: dict | None = None, **kw):
             if label not in engines:
                 config = fleet.connector_config(allocator.target, node if store == "same" else store,
                                                 token=token, shm_dir=str(shm), retry_after_s=2.0, **kw)
                 owned = {"scheduler": scheduler, "kvservice": kvservice} if scheduler else {}
                 if multiprocessing:
                     owned["multiprocessing"] = True
-                engines[label] = fleet.start_engine(model_dir or model, f"node_{node}", config, **owned)
+                engines[label] = fleet.start_engine(model_dir or model, f"node_{node}", config, env=env, **owned)
             return engines[label]
 
         def close(label: str) -> None:
@@ -168,8 +168,39 @@ def test_a_prefix_computed_on_one_node_is_loaded_on_another(fleet_env):
     # B's external hit is each shared prefix in whole blocks, read from node a's store through Ray.
     assert sorted(stats["loaded"].values()) == [whole_blocks(n) for n in PREFIXES], stats
     assert stats["remote_reads"] == 3 and stats["local_reads"] == 0 and stats["failed_loads"] == 0, stats
+    assert stats["nixl_reads"] == 3 and stats["transport"].startswith("nixl"), stats  # not through Ray
     assert stats["pins"] == 3 and stats["lookup_rpcs"] == 0, stats  # one RPC per new request: its pin
     assert got == stock_tokens(env, mine)
+
+
+@pytest.mark.parametrize("path", ["ucx-tcp", "ray"])
+def test_across_nodes_over_tcp_and_over_the_ray_fallback(fleet_env, path):
+    """The same load over UCX's TCP transport (what hosts without RDMA use; the store and the reader both
+    UCX_TLS=tcp), and over Ray's object store (NIXL off: the fallback): stock tokens either way."""
+    env = fleet_env
+    tcp = {"UCX_TLS": "tcp"}
+    name = f"t{path[:3]}"
+    store = start_store(name, env["allocator"].target, 64, fleet.page_bytes(), e.BLOCK, token="tok-a",
+                        node_id=env["nodes"]["node_a"], directory=str(env["shm"]),
+                        env=tcp if path == "ucx-tcp" else None)
+    try:
+        w = env["engine"](f"W{path}", "a", store=name, stores=[name])
+        kw = {"env": tcp} if path == "ucx-tcp" else {"transport": "ray"}
+        r = env["engine"](f"R{path}", "b", store=None, stores=[name], **kw)
+        _, prompts = family(30 + len(path))
+        ray.get(w.generate.remote(prompts(0)))
+        wait_saved(env, w, prompts(0), store=name)
+        mine = prompts(1)
+        got = ray.get(r.generate.remote(mine))
+        stats = ray.get(r.connector_stats.remote())
+        assert sorted(stats["loaded"].values()) == [whole_blocks(n) for n in PREFIXES], stats
+        assert stats["nixl_reads"] == (3 if path == "ucx-tcp" else 0) and stats["remote_reads"] == 3, stats
+        assert got == stock_tokens(env, mine)
+        env["close"](f"W{path}")
+        env["close"](f"R{path}")
+    finally:
+        ray.get(store.stop.remote())
+        ray.kill(store)
 
 
 def test_on_the_same_node_pages_come_through_shared_memory(fleet_env):
@@ -454,6 +485,73 @@ def test_weights_rewritten_in_place_share_no_pages(fleet_env):
         assert got == ray.get(stock.generate.remote(mine))
     finally:
         ray.get(stock.close.remote(), timeout=60)
+
+
+def disk_pages_of(env, prompt: list[int], namespace: str, pool: str) -> list[int]:
+    """The pages of the prompt's cached prefix on `pool` (a pin, released at once)."""
+    from kvservice.ops import PinOp, UnpinOp
+    with env["allocator"].tenant_a() as client:
+        client.open_session()
+        (r,) = client.step(pool, [PinOp("probe", token_ids=prompt, cache_salt=namespace)])
+        client.step(pool, [UnpinOp("probe")])
+    return list(r.new_block_ids[0]) if r.new_block_ids else []
+
+
+def test_a_disk_tier_serves_after_ram_eviction_and_after_kills(fleet_env, tmp_path):
+    """Store d: 19 RAM pages over a disk tier. Four 6-page prompts: RAM evicts the oldest, the disk keeps all
+    (write-through). A reader loads the evicted one from disk (stock tokens). kill -9 of the store and of the
+    allocator, both restarted: the same prefixes load from disk with no re-save; a page file altered while the
+    store was down is dropped at its restart, and that prefix is recomputed past it. Another tenant sees none
+    of it."""
+    from kvservice.blockstore.disk import HEADER_BYTES, page_path
+    env = fleet_env
+    disk, page = tmp_path / "disk", fleet.page_bytes()
+
+    def start():
+        return start_store("d", env["allocator"].target, 20, page, e.BLOCK, token="tok-a",
+                           node_id=env["nodes"]["node_a"], directory=str(env["shm"]), disk_dir=str(disk),
+                           disk_bytes=64 * (HEADER_BYTES + page))
+    store = start()
+    try:
+        w = env["engine"]("DW", "a", store="d", stores=["d"])
+        r = env["engine"]("DR", "a", store="d", stores=["d"])
+        ns = ray.get(w.namespace.remote())
+        families = [family(40 + i, lengths=(200,))[1] for i in range(4)]
+        for prompts in families:
+            ray.get(w.generate.remote(prompts(0)))
+            ray.get(w.connector_stats.remote())  # its workers' reports in: the saves are committed
+        with env["allocator"].tenant_a() as client:
+            on = lambda pool, p: client.lookup(p, cache_salt=ns, pool_ids=[pool]).tokens(pool)  # noqa: E731
+            assert [on("kvdisk:d", p(0)[0]) for p in families] == [192] * 4
+            assert on("kvstore:d", families[0](0)[0]) < 192  # RAM evicted it
+        mine = families[0](1)
+        assert ray.get(r.generate.remote(mine)) == stock_tokens(env, mine)
+        assert ray.get(r.connector_stats.remote())["loaded_by_tier"].get("d:disk", 0) == 6
+        victim = disk_pages_of(env, families[3](0)[0], ns, "kvdisk:d")[2]
+        ray.kill(store)  # kill -9 of the store...
+        env["allocator"].kill()  # ...and of the allocator
+        with open(page_path(str(disk), victim), "r+b") as f:  # altered while the store is down
+            f.seek(HEADER_BYTES + page // 2)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        env["allocator"].restart()
+        store = start()
+        wait_for(lambda: stores_registered(env), "the stores registered again")
+        time.sleep(2.5)  # the engines' retry_after_s
+        before = ray.get(r.connector_stats.remote())["loaded_by_tier"].get("d:disk", 0)
+        for k, want in ((1, 6), (3, 2)):  # family 3 stops at its altered third page
+            mine = families[k](2)
+            assert ray.get(r.generate.remote(mine)) == stock_tokens(env, mine)
+            now = ray.get(r.connector_stats.remote())["loaded_by_tier"].get("d:disk", 0)
+            assert now - before == want, (k, now - before)
+            before = now
+        with env["allocator"].proc.client("tok-b", client_name="other", hash_block_size=e.BLOCK) as other:
+            assert "kvdisk:d" not in other.get_stats().pools
+        env["close"]("DW")
+        env["close"]("DR")
+    finally:
+        ray.kill(store)
 
 
 def test_a_store_node_that_dies_is_recomputed_and_leaves_the_index(fleet_env):  # last: it removes node b
