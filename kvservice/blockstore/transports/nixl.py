@@ -40,6 +40,7 @@ import importlib
 import logging
 import os
 import resource
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, fields, replace
@@ -95,12 +96,42 @@ def nixl_errors() -> tuple[type[BaseException], ...]:
     return tuple(getattr(bindings, n) for n in dir(bindings) if n.startswith("nixl") and n.endswith("Error"))
 
 
+# NIXL's Python wrapper runs the progress thread with no pause between polls (pthrDelay = 0): an idle store
+# burned a whole core. It sleeps this long between polls instead (KVSERVICE_NIXL_PROGRESS_DELAY_US; 0: spin).
+PROGRESS_DELAY_US = int(os.environ.get("KVSERVICE_NIXL_PROGRESS_DELAY_US", "100"))
+_CONFIG_LOCK = threading.Lock()
+
+
+def _paced_config(base: type, delay_us: int) -> type:
+    """nixlAgentConfig whose progress-thread delay is at least `delay_us` (the wrapper sets it to 0)."""
+
+    class PacedConfig(base):
+        @property
+        def pthrDelay(self):  # noqa: N802 - the binding's name
+            return base.pthrDelay.__get__(self)
+
+        @pthrDelay.setter
+        def pthrDelay(self, value):  # noqa: N802
+            base.pthrDelay.__set__(self, max(int(value), delay_us))
+
+    return PacedConfig
+
+
 def make_agent(name: str, progress_thread: bool, backends: tuple[str, ...] = ("UCX",)):
-    """A NIXL agent with UCX and no listen thread (metadata travels through the allocator, not NIXL's socket)."""
+    """A NIXL agent with UCX and no listen thread (metadata travels through the allocator, not NIXL's socket);
+    its progress thread (if any) paced by PROGRESS_DELAY_US."""
     api = load_api()
     try:
-        agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=progress_thread,
-                                                           enable_listen_thread=False, backends=list(backends)))
+        config = api.nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=False,
+                                       backends=list(backends))
+        with _CONFIG_LOCK:  # the wrapper builds its config from the bindings' class: paced for this call only
+            bindings = api.nixlBind
+            base = bindings.nixlAgentConfig
+            bindings.nixlAgentConfig = _paced_config(base, PROGRESS_DELAY_US) if PROGRESS_DELAY_US else base
+            try:
+                agent = api.nixl_agent(name, config)
+            finally:
+                bindings.nixlAgentConfig = base
     except nixl_errors() as e:
         raise NixlUnavailable(
             f"NIXL agent {name}: backend(s) {list(backends)} failed to start ({type(e).__name__}: {e}); with "
