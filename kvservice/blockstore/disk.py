@@ -9,8 +9,8 @@ Layout of the tier's directory:
 A page file's header holds what a segment's metadata holds for each slice (segment.py: the tag of the save
 that wrote it, its checksum and its format), so a page on disk carries its own proof. A writer (an engine's
 worker, for its rank's slice) clears the slice's tag, writes the bytes, then checksum, format and tag, and
-`fsync`s the file (and the directory when it created the file): only then is the page reported, and only then
-does the allocator cache it. A reader checks the tag, the format and, always, the checksum.
+`fdatasync`s the file (and the directory when it created the file): only then is the page reported, and only
+then does the allocator cache it. A reader checks the tag, the format and, always, the checksum.
 
 The allocator holds the index of these pages (the pool, its LRU, pins, tenants) in Redis like any pool's. A
 store that restarts verifies every page file before it re-attaches the pool, and has the allocator drop the
@@ -112,27 +112,34 @@ class DiskPages:
         self.directory, self.page_bytes = directory, page_bytes
 
     def write_slice(self, page_id: int, slot: int, offset: int, data: np.ndarray, meta: np.ndarray) -> None:
-        """Slice `slot` of page `page_id` at byte `offset` of the page: its bytes, then its metadata (`[4]`,
-        tag last), durable (fsync) when this returns. OSError (ENOSPC, ...) leaves the slice untagged."""
-        path = page_path(self.directory, page_id)
-        created = not os.path.exists(path)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        """One slice (`write_slices` of one)."""
+        self.write_slices([(page_id, data, meta)], slot, offset)
+
+    def write_slices(self, items: list[tuple[int, np.ndarray, np.ndarray]], slot: int, offset: int) -> None:
+        """Slice `slot` (at byte `offset` of its page) of each `(page_id, data, meta)`: the slice's tag cleared,
+        its bytes, then its metadata (`[4]`, tag included); every file `fdatasync`ed (and the directory, for
+        files it created) before this returns, so the slices are durable when the caller reports them. A crash
+        before that leaves pages nobody indexed (and whose checksums a restart finds wrong if torn). OSError
+        (ENOSPC, ...) leaves the slice being written untagged."""
+        at = _META_OFFSET + slot * META_FIELDS * 8
+        fds, created = [], False
         try:
-            if os.fstat(fd).st_size < HEADER_BYTES + self.page_bytes:
-                os.ftruncate(fd, HEADER_BYTES + self.page_bytes)
-                os.pwrite(fd, MAGIC + int(self.page_bytes).to_bytes(8, "little"), 0)
-            at = _META_OFFSET + slot * META_FIELDS * 8
-            os.pwrite(fd, np.zeros(META_FIELDS, "<u8").tobytes(), at)  # being written
-            _pwrite_all(fd, memoryview(np.ascontiguousarray(data)), HEADER_BYTES + offset)
-            record = np.array(meta, dtype="<u8").copy()
-            tag = int(record[TAG])
-            record[TAG] = 0
-            os.pwrite(fd, record.tobytes(), at)
-            os.fsync(fd)  # the bytes and the checksum first...
-            os.pwrite(fd, int(tag).to_bytes(8, "little"), at + TAG * 8)
-            os.fsync(fd)  # ...then the tag that says they are whole
+            for page_id, data, meta in items:
+                path = page_path(self.directory, page_id)
+                created |= not os.path.exists(path)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+                fds.append(fd)
+                if os.fstat(fd).st_size < HEADER_BYTES + self.page_bytes:
+                    os.ftruncate(fd, HEADER_BYTES + self.page_bytes)
+                    os.pwrite(fd, MAGIC + int(self.page_bytes).to_bytes(8, "little"), 0)
+                os.pwrite(fd, np.zeros(META_FIELDS, "<u8").tobytes(), at)  # being written
+                _pwrite_all(fd, memoryview(np.ascontiguousarray(data)), HEADER_BYTES + offset)
+                os.pwrite(fd, np.asarray(meta, dtype="<u8").tobytes(), at)
+            for fd in fds:
+                os.fdatasync(fd)
         finally:
-            os.close(fd)
+            for fd in fds:
+                os.close(fd)
         if created:
             _fsync_dir(Path(self.directory) / "pages")
 

@@ -326,13 +326,14 @@ class WorkerSide:
                 target = self.stores.disk_of(store_name(save.pool_id)) if ok else None
                 if target is None:
                     raise LookupError("the RAM pages were not written, or the store has no disk tier now")
-                width, tag = self.fmt.page_bytes, digest64(disk.save_id)
+                width, tag, items = self.fmt.page_bytes, digest64(disk.save_id), []
                 for page_id, row in zip(disk.page_ids, disk.src_rows):
                     record = np.array(meta[row, self.rank], dtype=np.uint64)
                     if not record[TAG]:
                         raise LookupError(f"RAM page {row} is not whole")
                     record[TAG] = tag
-                    target.write_slice(page_id, self.rank, self.rank * width, pages[row].numpy(), record)
+                    items.append((page_id, pages[row].numpy(), record))
+                target.write_slices(items, self.rank, self.rank * width)
                 self.counters.add("spilled", label, len(disk.page_ids))
                 self.counters.add("bytes_saved", label, len(disk.page_ids) * width)
                 ok = True
