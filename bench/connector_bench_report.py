@@ -106,7 +106,7 @@ def bandwidth(results: dict) -> None:
         r = nixl[tls]
         rows.append([f"NIXL READ, UCX {tls} (pages shuffled)", r.get("GBps", r.get("error", "")[:40]),
                      "index_select", nixl["memcpy_GBps"], r.get("vs_memcpy", NAN)])
-    rows += [["disk tier write (write_slice: 2 fsyncs a page)", disk["tier_write_GBps"], "O_DIRECT write",
+    rows += [["disk tier write (write_slices: one fdatasync a file)", disk["tier_write_GBps"], "O_DIRECT write",
               direct.get("write_GBps", NAN), disk.get("write_vs_o_direct", NAN)],
              ["disk tier read, cold (read_slice)", disk["tier_read_cold_GBps"], "O_DIRECT read",
               direct.get("read_GBps", NAN), disk.get("read_vs_o_direct", NAN)],
