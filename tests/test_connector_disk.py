@@ -274,6 +274,30 @@ def test_a_checksum_mismatch_on_disk_fails_the_load_and_is_counted(server, store
     assert found == 12 and b.worker.take_failed_blocks() == {5, 6, 7}
     assert b.worker.counters.totals["checksum_failures"] == {"disk": 1}
     assert b.worker.counters.totals["failed"] == {"n1:disk|checksum": 3}
+    assert lookup(server, "kvdisk:n1", prompt, "") == 0  # the bad page left the index: it never hits again
     assert np.array_equal(a.kv["model.layers.0.attn"][1].numpy(), a.kv["model.layers.0.attn"][1].numpy())
     a.close()
     b.close()
+
+
+def test_a_ram_save_is_held_until_its_write_through_is_done(server, store):
+    """The disk writer reads the RAM pages of a save: the RAM save is committed (its pages hit) but held
+    (not freed, so not evictable or reused) until its disk save is reported; then it is freed."""
+    a = Engine(server, store, "a", 10)
+    prompt = list(range(400, 413))
+    a.sched.on_new_request(request("r", prompt))
+    _, (save,) = a.sched.build(scheduled("r", prompt, [1, 2, 3, 4], 0, len(prompt)))
+    a.worker.save([save])  # sealed at once (a CPU engine); the write-through runs in its own thread
+    from kvservice.integrations.vllm.connector.plan import Done
+    ram_only = Done(saves={save.save_id: 1})
+    a.sched.workers_done(ram_only)
+    a.sched.teller.flush()
+    assert lookup(server, "kvstore:n1", prompt, "") == 12 and stats(server, "kvstore:n1").num_requests == 1
+    a.worker.flush()
+    done = a.worker.take_done()
+    assert done.saves == {save.save_id: 1, save.disk.save_id: 1}
+    done.saves.pop(save.save_id)
+    a.sched.workers_done(done)
+    a.sched.teller.flush()
+    assert stats(server, "kvstore:n1").num_requests == 0 and lookup(server, "kvdisk:n1", prompt, "") == 12
+    a.close()

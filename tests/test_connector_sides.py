@@ -492,3 +492,74 @@ def test_fp8_and_mla_pages_load_only_into_an_engine_with_their_dtype_scales_and_
             side.close()
     finally:
         store.close()
+
+
+def test_a_page_holding_another_prefix_fails_the_load(server, store):
+    """Tags name each page's block (its chained hash): a load naming a page that holds another prompt's block,
+    as after a pin lost with its session or an index that lost track, fails instead of loading that KV."""
+    a, pages, load = sealed_page(server, store)
+    other = SchedulerSide(settings(server, store, index=False), BS, "o", loads=True, saves=False)
+    elsewhere = list(range(900, 913))
+    other.on_new_request(request("q", elsewhere))
+    wrong = Load("q", load.pool_id, load.pin_id, load.generation, load.store_block_ids, [9, 10, 11],
+                 tags=other.tags(other.tracked["q"])[:3])
+    b = worker(server, store, "b", 46)
+    b.load([wrong])
+    assert b.take_failed_blocks() == {9, 10, 11} and b.counters.totals["failed"] == {"n1|pin_lost": 3}
+    b.load([load])  # the right prompt's tags: loads
+    assert not b.take_failed_blocks()
+    for side in (a, b, other):
+        side.close()
+
+
+def test_kv_transfer_params_from_a_client_are_checked(server, store):
+    """A client's kv_transfer_params that name no store pool or no positive token count are ignored (no
+    hand-over, no claim that vLLM would assert on), and a hand-over claiming nothing answers (0, False)."""
+    side = SchedulerSide(settings(server, store, index=False), BS, "c", loads=True, saves=False)
+    prompt = list(range(1, 30))
+    for bad in ({"kvservice": {"pool_id": 7, "num_tokens": 8}}, {"kvservice": {"pool_id": "kvstore:n1"}},
+                {"kvservice": {"pool_id": "kvstore:n1", "num_tokens": "8"}}, {"kvservice": "x"}, ["x"],
+                {"kvservice": {"pool_id": "other:n1", "num_tokens": 8}}):
+        side.on_new_request(request("r", prompt, bad))
+        assert side.tracked["r"].handoff is None, bad
+    side.on_new_request(request("s", prompt, {"kvservice": {"pool_id": "kvstore:n1", "num_tokens": 8}}))
+    assert side.num_new_matched_tokens(request("s", prompt), 8) == (0, False)  # the engine has them already
+    side.close()
+
+
+def test_an_aborted_handoff_is_reported_so_vllm_frees_it(server, store):
+    side = SchedulerSide(settings(server, store, index=False, store=None), BS, "c", loads=True, saves=False)
+    prompt = list(range(1, 30))
+    params = {"kvservice": {"pool_id": store.pool_id, "num_tokens": 24}}
+    side.on_new_request(request("h", prompt, params))
+    assert side.num_new_matched_tokens(request("h", prompt, params), 0) == (24, True)
+    side.after_alloc(request("h", prompt, params), [1, 2, 3, 4, 5, 6, 7, 8], 24)
+    side.finished(request("h", prompt))  # aborted while it waited
+    (load,), _ = side.build(idle())
+    assert load.async_load and load.failed == "aborted"
+    w = worker(server, store, "c", 47, store=None)
+    w.load([load])
+    assert w.finished(set()) == (None, {"h"})
+    for s in (side, w):
+        s.close()
+
+
+def test_a_delayed_request_is_reported_once_its_saves_settle(server, store):
+    """vLLM keeps a finished request's blocks while a save of it is in flight (a GPU's): the worker reports
+    it in finished_sending once its saves on this rank are sealed, or at once when it had none here."""
+    w = worker(server, store, "w", 48)
+    sched = SchedulerSide(settings(server, store, index=False), BS, "w", loads=True, saves=True)
+    prompt = list(range(40, 53))
+    sched.on_new_request(request("r", prompt))
+    _, saves = sched.build(scheduled("r", prompt, [1, 2, 3, 4], 0, len(prompt)))
+    assert sched.saving("r")
+    w.delay(["never-saved-here"])
+    assert w.finished(set())[0] == {"never-saved-here"}
+    w._saves_of["r"] = {saves[0].save_id}  # noqa: SLF001 - as if its copy were in flight on this rank
+    w.delay(["r"])
+    assert w.finished(set())[0] is None
+    w.save(saves)
+    w.flush()
+    assert w.finished(set())[0] == {"r"}
+    for s in (w, sched):
+        s.close()

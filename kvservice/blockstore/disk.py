@@ -79,6 +79,13 @@ def open_tier(directory: str, name: str, page_bytes: int, disk_bytes: int) -> Ti
     return info
 
 
+def bump_epoch(directory: str, info: TierInfo) -> TierInfo:
+    """The tier at a new epoch (its pages no index names any more), kept in tier.json."""
+    new = TierInfo(info.name, info.pool_id, info.page_bytes, info.num_pages, max(time.time_ns(), info.epoch + 1))
+    _write_json(Path(directory) / "tier.json", new)
+    return new
+
+
 def _write_json(path: Path, info: TierInfo) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(asdict(info)))

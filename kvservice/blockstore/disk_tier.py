@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
-from kvservice.blockstore.disk import DiskPages, TierInfo, open_tier
+from kvservice.blockstore.disk import DiskPages, TierInfo, bump_epoch, open_tier
 from kvservice.core import FullAttentionSpec, KVCacheConfig
 from kvservice.ops import EvictBlocksOp
 
@@ -64,9 +64,13 @@ class DiskTier:
             client.step(self.pool_id, [EvictBlocksOp(list(self.bad))])
 
     def ensure(self, client, stats) -> bool:
-        """Re-attaches the pool when the allocator has it suspended, at another epoch or not at all (its
-        index is then empty: an allocator that lost its state); True when it did."""
+        """Re-attaches the pool when the allocator has it suspended or at another epoch; when it has it not at
+        all (an allocator that lost its state: its index starts empty), at a new epoch, so that no save
+        allocated against the lost index writes a page the new one gave out. True when it did."""
         if stats is not None and stats.epoch == self.info.epoch and not getattr(stats, "suspended", False):
             return False
+        if stats is None:
+            self.info = bump_epoch(self.directory, self.info)
+            self.bad = []
         self.attach(client)
         return True

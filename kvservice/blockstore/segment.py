@@ -41,9 +41,13 @@ def descriptor_path(name: str, directory: str = DEFAULT_DIR) -> Path:
 
 
 def read_descriptor(name: str, directory: str = DEFAULT_DIR) -> Descriptor | None:
-    """The descriptor the store `name` wrote on this node, or None when there is none."""
+    """The descriptor the store `name` wrote on this node, or None when there is none (or another user wrote
+    it: /dev/shm is everyone's, and a descriptor says where engines write)."""
+    path = descriptor_path(name, directory)
     try:
-        return Descriptor(**json.loads(descriptor_path(name, directory).read_text()))
+        if path.stat().st_uid != os.getuid():
+            return None
+        return Descriptor(**json.loads(path.read_text()))
     except FileNotFoundError:
         return None
 

@@ -83,7 +83,7 @@ class BlockStore:
             self.segment.close(unlink=True)
             raise
         if old is not None and old != path:
-            _unlink(old)  # a previous store of this name on this node (crashed): its pages are gone from the index
+            _unlink(old, directory)  # a previous store of this name here (crashed): its pages left the index
         logger.info("store %s: %d pages of %d bytes in %s, pool %s", name, num_blocks, page_bytes, path,
                     self.pool_id)
         self._stop = threading.Event()
@@ -104,13 +104,17 @@ class BlockStore:
         self.client.register_pool(self.pool_id, self.config, max_model_len=self.max_model_len, epoch=generation,
                                   kv_layout=store_layout(self.page_bytes), bound_to_session=True, endpoint=endpoint)
         self.generation = generation
+        self._describe()
+        self.num_registrations += 1
+
+    def _describe(self) -> None:
+        """The descriptor this node's engines read: the segment, its generation, the disk tier and its epoch."""
         disk = self.disk.info if self.disk is not None else None
         self.descriptor = Descriptor(self.name, self.pool_id, self.segment.path, self.segment.num_blocks,
-                                     self.page_bytes, self.block_size, generation, self.node_id, os.getpid(),
+                                     self.page_bytes, self.block_size, self.generation, self.node_id, os.getpid(),
                                      disk_dir=self.disk.directory if disk else "",
                                      disk_pool_id=disk.pool_id if disk else "", disk_epoch=disk.epoch if disk else 0)
         write_descriptor(self.descriptor, self.directory)
-        self.num_registrations += 1
 
     def _watch(self, every_s: float) -> None:
         """Keeps the pool registered: an allocator that restarted without it, or retired it (this store's
@@ -124,6 +128,7 @@ class BlockStore:
                     return
                 pools = self.client.get_stats().pools
                 if self.disk is not None and self.disk.ensure(self.client, pools.get(self.disk.pool_id)):
+                    self._describe()  # engines write through at the disk tier's epoch
                     logger.warning("store %s: its disk tier %s re-attached at epoch %d", self.name,
                                    self.disk.pool_id, self.disk.info.epoch)
                 stats = pools.get(self.pool_id)
@@ -206,6 +211,8 @@ def sweep_dead(directory: str) -> list[str]:
     swept = []
     for path in Path(directory).glob("kvservice-store-*.json"):
         try:
+            if path.stat().st_uid != os.getuid():
+                continue  # another user's store: not ours to judge
             d = Descriptor(**json.loads(path.read_text()))
         except (OSError, ValueError, TypeError):
             continue
@@ -216,8 +223,8 @@ def sweep_dead(directory: str) -> list[str]:
             pass
         except PermissionError:
             continue  # another user's live process
-        _unlink(d.path)
-        _unlink(str(path))
+        _unlink(d.path, directory)
+        _unlink(str(path), directory)
         swept.append(d.name)
     return swept
 
@@ -230,7 +237,13 @@ def _old_segment(name: str, directory: str) -> str | None:
     return d.path if d is not None else None
 
 
-def _unlink(path: str) -> None:
+def _unlink(path: str, directory: str | None = None) -> None:
+    """Removes a segment or descriptor file: only one of ours (`kvservice-store-*`, in `directory` when
+    given), whatever a descriptor that someone else wrote names."""
+    name, where = os.path.basename(path), os.path.dirname(os.path.abspath(path))
+    if not name.startswith("kvservice-store-") or (directory is not None and where != os.path.abspath(directory)):
+        logger.warning("not removing %s: not a store segment of %s", path, directory)
+        return
     try:
         os.unlink(path)
     except FileNotFoundError:

@@ -28,6 +28,8 @@ class KVServiceConnectorMetadata(KVConnectorMetadata):
     loads: list[Load] = field(default_factory=list)
     saves: list[Save] = field(default_factory=list)
     endpoints: dict[str, bytes] = field(default_factory=dict)  # store pool -> NIXL endpoint, when new or changed
+    delayed: list[str] = field(default_factory=list)  # finished requests whose blocks vLLM keeps for our saves
+    preempted: bool = False  # requests were preempted: their blocks may be reused by this step's forward
 
 
 @dataclass
@@ -152,10 +154,19 @@ class KVServiceConnector(KVConnectorBase_V1):
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
         return None  # whole pages are saved in wait_for_save, once the forward wrote every layer
 
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        """Before the forward: a preempted request's blocks are free for this step's writes, so save copies
+        still reading them (a GPU's, asynchronous) finish first."""
+        if isinstance(kv_connector_metadata, KVServiceConnectorMetadata) and kv_connector_metadata.preempted:
+            self.worker_side.flush_saves()
+
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
-        if isinstance(meta, KVServiceConnectorMetadata) and meta.saves:
-            self.worker_side.save(meta.saves)
+        if isinstance(meta, KVServiceConnectorMetadata):
+            if meta.delayed:
+                self.worker_side.delay(meta.delayed)
+            if meta.saves:
+                self.worker_side.save(meta.saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self.worker_side.finished(finished_req_ids)
@@ -180,7 +191,9 @@ class KVServiceConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         loads, saves = self.scheduler_side.build(scheduler_output)
-        return KVServiceConnectorMetadata(loads, saves, self.scheduler_side.endpoints_for(loads))
+        side = self.scheduler_side
+        return KVServiceConnectorMetadata(loads, saves, side.endpoints_for(loads), side.take_delayed(),
+                                          bool(getattr(scheduler_output, "preempted_req_ids", None)))
 
     def update_connector_output(self, connector_output) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
@@ -194,6 +207,8 @@ class KVServiceConnector(KVConnectorBase_V1):
         # An asynchronous save (a GPU's copy) still reads the request's blocks: vLLM keeps them until every
         # worker reports the request in finished_sending.
         delay = self.async_saves and self.scheduler_side.saving(request.request_id)
+        if delay:
+            self.scheduler_side.delay(request.request_id)
         return delay, self.scheduler_side.finished(request)
 
     def shutdown(self) -> None:

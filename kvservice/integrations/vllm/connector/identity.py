@@ -34,7 +34,8 @@ def checkpoint_fingerprint(model: str) -> str:
     end of every tensor's data (other formats: windows spread over the file), at most ~16 MiB read in all.
     Plus config.json whole. Not covered: modification times (a copy of the checkpoint elsewhere, or on another
     node, shares its pages) and bytes outside the windows (an edit of a few weights inside a tensor; a new
-    training run or checkpoint changes every tensor). A model that is not a local directory is its name.
+    training run or checkpoint changes every tensor). A model that is not a local directory (a Hub id vLLM
+    downloads) is its name, and the namespace adds its revision: pin a revision, or set `namespace`.
     """
     root = Path(model)
     if not root.is_dir():
@@ -124,6 +125,7 @@ def model_namespace(vllm_config, page_family: str = "canonical") -> str:
         getattr(model, "revision", None),
         model.dtype,
         getattr(model, "quantization", None),
+        getattr(model, "hf_overrides", None) or None,  # rope scaling and the like change the KV
         cache.cache_dtype,
         cache.block_size,
         f"tp={parallel.tensor_parallel_size}",

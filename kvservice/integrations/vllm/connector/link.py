@@ -51,7 +51,8 @@ class AllocatorLink:
             except Exception as exc:
                 if not session_lost(exc):
                     raise
-                self.client().open_session()  # the allocator restarted without our session: a new one
+                self.session_lost()  # the allocator restarted without our session (and its pins): a new one
+                self.client().open_session()
                 return self.client().step(pool_id, ops)
 
     def available(self) -> bool:
@@ -62,7 +63,8 @@ class AllocatorLink:
         if session_lost(exc):  # the allocator restarted without this session: its pins went with it
             self.session_lost()
             try:
-                self.client().open_session()
+                with self._client_lock:  # the teller's thread steps on the same client
+                    self.client().open_session()
                 logger.warning("kvservice connector: the allocator lost this engine's session; a new one is open")
                 return
             except Exception as again:  # noqa: BLE001

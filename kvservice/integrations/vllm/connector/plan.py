@@ -22,6 +22,12 @@ def is_store_pool(pool_id: str) -> bool:
     return pool_id.startswith((STORE_PREFIX, DISK_PREFIX))
 
 
+def block_tags(block_hashes: list[bytes]) -> list[int]:
+    """Each block's page tag: 64 bits of its chained block hash (the prompt's prefix up to it, the namespace
+    included), never 0 (0 marks a slice being written). A page tagged otherwise holds another prefix."""
+    return [int.from_bytes(h[:8], "little") or 1 for h in block_hashes]
+
+
 def tier_label(pool_id: str) -> str:
     """The counters' label of a tier's pool: the store's name, and ":disk" for its disk tier."""
     return store_name(pool_id) + (":disk" if is_disk(pool_id) else "")
@@ -40,6 +46,7 @@ class Load:
     local_block_ids: list[int]
     async_load: bool = False  # vLLM waits for it (WAITING_FOR_REMOTE_KVS): reported in finished_recving
     failed: str = ""  # a reason: nothing to read (a hand-over whose pages never came), the blocks fail
+    tags: list[int] = field(default_factory=list)  # each page's expected tag: its block's identity (block_tags)
 
 
 @dataclass(slots=True)
@@ -52,6 +59,7 @@ class DiskSave:
     epoch: int
     page_ids: list[int]
     src_rows: list[int]
+    tags: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -68,6 +76,7 @@ class Save:
     local_block_ids: list[int]
     store_block_ids: list[int]
     disk: DiskSave | None = None  # write-through to the store's disk tier, from the RAM pages once sealed
+    tags: list[int] = field(default_factory=list)  # each page's tag: its block's identity (block_tags)
 
 
 @dataclass(slots=True)
@@ -107,6 +116,7 @@ class Tracked:
     loaded_blocks: int = 0  # the whole blocks its admission loaded from a store (the engine's hit included)
     loaded_from_disk: bool = False  # ...from a disk tier: saved into RAM again (promoted)
     handoff: Handoff | None = None  # a producer's save this request waits for (prefill/decode)
+    tags: list[int] | None = None  # its whole blocks' page tags (SchedulerSide.tags), once computed
 
 
 @dataclass(slots=True)
@@ -117,13 +127,16 @@ class Done:
     loads: dict[str, int] = field(default_factory=dict)  # pin id -> ranks
     saves: dict[str, int] = field(default_factory=dict)  # save id -> ranks that wrote their slice
     failed_saves: dict[str, int] = field(default_factory=dict)  # save id -> ranks that could not
+    evict: dict[str, list[int]] = field(default_factory=dict)  # pool -> pages whose checksum failed at load
 
     def merge(self, other: Done) -> Done:
         for mine, theirs in ((self.loads, other.loads), (self.saves, other.saves),
                              (self.failed_saves, other.failed_saves)):
             for key, n in theirs.items():
                 mine[key] = mine.get(key, 0) + n
+        for pool_id, pages in other.evict.items():
+            self.evict.setdefault(pool_id, []).extend(pages)
         return self
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.saves or self.failed_saves)
+        return bool(self.loads or self.saves or self.failed_saves or self.evict)

@@ -21,6 +21,7 @@ import time
 from collections import OrderedDict
 
 from kvservice.blockstore.saves import admit_save, commit_save
+from kvservice.hashing import hash_prompt
 from kvservice.integrations.vllm.connector.counters import Counters
 from kvservice.integrations.vllm.connector.link import AllocatorLink
 from kvservice.integrations.vllm.connector.plan import (
@@ -32,12 +33,13 @@ from kvservice.integrations.vllm.connector.plan import (
     Load,
     Save,
     Tracked,
+    block_tags,
     is_disk,
     is_store_pool,
     tier_label,
 )
 from kvservice.integrations.vllm.connector.settings import ConnectorSettings
-from kvservice.ops import FreeOp, OpStatus, PinOp, UnpinOp
+from kvservice.ops import EvictBlocksOp, FreeOp, OpStatus, PinOp, UnpinOp
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +64,10 @@ class SchedulerSide(AllocatorLink):
         self.world_size = world_size  # the worker ranks that must report a load or a save
         self.counters = Counters()
         self.pins_out: dict[str, str] = {}  # pin id -> pool: loads handed to the workers, not reported yet
-        self.saves_out: dict[str, list] = {}  # save id -> [pool, num_tokens, ranks written, ranks failed, request]
+        # save id -> [pool, num_tokens, ranks written, ranks failed, request, the linked RAM/disk save id]
+        self.saves_out: dict[str, list] = {}
+        self._held_for_disk: dict[str, tuple[str, str]] = {}  # disk save -> (RAM pool, RAM save) it reads
+        self.delayed: list[str] = []  # finished requests vLLM keeps the blocks of, for the next metadata
         self.saved: dict[str, tuple[str, int]] = {}  # request id -> (pool, tokens) it saved (kv_transfer_params)
         self.handoffs: dict[str, Handoff] = {}  # request id -> a hand-over it waits for
         if loads and settings.index:
@@ -74,6 +79,12 @@ class SchedulerSide(AllocatorLink):
     def session_lost(self) -> None:
         self.hits.clear()  # their pins went with the session
 
+    def tags(self, tracked: Tracked) -> list[int]:
+        """The prompt's whole blocks' page tags (block_tags), computed once."""
+        if tracked.tags is None:
+            tracked.tags = block_tags(hash_prompt(tracked.prompt, self.block_size, cache_salt=tracked.cache_salt))
+        return tracked.tags
+
     # ---- loads ---------------------------------------------------------------------------------
     def on_new_request(self, request) -> None:
         if request.mm_features or request.lora_request is not None or getattr(request, "prompt_embeds", None) \
@@ -82,11 +93,24 @@ class SchedulerSide(AllocatorLink):
         salt = getattr(request, "cache_salt", None)
         tracked = Tracked(list(request.prompt_token_ids or ()),
                           f"{self.namespace}|{salt}" if salt else self.namespace or None)
-        params = (getattr(request, "kv_transfer_params", None) or {}).get(PARAMS_KEY)
-        if isinstance(params, dict) and params.get("pool_id", "").startswith(STORE_PREFIX):
-            tracked.handoff = Handoff(params["pool_id"], int(params.get("num_tokens", 0)),
-                                      time.monotonic() + self.settings.handoff_timeout_s)
+        tracked.handoff = self._handoff_of(request)
         self.tracked[request.request_id] = tracked
+
+    def _handoff_of(self, request) -> Handoff | None:
+        """The hand-over a request's kv_transfer_params name (they come from a client: anything else than a
+        store pool and a positive whole number of tokens is ignored, with a warning)."""
+        params = getattr(request, "kv_transfer_params", None)
+        params = params.get(PARAMS_KEY) if isinstance(params, dict) else None
+        if params is None:
+            return None
+        pool_id, num_tokens = params.get("pool_id") if isinstance(params, dict) else None, \
+            params.get("num_tokens") if isinstance(params, dict) else None
+        if not (isinstance(pool_id, str) and pool_id.startswith(STORE_PREFIX) and isinstance(num_tokens, int)
+                and not isinstance(num_tokens, bool) and num_tokens > 0):
+            logger.warning("kvservice connector: request %s: kv_transfer_params %r name no store pool and token "
+                           "count; ignored", request.request_id, params)
+            return None
+        return Handoff(pool_id, num_tokens, time.monotonic() + self.settings.handoff_timeout_s)
 
     def num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         """(tokens past the engine's own hit a store holds, pinned for this request (whole blocks); whether vLLM
@@ -103,7 +127,8 @@ class SchedulerSide(AllocatorLink):
         if len(prompt) - 1 < num_computed_tokens + self.block_size:
             return 0, False  # not a block more to find than the engine has
         if tracked.handoff is not None:
-            return self._await_handoff(req_id, tracked, num_computed_tokens), True
+            claimed = self._await_handoff(req_id, tracked, num_computed_tokens)
+            return claimed, claimed > 0  # vLLM takes an asynchronous answer only for a positive count
         try:
             return self._pin(req_id, tracked, num_computed_tokens), False
         except Exception as exc:  # noqa: BLE001 - any failure: compute instead
@@ -133,7 +158,11 @@ class SchedulerSide(AllocatorLink):
         if generation is None:
             return None
         pin_id = self.next_id(req_id, "pin")
-        (r,) = self.step(pool_id, [PinOp(pin_id, token_ids=tracked.prompt, cache_salt=tracked.cache_salt)])
+        try:
+            (r,) = self.step(pool_id, [PinOp(pin_id, token_ids=tracked.prompt, cache_salt=tracked.cache_salt)])
+        except Exception:
+            self.teller.tell(pool_id, [UnpinOp(pin_id)])  # it may have been applied: released once it answers
+            raise
         if r.status != OpStatus.OK or not r.new_block_ids:
             return None  # evicted since the lookup: nothing pinned
         self.num_pins += 1
@@ -178,7 +207,7 @@ class SchedulerSide(AllocatorLink):
             tracked.loaded_blocks = end
             tracked.loaded_from_disk = is_disk(hit.pool_id)
         self._hand_out(Load(req_id, hit.pool_id, hit.pin_id, hit.generation, hit.store_block_ids[start:end],
-                            list(block_ids[start:end])))
+                            list(block_ids[start:end]), tags=self.tags(tracked)[start:end] if tracked else []))
 
     def _note_loaded(self, req_id: str, num_tokens: int) -> None:
         self.loaded[req_id] = num_tokens
@@ -216,7 +245,8 @@ class SchedulerSide(AllocatorLink):
                 if tracked is not None:
                     tracked.loaded_blocks = end
                 self._hand_out(Load(req_id, hit.pool_id, hit.pin_id, hit.generation, hit.store_block_ids[start:end],
-                                    handoff.block_ids[start:end], async_load=True))
+                                    handoff.block_ids[start:end], async_load=True,
+                                    tags=self.tags(tracked)[start:end]))
                 continue
             if hit is not None:
                 self._unpin(hit)  # a part of it: wait for the whole save
@@ -230,12 +260,19 @@ class SchedulerSide(AllocatorLink):
     # ---- what the workers did ------------------------------------------------------------------
     def workers_done(self, done: Done) -> None:
         """Every rank reported these (vLLM added up the step's reports): unpin the loads, commit the saves all
-        ranks wrote, free those a rank could not write. Sent by the teller, off the step."""
+        ranks wrote, free those a rank could not write, drop pages whose checksum failed. A RAM save that is
+        being written through stays held (committed, not freed) until its disk save settles: the disk writer
+        reads its pages. Sent by the teller, off the step."""
         for pin_id in done.loads:
             pool_id = self.pins_out.pop(pin_id, None)
             if pool_id is not None:
                 self.teller.tell(pool_id, [UnpinOp(pin_id)])
-        for save_id in set(done.saves) | set(done.failed_saves):
+        for pool_id, pages in done.evict.items():
+            self.teller.tell(pool_id, [EvictBlocksOp(sorted(set(pages)))])
+        # RAM saves before disk saves: a disk save settles after the RAM save it reads from.
+        settled = sorted(set(done.saves) | set(done.failed_saves),
+                         key=lambda i: is_disk(self.saves_out[i][0]) if i in self.saves_out else True)
+        for save_id in settled:
             entry = self.saves_out.get(save_id)
             if entry is None:
                 continue
@@ -244,16 +281,33 @@ class SchedulerSide(AllocatorLink):
             if entry[2] + entry[3] < self.world_size:
                 continue  # a rank has not reported yet
             del self.saves_out[save_id]
-            pool_id, num_tokens = entry[0], entry[1]
-            self.teller.tell(pool_id, commit_save(save_id, num_tokens) if entry[3] == 0 else [FreeOp(save_id)])
+            pool_id, num_tokens, ok, link = entry[0], entry[1], entry[3] == 0, entry[5]
+            if is_disk(pool_id):
+                self.teller.tell(pool_id, commit_save(save_id, num_tokens) if ok else [FreeOp(save_id)])
+                ram = self._held_for_disk.pop(save_id, None)
+                if ram is not None:
+                    self.teller.tell(ram[0], [FreeOp(ram[1])])  # its disk writer no longer reads it
+            elif ok and link in self.saves_out:
+                self.teller.tell(pool_id, commit_save(save_id, num_tokens)[:1])  # cached, still held
+                self._held_for_disk[link] = (pool_id, save_id)
+            else:
+                self.teller.tell(pool_id, commit_save(save_id, num_tokens) if ok else [FreeOp(save_id)])
 
     def saving(self, req_id: str) -> bool:
-        """Whether a save of the request is not reported by every rank yet."""
-        return any(entry[4] == req_id for entry in self.saves_out.values())
+        """Whether a RAM save of the request is not reported by every rank yet (its engine blocks are read)."""
+        return any(entry[4] == req_id and not is_disk(entry[0]) for entry in self.saves_out.values())
+
+    def delay(self, req_id: str) -> None:
+        """vLLM keeps the finished request's blocks until the workers report it (told in the next metadata)."""
+        self.delayed.append(req_id)
+
+    def take_delayed(self) -> list[str]:
+        delayed, self.delayed = self.delayed, []
+        return delayed
 
     def has_pending_work(self) -> bool:
         """Loads, saves or hand-overs not settled yet: vLLM keeps stepping (so the workers report them)."""
-        return bool(self.pins_out or self.saves_out or self.handoffs)
+        return bool(self.pins_out or self.saves_out or self.handoffs or self.delayed)
 
     def request_params(self, request) -> dict | None:
         """The `kv_transfer_params` of a finished request that saved its prompt: a consumer given them waits
@@ -322,6 +376,7 @@ class SchedulerSide(AllocatorLink):
             results = self.step(pool_id, ops)
         except Exception as exc:  # noqa: BLE001
             self.failed("allocating store pages", exc)
+            self.teller.tell(pool_id, [FreeOp(i) for i in ids])  # in case it was applied: freed once it answers
             return []
         saves, refused, tables = [], [], []
         bs = self.block_size
@@ -335,9 +390,9 @@ class SchedulerSide(AllocatorLink):
             table = allocated.new_block_ids[0]
             start, end = allocated.num_computed_tokens // bs, num_tokens // bs
             saves.append(Save(req_id, ids[k], pool_id, generation, num_tokens, tracked.block_ids[start:end],
-                              list(table[start:end])))
+                              list(table[start:end]), tags=self.tags(tracked)[start:end]))
             tables.append(list(table[:end]))
-            self.saves_out[ids[k]] = [pool_id, num_tokens, 0, 0, req_id]
+            self.saves_out[ids[k]] = [pool_id, num_tokens, 0, 0, req_id, None]
             self.saved[req_id] = (pool_id, num_tokens)
             self.num_saves += 1
         self.teller.tell(pool_id, refused)  # the store is full of pinned or in-use pages: not saved
@@ -362,6 +417,7 @@ class SchedulerSide(AllocatorLink):
         except Exception as exc:  # noqa: BLE001 - the RAM saves go on; the disk tier misses these
             logger.warning("kvservice connector: allocating disk pages on %s failed (%s: %s)", pool_id,
                            type(exc).__name__, exc)
+            self.teller.tell(pool_id, [FreeOp(i) for i in ids])  # in case it was applied
             return
         refused, bs = [], self.block_size
         for k, save in enumerate(saves):
@@ -373,15 +429,18 @@ class SchedulerSide(AllocatorLink):
                 continue
             start, end = allocated.num_computed_tokens // bs, save.num_tokens // bs
             save.disk = DiskSave(ids[k], pool_id, epoch, list(allocated.new_block_ids[0][start:end]),
-                                 tables[k][start:end])
-            self.saves_out[ids[k]] = [pool_id, save.num_tokens, 0, 0, save.req_id]
+                                 tables[k][start:end], tags=self.tags(tracked[save.req_id])[start:end])
+            self.saves_out[ids[k]] = [pool_id, save.num_tokens, 0, 0, save.req_id, save.save_id]
+            self.saves_out[save.save_id][5] = ids[k]
         self.teller.tell(pool_id, refused)
 
     def finished(self, request) -> dict | None:
         """vLLM finished the request (aborts included); returns its kv_transfer_params."""
         req_id = request.request_id
         self.tracked.pop(req_id, None)
-        self.handoffs.pop(req_id, None)  # an async load vLLM no longer waits for; its pin (if any) is out
+        handoff = self.handoffs.pop(req_id, None)
+        if handoff is not None:  # aborted while it waited: vLLM frees it once the workers report the load ended
+            self.pending.append(Load(req_id, handoff.pool_id, "", 0, [], [], async_load=True, failed="aborted"))
         hit = self.hits.pop(req_id, None)
         if hit is not None:  # pinned, never loaded
             self._unpin(hit)

@@ -88,6 +88,8 @@ class NixlPath:
             if not ticket.wait(REMOTE_READ_TIMEOUT_S) or ticket.poll() != "DONE":
                 raise StoreUnreachable(f"NIXL READ from store {name!r} failed: {ticket.error or 'timed out'}")
         finally:
+            if not ticket.buffers_free:  # a READ NIXL could not cancel may still land: never reuse them
+                self.pages = self.meta = None
             ticket.release()
         self.num_reads += 1
         self.num_bytes += n * int(info["page_bytes"])
@@ -232,10 +234,15 @@ class Stores:
             raise LookupError(f"store {name!r} is not on this node: saves go to this node's store only")
         return self.segments[name][2]
 
-    def disk_of(self, name: str) -> DiskPages | None:
-        """The disk tier of this node's store `name` (where its saves are written through), or None."""
+    def disk_of(self, name: str, epoch: int) -> DiskPages:
+        """The disk tier of this node's store `name` at `epoch` (where a save allocated then is written
+        through); LookupError when the store has none now or another one (its pages mean something else)."""
         d = read_descriptor(name, self.settings.shm_dir)
-        return DiskPages(d.disk_dir, d.page_bytes) if d is not None and d.disk_dir else None
+        if d is None or not d.disk_dir:
+            raise LookupError(f"store {name!r} has no disk tier now")
+        if d.disk_epoch != epoch:
+            raise LookupError(f"store {name!r}'s disk tier is at epoch {d.disk_epoch}, not {epoch}")
+        return DiskPages(d.disk_dir, d.page_bytes)
 
     def writable_meta(self, name: str) -> np.ndarray:
         return self.segments[name][1].meta

@@ -37,6 +37,7 @@ from kvservice.integrations.vllm.connector.transports import Stores, StoreUnreac
 logger = logging.getLogger(__name__)
 
 FAILED_KEPT = 4096  # requests whose load failed, remembered so that no later save copies their blocks
+DISK_QUEUE = 256  # saves waiting to be written through; past it a save's write-through is dropped (reported failed)
 
 
 def digest64(text: str) -> int:
@@ -77,14 +78,14 @@ class WorkerSide:
         self._recving: set[str] = set()  # asynchronous loads finished (vLLM's finished_recving)
         self._saving: dict[int, tuple] = {}  # mover job -> (save, its pages, their metadata) being copied
         self._saves_of: dict[str, set[str]] = {}  # request -> its saves not sealed yet
-        self._finished: set[str] = set()  # requests vLLM finished whose saves are not sealed (finished_sending)
-        self._sending: set[str] = set()
         self._seal: queue.Queue = queue.Queue()
         self._sealer: threading.Thread | None = None
         self._job = 0
         self._disk_buffer: torch.Tensor | None = None
+        self._load_results: dict[int, bool] = {}  # load jobs completed, until their load looks
+        self._delayed: set[str] = set()  # requests whose blocks vLLM keeps until this rank's saves of them settle
         self._client = None  # the allocator, only to check a remote load's pin
-        self._disk_writes: queue.Queue = queue.Queue()
+        self._disk_writes: queue.Queue = queue.Queue(maxsize=DISK_QUEUE)
         self._disk_writer: threading.Thread | None = None
 
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int | None = None,
@@ -155,20 +156,21 @@ class WorkerSide:
             read = self.stores.read(name, load.generation, load.store_block_ids)
         fetched = time.perf_counter()
         pages = read.pages if read.sliced else self._slice(read.pages)
-        before = self._check_meta(read.meta(), read.rows, load.pool_id)
+        before = self._check_meta(read.meta(), read.rows, load)
         # A disk page is always checked (its file may have been altered while nobody looked); a RAM page under
         # verify_checksums. A private copy (a disk's, another node's) is checked before it is copied in.
         verify = disk or self.settings.verify_checksums
         if verify and read.private:
             self._verify(load, pages, read.rows, before)
         self._job += 1
-        self.mover.submit_load(self._job, pages, read.rows, load.local_block_ids)
-        self.mover.wait([self._job])
-        ok = dict(self.mover.finished()).get(self._job, False)
-        if not ok:
+        job = self._job
+        self.mover.submit_load(job, pages, read.rows, load.local_block_ids)
+        self.mover.wait([job])
+        self._poll()  # the load's result, and any save that completed meanwhile (sealed, never dropped)
+        if not self._load_results.pop(job, False):
             raise PageCheckError(FailReason.OTHER, "the copy into the engine failed")
         if not read.private:
-            after = self._check_meta(read.meta(), read.rows, load.pool_id)
+            after = self._check_meta(read.meta(), read.rows, load)
             if not np.array_equal(before[:, TAG], after[:, TAG]):
                 raise PageCheckError(FailReason.PIN_LOST, "a page was rewritten while it was read (its pin was gone)")
             if verify:
@@ -200,6 +202,8 @@ class WorkerSide:
         for i, row in enumerate(rows):
             if checksum(pages[row].numpy()) != int(meta[i, CHECKSUM]):
                 self.counters.add("checksum_failures", "disk" if is_disk(load.pool_id) else "ram")
+                with self._lock:  # the scheduler side drops the page from the index: it must not hit again
+                    self._done.evict.setdefault(load.pool_id, []).append(load.store_block_ids[i])
                 raise PageCheckError(FailReason.CHECKSUM, f"page {load.store_block_ids[i]} of {load.pool_id}: its "
                                      f"bytes do not match their checksum")
 
@@ -213,12 +217,17 @@ class WorkerSide:
             self._disk_buffer = have
         return have
 
-    def _check_meta(self, meta: np.ndarray, rows: list[int], pool_id: str) -> np.ndarray:
+    def _check_meta(self, meta: np.ndarray, rows: list[int], load: Load) -> np.ndarray:
         """This rank's metadata of the rows read (`[n, 4]`); PageCheckError for a slice being written or never
-        written (tag 0) or of another format."""
+        written (tag 0), holding another block than the load's (its tag names another prefix), or of another
+        format."""
+        pool_id = load.pool_id
         mine = np.asarray(meta[rows, self.rank]) if len(rows) else np.zeros((0, 4), np.uint64)
         if (mine[:, TAG] == 0).any():
             raise PageCheckError(FailReason.PIN_LOST, f"a page of {pool_id} is being written or was never written")
+        if load.tags and not np.array_equal(mine[:, TAG], np.asarray(load.tags, dtype=np.uint64)):
+            raise PageCheckError(FailReason.PIN_LOST, f"a page of {pool_id} holds another prefix than the one "
+                                 f"pinned (reused while its pin was gone, or an index that lost track of it)")
         if (mine[:, FORMAT] != self.format_digest).any():
             raise PageCheckError(FailReason.FORMAT, f"a page of {pool_id} holds another format than this engine's "
                                  f"({self.fmt.format_id}): another layout, scale or size")
@@ -247,12 +256,12 @@ class WorkerSide:
             try:
                 if save.req_id in self.failed_requests or self.failed_blocks.intersection(save.local_block_ids):
                     raise LookupError("a load of its blocks failed (they are recomputed, not saved)")
-                if not save.store_block_ids:
-                    self._sealed(save, True)
-                    continue
                 start = time.perf_counter()
                 pages = self._slice(self.stores.writable(store_name(save.pool_id), save.generation))
                 meta = self.stores.writable_meta(store_name(save.pool_id))
+                if not save.store_block_ids:  # all in RAM already: nothing to copy (its disk pages still are)
+                    self._seal_one((save, pages, meta), True)
+                    continue
                 meta[save.store_block_ids, self.rank, TAG] = 0  # being written: no reader trusts it meanwhile
                 self._job += 1
                 self._saving[self._job] = (save, pages, meta)
@@ -263,7 +272,21 @@ class WorkerSide:
                 logger.warning("kvservice connector: saving %s into %s failed (%s: %s)", save.req_id,
                                save.pool_id, type(exc).__name__, exc)
                 self._sealed(save, False)
+                self._disk_failed(save)
         self._poll()
+
+    def _disk_failed(self, save: Save) -> None:
+        """A save whose write-through will not happen: reported failed (its disk pages are freed uncached)."""
+        if save.disk is not None:
+            with self._lock:
+                failed = self._done.failed_saves
+                failed[save.disk.save_id] = failed.get(save.disk.save_id, 0) + 1
+
+    def flush_saves(self) -> None:
+        """Waits for every save copy in flight (vLLM is about to reuse preempted requests' blocks)."""
+        if self.mover is not None and self._saving:
+            self.mover.wait(list(self._saving))
+            self._poll()
 
     def _poll(self) -> None:
         """Seals the saves whose copies completed: at once after a synchronous copy (a CPU engine's: the
@@ -274,6 +297,7 @@ class WorkerSide:
         for job, ok in self.mover.finished():
             entry = self._saving.pop(job, None)
             if entry is None:
+                self._load_results[job] = ok
                 continue
             if self.fmt.device.type == "cpu":
                 self._seal_one(entry, ok)
@@ -292,7 +316,8 @@ class WorkerSide:
             self._seal.task_done()
 
     def _seal_one(self, entry: tuple, ok: bool) -> None:
-        """Checksums and format of each slice written, then the save's tag: the slice is whole."""
+        """Checksums and format of each slice written, then its tag (its block's identity): the slice is
+        whole. Then the save's write-through is queued (the RAM save stays held until it is done)."""
         save, pages, meta = entry
         try:
             if ok:
@@ -301,16 +326,26 @@ class WorkerSide:
                     meta[row, self.rank, CHECKSUM] = checksum(pages[row].numpy())
                     meta[row, self.rank, FORMAT] = self.format_digest
                     meta[row, self.rank, WORLD] = self.world_size
-                meta[rows, self.rank, TAG] = digest64(save.save_id)  # last
+                tags = save.tags or [digest64(save.save_id)] * len(rows)
+                meta[rows, self.rank, TAG] = np.asarray(tags, dtype=np.uint64)  # last
         except Exception as exc:  # noqa: BLE001
             logger.warning("kvservice connector: sealing %s failed (%s)", save.save_id, exc)
             ok = False
         self._sealed(save, ok)
-        if save.disk is not None:
-            if self._disk_writer is None:
-                self._disk_writer = threading.Thread(target=self._disk_loop, name="kvservice-disk", daemon=True)
-                self._disk_writer.start()
-            self._disk_writes.put((save, pages, meta, ok))
+        if save.disk is None:
+            return
+        if not ok:
+            self._disk_failed(save)
+            return
+        if self._disk_writer is None:
+            self._disk_writer = threading.Thread(target=self._disk_loop, name="kvservice-disk", daemon=True)
+            self._disk_writer.start()
+        try:
+            self._disk_writes.put_nowait((save, pages, meta))
+        except queue.Full:  # the disk is slower than the saves: this one is not written through
+            logger.warning("kvservice connector: %d saves wait for the disk tier; %s is not written through",
+                           DISK_QUEUE, save.req_id)
+            self._disk_failed(save)
 
     def _disk_loop(self) -> None:
         """Writes saves through to the store's disk tier, off the step: each disk page takes this rank's slice
@@ -319,20 +354,21 @@ class WorkerSide:
             item = self._disk_writes.get()
             if item is None:
                 return
-            save, pages, meta, ok = item
+            save, pages, meta = item
             disk = save.disk
             label = tier_label(disk.pool_id)
             try:
-                target = self.stores.disk_of(store_name(save.pool_id)) if ok else None
-                if target is None:
-                    raise LookupError("the RAM pages were not written, or the store has no disk tier now")
-                width, tag, items = self.fmt.page_bytes, digest64(disk.save_id), []
-                for page_id, row in zip(disk.page_ids, disk.src_rows):
+                target = self.stores.disk_of(store_name(save.pool_id), disk.epoch)
+                width, items = self.fmt.page_bytes, []
+                tags = disk.tags or [0] * len(disk.page_ids)
+                for page_id, row, tag in zip(disk.page_ids, disk.src_rows, tags):
+                    # The RAM pages are held by their save until this write-through is reported; the copy is
+                    # private and checked against the slice's checksum and its block's tag all the same.
                     record = np.array(meta[row, self.rank], dtype=np.uint64)
-                    if not record[TAG]:
-                        raise LookupError(f"RAM page {row} is not whole")
-                    record[TAG] = tag
-                    items.append((page_id, pages[row].numpy(), record))
+                    data = pages[row].numpy().copy()
+                    if not record[TAG] or (tag and int(record[TAG]) != tag) or checksum(data) != int(record[CHECKSUM]):
+                        raise LookupError(f"RAM page {row} does not hold the block it should (tag or checksum)")
+                    items.append((page_id, data, record))
                 target.write_slices(items, self.rank, self.rank * width)
                 self.counters.add("spilled", label, len(disk.page_ids))
                 self.counters.add("bytes_saved", label, len(disk.page_ids) * width)
@@ -360,9 +396,6 @@ class WorkerSide:
                 pending.discard(save.save_id)
                 if not pending:
                     del self._saves_of[save.req_id]
-                    if save.req_id in self._finished:
-                        self._finished.discard(save.req_id)
-                        self._sending.add(save.req_id)
 
     # ---- what this rank reports ------------------------------------------------------------------------
     def take_done(self) -> Done | None:
@@ -371,15 +404,19 @@ class WorkerSide:
             done, self._done = self._done, Done()
         return done if done else None
 
+    def delay(self, req_ids: list[str]) -> None:
+        """Requests whose blocks vLLM keeps until every rank reports them in finished_sending (the scheduler
+        side said so in the metadata: it delayed their free while a save of theirs was in flight)."""
+        with self._lock:
+            self._delayed.update(req_ids)
+
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """vLLM's get_finished: requests whose saves are sealed (those vLLM kept the blocks of), and
-        asynchronous loads done."""
+        """vLLM's get_finished: the delayed requests whose saves on this rank are all sealed (or never
+        started here), and the asynchronous loads done."""
         self._poll()
         with self._lock:
-            for req_id in finished_req_ids or ():
-                if req_id in self._saves_of:
-                    self._finished.add(req_id)
-            sending, self._sending = self._sending, set()
+            sending = {r for r in self._delayed if r not in self._saves_of}
+            self._delayed -= sending
             recving, self._recving = self._recving, set()
         return sending or None, recving or None
 
