@@ -2,16 +2,20 @@
 segment through a NIXL agent and publishes the endpoint with its pool; an engine whose shm_dir holds no store
 (another node) pins a prefix, gets the endpoint from the allocator and loads the pages in one NIXL READ, under
 UCX's default transports and under UCX_TLS=tcp; a store restarted between the pin and the READ fails the load
-(recomputed), as does a store with NIXL off and no Ray. The reader runs in a process of its own
+(recomputed), as does one with NIXL off and no Ray cluster, or only a stale record of one (which must fail at once:
+ray.init alone waits forever for a GCS that is gone). The reader runs in a process of its own
 (tests/nixl_reader.py), so UCX never loads into pytest."""
 
 from __future__ import annotations
 
 import json
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -72,14 +76,19 @@ def write(server, shm, seed: int, prompt: list[int], blocks: list[int]) -> None:
 def reader(server, tmp_path, env: dict[str, str], **job):
     job = {"address": server.target, "shm_dir": str(tmp_path / "elsewhere"), **job}
     (tmp_path / "elsewhere").mkdir(exist_ok=True)
+    env = {k: v for k, v in {**os.environ, "PYTHONPATH": str(REPO), **env}.items() if v is not None}
     return subprocess.Popen([sys.executable, "-m", "tests.nixl_reader"], cwd=REPO, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO), **env}), job
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env), job
 
 
-def next_line(proc) -> str:
-    """The reader's next line of its own (UCX writes its errors to stdout too)."""
+def next_line(proc, timeout_s: float = 120.0) -> str:
+    """The reader's next line of its own (UCX writes its errors to stdout too); a reader that says nothing for
+    `timeout_s` fails the test, with what it printed to stderr."""
+    deadline = time.monotonic() + timeout_s
     while True:
+        if not select.select([proc.stdout], [], [], max(deadline - time.monotonic(), 0))[0]:
+            proc.kill()
+            pytest.fail(f"the reader said nothing for {timeout_s:.0f} s; stderr: {proc.stderr.read()[-3000:]}")
         line = proc.stdout.readline()
         if not line or line.startswith(("pinned", "{")):
             return line.strip()
@@ -97,7 +106,7 @@ def run(proc, job, between=None) -> dict:
         line = next_line(proc)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0 and line, err[-3000:]
-    return json.loads(line)
+    return {**json.loads(line), "stderr": err}
 
 
 @pytest.mark.parametrize("ucx", [{}, {"UCX_TLS": "tcp"}], ids=["ucx-default", "ucx-tcp"])
@@ -136,15 +145,36 @@ def test_a_store_restarted_between_the_pin_and_the_read_fails_the_load(server, t
         store.stop()
 
 
-def test_without_nixl_or_ray_another_nodes_load_fails_and_says_why(server, tmp_path):
+@pytest.fixture
+def no_ray_cluster(tmp_path):
+    """The reader's Ray temp dir (RAY_TMPDIR; no RAY_ADDRESS), with no record of a cluster."""
+    (tmp_path / "raytmp" / "ray").mkdir(parents=True)
+    return {"RAY_TMPDIR": str(tmp_path / "raytmp"), "RAY_ADDRESS": None}
+
+
+@pytest.fixture
+def stale_ray_cluster(no_ray_cluster):
+    """...with the record a killed cluster leaves: its GCS address, where a socket is bound but listens not."""
+    with socket.socket() as gone:
+        gone.bind(("127.0.0.1", 0))
+        path = os.path.join(no_ray_cluster["RAY_TMPDIR"], "ray", "ray_current_cluster")
+        with open(path, "w") as f:
+            f.write(f"127.0.0.1:{gone.getsockname()[1]}\n")
+        yield no_ray_cluster
+
+
+@pytest.mark.parametrize("ray_env,why", [("no_ray_cluster", "Could not find any running Ray instance"),
+                                         ("stale_ray_cluster", "no Ray cluster answers at")])
+def test_without_nixl_or_ray_another_nodes_load_fails_and_says_why(server, tmp_path, ray_env, why, request):
     (tmp_path / "shm").mkdir()
     store = Store(server, tmp_path / "shm", {})
     try:
         prompt = list(range(700, 713))
         write(server, tmp_path / "shm", 3, prompt, [3, 4, 5, 6])
-        proc, job = reader(server, tmp_path, {}, prompt=prompt, block_ids=[7, 8, 9, 10],
-                           seed=3, writer_blocks=[3, 4, 5, 6], transport="ray")
+        proc, job = reader(server, tmp_path, request.getfixturevalue(ray_env), prompt=prompt,
+                           block_ids=[7, 8, 9, 10], seed=3, writer_blocks=[3, 4, 5, 6], transport="ray")
         out = run(proc, job)
         assert out["found"] == 12 and out["failed"] == [7, 8, 9] and out["nixl_reads"] == 0, out
+        assert why in out["stderr"] and "they are recomputed" in out["stderr"], out["stderr"][-3000:]
     finally:
         store.stop()

@@ -3,9 +3,33 @@
 
 from __future__ import annotations
 
+import os
+import socket
+
 from kvservice.blockstore.segment import DEFAULT_DIR
 
 NAMESPACE = "kvservice"
+RAY_PROBE_TIMEOUT_S = 2.0  # a Ray cluster whose GCS does not accept a connection by then is not there
+
+
+def live_ray_address(address: str | None) -> str:
+    """The GCS address (host:port) of the Ray cluster `address` names ("auto"/None: $RAY_ADDRESS, else the last
+    cluster started on this machine), checked to accept a connection within RAY_PROBE_TIMEOUT_S; else
+    ConnectionError saying why. ray.init on its own waits forever for a GCS that is gone (the stale
+    ray_current_cluster a killed cluster leaves in Ray's temp dir): resolve with this first."""
+    from ray._private.services import canonicalize_bootstrap_address
+
+    resolved = canonicalize_bootstrap_address(address or "auto")  # ConnectionError: no cluster known at all
+    if resolved is None:
+        raise ConnectionError(f"address {address!r} names no Ray cluster to connect to")
+    host, _, port = resolved.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_PROBE_TIMEOUT_S).close()
+    except OSError as e:
+        source = address if address not in (None, "auto") else (
+            "$RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else "the last cluster started on this machine")
+        raise ConnectionError(f"no Ray cluster answers at {resolved} (from {source}): {e}") from None
+    return resolved
 
 
 def actor_name(name: str) -> str:

@@ -16,6 +16,7 @@ import sys
 import time
 
 from kvservice.argparsing import Parser
+from kvservice.blockstore.actor import live_ray_address
 from kvservice.errors import KVServiceError
 from worker.deploy.config import DeployConfig
 from worker.deploy.names import NAMESPACE
@@ -149,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         init_local(namespace=NAMESPACE)
     else:
         try:
-            ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False, configure_logging=False)
+            ray.init(address=live_ray_address(args.address), namespace=NAMESPACE, log_to_driver=False,
+                     configure_logging=False)
         except ConnectionError as exc:
             print(f"kvservice deploy: no Ray cluster at --address {args.address} ({exc}); start one "
                   f"(`ray start --head`) or try --local", file=sys.stderr)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,12 +19,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvservice.blockstore.actor import NAMESPACE, actor_name
+from kvservice.blockstore.actor import NAMESPACE, actor_name, live_ray_address
 from kvservice.blockstore.disk import DiskPages
 from kvservice.blockstore.segment import MAX_SLOTS, META_FIELDS, Segment, read_descriptor
 from kvservice.integrations.vllm.connector.settings import ENV_RAY_NODE, ConnectorSettings
 
 REMOTE_READ_TIMEOUT_S = 10.0  # a load from another node's store that takes longer fails (and is recomputed)
+RAY_RETRY_S = 10.0  # after a failed connect to Ray, loads through it fail at once for this long
 
 
 class StoreUnreachable(LookupError):
@@ -120,6 +122,7 @@ class Stores:
         self.nixl_on, self.nixl_why = nixl_state() if settings.transport in ("auto", "nixl") else (False, "off")
         self.segments: dict[str, tuple[str, Segment, torch.Tensor]] = {}
         self.actors: dict[str, object] = {}
+        self._ray_down = (float("-inf"), "")  # when connecting to Ray last failed, and why
         self.node_id = this_node()
         self.num_local_reads = self.num_remote_reads = 0
         # Told of each segment's pages when first mapped and before one is dropped (the worker page-locks them).
@@ -223,8 +226,15 @@ class Stores:
         if actor is None:
             import ray
             if not ray.is_initialized():
-                ray.init(address=self.settings.ray_address or "auto", namespace=NAMESPACE,
-                         ignore_reinit_error=True, log_to_driver=False)
+                failed_at, why = self._ray_down
+                if time.monotonic() - failed_at < RAY_RETRY_S:
+                    raise ConnectionError(why)
+                try:
+                    address = live_ray_address(self.settings.ray_address)
+                except ConnectionError as e:
+                    self._ray_down = (time.monotonic(), str(e))
+                    raise
+                ray.init(address=address, namespace=NAMESPACE, ignore_reinit_error=True, log_to_driver=False)
             actor = ray.get_actor(actor_name(name), namespace=NAMESPACE)
             self.actors[name] = actor
         return actor
