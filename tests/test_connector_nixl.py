@@ -150,6 +150,7 @@ def no_ray_cluster(tmp_path):
     """The reader's Ray temp dir (RAY_TMPDIR; no RAY_ADDRESS), with no record of a cluster. Ray's "auto" joins
     any cluster running on the machine whatever its record says, so these cases need a machine without one."""
     find_gcs_addresses = pytest.importorskip("ray._private.services").find_gcs_addresses
+    find_gcs_addresses.cache_clear()  # Ray keeps what it found: clusters of earlier modules, now gone
     if find_gcs_addresses():
         pytest.skip(f"a Ray cluster runs on this machine ({', '.join(find_gcs_addresses())}): Ray's auto joins it")
     (tmp_path / "raytmp" / "ray").mkdir(parents=True)

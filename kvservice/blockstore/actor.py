@@ -17,8 +17,9 @@ def live_ray_address(address: str | None) -> str:
     cluster started on this machine), checked to accept a connection within RAY_PROBE_TIMEOUT_S; else
     ConnectionError saying why. ray.init on its own waits forever for a GCS that is gone (the stale
     ray_current_cluster a killed cluster leaves in Ray's temp dir): resolve with this first."""
-    from ray._private.services import canonicalize_bootstrap_address
+    from ray._private.services import canonicalize_bootstrap_address, find_gcs_addresses
 
+    find_gcs_addresses.cache_clear()  # Ray keeps the GCS processes it found: they may be gone, or others started
     resolved = canonicalize_bootstrap_address(address or "auto")  # ConnectionError: no cluster known at all
     if resolved is None:
         raise ConnectionError(f"address {address!r} names no Ray cluster to connect to")
