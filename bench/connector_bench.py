@@ -39,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.connector_bench_report import FLOOR, WRITER, WRITER_DISK, plot, report, summarize  # noqa: E402
+from bench.connector_bench_report import FLOOR, WRITER, WRITER_DISK, plot, report, runs_table, summarize  # noqa: E402
 
 OUT = REPO / "bench" / "results"
 MODEL = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
@@ -341,7 +341,11 @@ def main() -> None:
                         "bench/results/connector.json; --quick: connector.json in its working directory)")
     parser.add_argument("--quick", action="store_true", help="a dry run: 1024 tokens, one trial, 3 reps, 64 pages")
     parser.add_argument("--plot", metavar="JSON", help="only draw the PNG beside this JSON (needs matplotlib)")
+    parser.add_argument("--runs", metavar="JSON,JSON,...", help="only print the medians of several runs side by side")
     args = parser.parse_args()
+    if args.runs:
+        runs_table([json.loads(Path(p).read_text()) for p in args.runs.split(",")])
+        return
     if args.plot:
         path = Path(args.plot)
         plot(json.loads(path.read_text()), png_of(path))

@@ -135,3 +135,25 @@ def plot(results: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def runs_table(runs: list[dict]) -> None:
+    """The per-run medians side by side (TTFT per side and length, and the bandwidths), for results of several
+    invocations: `connector_bench.py --runs A.json,B.json,C.json`."""
+    from bench.common import table
+    lengths = [str(n) for n in runs[0]["lengths"]]
+    names = [*runs[0]["sides"], FLOOR, *(s for s in runs[0]["writers"] if s in runs[0]["median_ttft_s"])]
+    fmt = lambda xs: " / ".join(f"{x * 1e3:,.3g}" if x < 1 else f"{x * 1e3:,.0f}" for x in xs)  # noqa: E731
+    rows = [[name, *(fmt([r["median_ttft_s"][name][n] for r in runs]) for n in lengths)] for name in names]
+    print(f"\nTTFT, ms, the median of each run's trials, runs {' / '.join(str(i + 1) for i in range(len(runs)))}:")
+    print(table(["side", *(f"{n} tokens" for n in lengths)], rows))
+    bw = [("NIXL READ, UCX default", lambda r: r["nixl"]["default"]["GBps"]),
+          ("NIXL READ, UCX_TLS=tcp", lambda r: r["nixl"]["tcp"]["GBps"]),
+          ("memcpy (index_select)", lambda r: r["nixl"]["memcpy_GBps"]),
+          ("disk tier write", lambda r: r["disk"]["tier_write_GBps"]),
+          ("O_DIRECT write", lambda r: r["disk"]["o_direct"]["write_GBps"]),
+          ("disk tier read, cold", lambda r: r["disk"]["tier_read_cold_GBps"]),
+          ("O_DIRECT read", lambda r: r["disk"]["o_direct"]["read_GBps"]),
+          ("restart: prefixes hit again, %", lambda r: r["restart"]["percent"])]
+    print(table(["GB/s (the last row: %)", *(f"run {i + 1}" for i in range(len(runs)))],
+                [[name, *(f"{get(r):.3g}" for r in runs)] for name, get in bw]))

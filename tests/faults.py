@@ -123,7 +123,7 @@ def wait_persistence(client: KVServiceClient, pool: str, state: str, timeout_s: 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if pool_stats(client, pool)[3] == state:
+            if pool_stats(client, pool, wait=False)[3] == state:
                 return
         except Exception:  # the allocator may be restarting
             pass
@@ -234,7 +234,7 @@ def free_everything_drains(client: KVServiceClient, pool: str, load_clients) -> 
 
 
 def stats_request(client: KVServiceClient):
-    return client.stub.GetStats(pb.GetStatsRequest(check_invariants=True), timeout=30)
+    return client.stub.GetStats(pb.GetStatsRequest(check_invariants=True), timeout=30, wait_for_ready=True)
 
 
 __all__ = ["FreeOp", "SlowWatcher", "TmpfsDir", "deadline_expiry", "disconnect_mid_step", "disk_full", "flood",

@@ -176,9 +176,12 @@ class LoadClient:
         self.client.close()
 
 
-def pool_stats(client, pool_id: str):
-    """(num_free_blocks, num_blocks, invariant_violation) read with the invariant checks on."""
-    stats = client.stub.GetStats(pb.GetStatsRequest(check_invariants=True), timeout=30)
+def pool_stats(client, pool_id: str, wait: bool = True):
+    """(num_free_blocks, num_blocks, invariant_violation, persistence) read with the invariant checks on.
+    `wait`: through a reconnect first. A raw stub call fails at once while its channel is in reconnect backoff,
+    with the last connect error: after an allocator restart, "Connection refused" from the dead one, though the
+    new one is up (the client's own calls retry; this bypasses them)."""
+    stats = client.stub.GetStats(pb.GetStatsRequest(check_invariants=True), timeout=30, wait_for_ready=wait)
     pool = next(p for p in stats.pools if p.pool_id == pool_id)
     return pool.num_free_blocks, pool.num_blocks, pool.invariant_violation, stats.persistence
 
