@@ -75,6 +75,11 @@ def test_a_live_gcs_port_passes_the_probe(ray_tmp, monkeypatch):
         assert live_ray_address("auto") == f"127.0.0.1:{port}"
 
 
+def test_local_and_ray_client_addresses_pass_as_they_are(ray_tmp, gone_port):
+    assert live_ray_address("local") == "local"
+    assert live_ray_address(f"ray://127.0.0.1:{gone_port}") == f"ray://127.0.0.1:{gone_port}"
+
+
 @pytest.mark.parametrize("stale", [False, True], ids=["no-cluster", "stale-cluster-record"])
 def test_deploy_without_a_live_cluster_says_so_at_once(ray_tmp, gone_port, stale):
     """`kvservice deploy` (--address auto) exits 2 naming the cause, where ray.init alone would hang."""

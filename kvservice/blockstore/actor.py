@@ -16,7 +16,10 @@ def live_ray_address(address: str | None) -> str:
     """The GCS address (host:port) of the Ray cluster `address` names ("auto"/None: $RAY_ADDRESS, else the last
     cluster started on this machine), checked to accept a connection within RAY_PROBE_TIMEOUT_S; else
     ConnectionError saying why. ray.init on its own waits forever for a GCS that is gone (the stale
-    ray_current_cluster a killed cluster leaves in Ray's temp dir): resolve with this first."""
+    ray_current_cluster a killed cluster leaves in Ray's temp dir): resolve with this first. "local" (start one)
+    and Ray Client addresses ("ray://host:port", which has its own connect timeout) pass as they are."""
+    if address == "local" or (address and "://" in address):
+        return address
     from ray._private.services import canonicalize_bootstrap_address, find_gcs_addresses
 
     find_gcs_addresses.cache_clear()  # Ray keeps the GCS processes it found: they may be gone, or others started
