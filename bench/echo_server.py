@@ -28,7 +28,7 @@ import grpc
 from kvservice._proto import allocator_pb2 as pb
 from kvservice.core import FullAttentionSpec, KVCacheConfig, KVCacheManager, Request
 from kvservice.core.fast_path import PackedRows
-from kvservice.server.app import GC_THRESHOLDS
+from kvservice.server.serve import GC_THRESHOLDS
 
 METHOD = "/bench.Echo/Echo"
 CORE_METHOD = "/bench.Echo/Core"

@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kvservice.server.app import serve
+    from kvservice.server.serve import serve
     config = from_args(ServerSettings, args, allocator=from_args(AllocatorSettings, args))
     try:
         return asyncio.run(serve(config))

@@ -163,7 +163,7 @@ def test_every_subcommand_names_itself_in_its_help(command):
 def test_a_shard_advertises_its_bound_port_when_told_port_0():
     """`--advertise HOST:0` is HOST and the port the server bound (`--port 0`: no port picked beforehand,
     which another process could take first); no --advertise: --host and the bound port."""
-    from kvservice.server.app import advertised_address
+    from kvservice.server.serve import advertised_address
     from kvservice.settings import ServerSettings
 
     assert advertised_address(ServerSettings(advertise="10.0.0.7:0"), 41234) == "10.0.0.7:41234"

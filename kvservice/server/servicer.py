@@ -53,7 +53,7 @@ class AllocatorServicer(ExternalPoolHandlers):
         self._event_signal = asyncio.Event()
         allocator.state.events.listeners.append(self._event_signal.set)
         self.num_watchers = 0
-        self.feeds = None  # kvservice.external.subscriber.Feeds, once the server runs them
+        self.feeds = None  # kvservice.external.feeds.Feeds, once the server runs them
         self._sharding = None  # a ShardRouter when this allocator is one shard of several
         self.standby = ""  # a hot standby's refusal message (it serves nothing until it takes over)
 
