@@ -1,6 +1,7 @@
 """The allocator: a deterministic state machine over pools, sessions and the event log.
 
-    facade      Allocator.apply(command) -> Applied; reads (lookup, requests, invariants)
+    facade      Allocator.apply(command) -> Applied
+    reads       lookup, requests, pool stats, invariants
     registry    placement        pools and epochs; lookup and routing across pools
     batches  -> schedule         packed ops; one request: plan (no change), then apply
     requests                     bookkeeping: requests, owners, add/fork/free, session close, transfer aborts
