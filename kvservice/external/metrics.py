@@ -28,7 +28,7 @@ _COUNTERS = (("batches", "Event batches applied"), ("stored_blocks", "Blocks sto
 class ExternalCollector:
     def __init__(self, allocator, feeds: Callable[[], object]) -> None:
         self.allocator = allocator
-        self.feeds = feeds  # -> kvservice.external.subscriber.Feeds or None
+        self.feeds = feeds  # -> kvservice.external.feeds.Feeds or None
 
     def collect(self):
         g = {n: GaugeMetricFamily(f"kvservice_external_{n}", t, labels=["pool"]) for n, t in _GAUGES}

@@ -22,7 +22,6 @@ at INFO; holds, holes and resyncs warn.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -345,59 +344,3 @@ class Feed:
                            "resync bound", self.spec.pool_id, start, hole[1], hole[0] - 1)
         self._hole = hole
         return frames
-
-
-class Feeds:
-    """Keeps one running Feed per external pool registration in the allocator's state."""
-
-    def __init__(self, pools: Callable[[], dict[str, ExternalPool]], submit: Callable[[IngestEvents], Awaitable],
-                 **feed_options) -> None:
-        self.pools = pools  # the allocator's external pools now (a recovery replaces the dict)
-        self.submit = submit
-        self.feed_options = feed_options
-        self.context = zmq.asyncio.Context()
-        self.feeds: dict[str, tuple[Feed, asyncio.Task]] = {}
-
-    def sync(self) -> None:
-        """Starts a subscription for each new registration, stops those of removed or replaced pools."""
-        pools = self.pools()
-        for pool_id, (feed, task) in list(self.feeds.items()):
-            pool = pools.get(pool_id)
-            if pool is None or pool.registration != feed.registration:
-                task.cancel()
-                del self.feeds[pool_id]
-        for pool_id, pool in pools.items():
-            if pool_id not in self.feeds:
-                feed = Feed(pool.spec, pool.registration, self._viewer(pool_id, pool.registration),
-                            self.submit, self.context, **self.feed_options)
-                self.feeds[pool_id] = (feed, asyncio.get_running_loop().create_task(self._run(feed)))
-
-    def _viewer(self, pool_id: str, registration: int):
-        def view() -> ExternalPool | None:
-            pool = self.pools().get(pool_id)
-            return pool if pool is not None and pool.registration == registration else None
-        return view
-
-    @staticmethod
-    async def _run(feed: Feed) -> None:
-        while True:
-            try:
-                await feed.run()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                logger.exception("external pool %s: subscription failed; restarting it", feed.spec.pool_id)
-                await asyncio.sleep(1.0)
-
-    def feed(self, pool_id: str) -> Feed | None:
-        entry = self.feeds.get(pool_id)
-        return entry[0] if entry is not None else None
-
-    async def stop(self) -> None:
-        for _, task in self.feeds.values():
-            task.cancel()
-        for _, task in self.feeds.values():
-            with contextlib.suppress(BaseException):
-                await task
-        self.feeds.clear()
-        self.context.term()
