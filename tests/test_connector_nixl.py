@@ -19,6 +19,7 @@ import time
 
 import pytest
 
+from tests.ray_helpers import skip_if_a_ray_cluster_runs
 from tests.service_helpers import REPO, start_server
 from tests.test_connector_sides import BS, HEAD, NUM_BLOCKS, PAGE, kv, request, scheduled
 from tests.test_nixl_transport import nixl_here  # noqa: F401 - the fixture: skips, saying why, without NIXL
@@ -149,10 +150,7 @@ def test_a_store_restarted_between_the_pin_and_the_read_fails_the_load(server, t
 def no_ray_cluster(tmp_path):
     """The reader's Ray temp dir (RAY_TMPDIR; no RAY_ADDRESS), with no record of a cluster. Ray's "auto" joins
     any cluster running on the machine whatever its record says, so these cases need a machine without one."""
-    find_gcs_addresses = pytest.importorskip("ray._private.services").find_gcs_addresses
-    find_gcs_addresses.cache_clear()  # Ray keeps what it found: clusters of earlier modules, now gone
-    if find_gcs_addresses():
-        pytest.skip(f"a Ray cluster runs on this machine ({', '.join(find_gcs_addresses())}): Ray's auto joins it")
+    skip_if_a_ray_cluster_runs()
     (tmp_path / "raytmp" / "ray").mkdir(parents=True)
     return {"RAY_TMPDIR": str(tmp_path / "raytmp"), "RAY_ADDRESS": None}
 

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-services = pytest.importorskip("ray._private.services")
+pytest.importorskip("ray._private.services")
 from kvservice.blockstore.actor import RAY_PROBE_TIMEOUT_S, live_ray_address  # noqa: E402
+from tests.ray_helpers import skip_if_a_ray_cluster_runs  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -21,10 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture
 def ray_tmp(tmp_path, monkeypatch):
     """Ray's temp dir for this test, with no record of a cluster, and no $RAY_ADDRESS."""
-    services.find_gcs_addresses.cache_clear()  # Ray keeps what it found: clusters of earlier modules, now gone
-    if services.find_gcs_addresses():
-        pytest.skip(f"a Ray cluster runs on this machine ({', '.join(services.find_gcs_addresses())}): Ray's "
-                    f"auto joins it")
+    skip_if_a_ray_cluster_runs()
     (tmp_path / "ray").mkdir()
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
