@@ -16,7 +16,7 @@ def main() -> None:
     from kvservice.integrations.vllm.connector.scheduler_side import SchedulerSide
     from kvservice.integrations.vllm.connector.settings import ConnectorSettings
     from kvservice.integrations.vllm.connector.worker_side import WorkerSide
-    from tests.test_connector_sides import BS, HEAD, NUM_BLOCKS, kv
+    from tests.connector_helpers import BS, HEAD, NUM_BLOCKS, kv
     settings = ConnectorSettings(address=job["address"], store=None, shm_dir=job["shm_dir"], index=False,
                                  transport=job.get("transport", "auto"))
     prompt, block_ids = job["prompt"], job["block_ids"]

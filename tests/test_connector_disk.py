@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,17 +20,12 @@ from kvservice.integrations.vllm.connector.scheduler_side import SchedulerSide
 from kvservice.integrations.vllm.connector.settings import ConnectorSettings
 from kvservice.integrations.vllm.connector.worker_side import WorkerSide
 from kvservice.ops import EvictBlocksOp
+from tests.connector_helpers import BS, HEAD, PAGE, kv, request, scheduled
 from tests.disk_helpers import tiny_tmpfs
 from tests.service_helpers import REPO, start_server
 
-BS, LAYERS, HEADS, HEAD, NUM_BLOCKS = 4, 2, 2, 3, 32
-PAGE = LAYERS * HEADS * BS * 2 * HEAD * 4
+NUM_BLOCKS = 32
 DISK_PAGES = 12
-
-
-def kv(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {f"model.layers.{i}.attn": torch.randn(NUM_BLOCKS, HEADS, BS, 2 * HEAD, generator=g) for i in range(LAYERS)}
 
 
 @pytest.fixture(scope="module")
@@ -84,24 +78,11 @@ def settings(server, store, **kw) -> ConnectorSettings:
     return ConnectorSettings(address=server.target, store=store.name, shm_dir=str(store.shm), index=False, **kw)
 
 
-def request(req_id: str, prompt: list[int]):
-    return SimpleNamespace(request_id=req_id, prompt_token_ids=prompt, mm_features=[], lora_request=None,
-                           cache_salt=None, kv_transfer_params=None)
-
-
-def scheduled(req_id: str, prompt: list[int], block_ids: list[int], num_computed: int, num_scheduled: int):
-    new = SimpleNamespace(req_id=req_id, prompt_token_ids=prompt, block_ids=(block_ids,),
-                          num_computed_tokens=num_computed)
-    cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[])
-    return SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
-                           num_scheduled_tokens={req_id: num_scheduled})
-
-
 class Engine:
     """One engine's two sides, driven as vLLM would (a step's report goes to the scheduler side)."""
 
     def __init__(self, server, store, name: str, seed: int, **kw) -> None:
-        self.kv = kv(seed)
+        self.kv = kv(seed, NUM_BLOCKS)
         self.sched = SchedulerSide(settings(server, store, **kw), BS, name, loads=True, saves=True)
         self.worker = WorkerSide(settings(server, store, **kw), BS, name, head_size=HEAD)
         self.worker.register(self.kv, NUM_BLOCKS)

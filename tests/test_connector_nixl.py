@@ -19,9 +19,9 @@ import time
 
 import pytest
 
+from tests.connector_helpers import BS, HEAD, NUM_BLOCKS, PAGE, kv, request, scheduled
 from tests.ray_helpers import skip_if_a_ray_cluster_runs
 from tests.service_helpers import REPO, start_server
-from tests.test_connector_sides import BS, HEAD, NUM_BLOCKS, PAGE, kv, request, scheduled
 from tests.test_nixl_transport import nixl_here  # noqa: F401 - the fixture: skips, saying why, without NIXL
 
 pytestmark = pytest.mark.usefixtures("nixl_here")
