@@ -247,3 +247,19 @@ def check(fleet: Fleet, pool_id: str, acked: Acked) -> list[str]:
 
 
 __all__ = ["CONFIG", "NUM_BLOCKS", "SHARDS", "Acked", "Fleet", "Load", "Phase", "Shard", "check"]
+
+
+def new_pool(fleet: Fleet, pool_id: str, on: str | None = None) -> str:
+    """Registers `pool_id` (on shard `on`, moved there if placement chose the other); returns its shard."""
+    with fleet.client() as c:
+        c.register_pool(pool_id, CONFIG, max_model_len=1024, kv_layout="block=16")  # transfers need a layout
+    shard = fleet.owner(pool_id)
+    if on is not None and shard != on:
+        rc, out = fleet.move(pool_id, on)
+        assert rc == 0, out
+        shard = on
+    return shard
+
+
+def other(shard: str) -> str:
+    return next(s for s in SHARDS if s != shard)

@@ -2,28 +2,23 @@
 each SIGKILLed and started again with the same command. A pool move is driven phase by phase (FREEZE,
 IMPORT, DROP) with the source or the destination killed after each, then finished as an operator would (run
 `kvservice shards move` again); a cross-shard transfer has either side killed while the source pin is held,
-then is committed or aborted; a Redis outage without --require-persistence while a hot standby follows. After
-each: every acknowledged allocation holds the same blocks, exactly one shard holds the pool, no block is
-held twice or leaked, no export is left in Redis, and the pool serves new steps."""
+then is committed or aborted. After each: every acknowledged allocation holds the same blocks, exactly one
+shard holds the pool, no block is held twice or leaked, no export is left in Redis, and the pool serves new
+steps. What other shards read of a pool's pins is test_trust_shard_pins.py's; a Redis outage while a hot
+standby follows, test_trust_outages.py's."""
 
 from __future__ import annotations
 
 import random
-import signal
 import threading
 import time
 
 import grpc
 import pytest
 
-from kvservice._proto import allocator_pb2 as pb
-from kvservice.client import KVServiceClient
-from kvservice.errors import KVServiceError, NotFound
-from kvservice.ops import AddRequestOp, AllocateOp, DecodeBatchOp, ExternalSource, FreeOp, OpStatus, PinOp, UnpinOp
-from tests import faults
-from tests.redis_helpers import RedisServer
-from tests.service_helpers import start_server
-from tests.shard_faults import CONFIG, NUM_BLOCKS, SHARDS, Acked, Fleet, Load, Phase, check
+from kvservice.errors import KVServiceError
+from kvservice.ops import AddRequestOp, AllocateOp, ExternalSource, FreeOp, OpStatus, PinOp, UnpinOp
+from tests.shard_faults import NUM_BLOCKS, Acked, Fleet, Load, Phase, check, new_pool, other
 
 
 @pytest.fixture(scope="module")
@@ -31,22 +26,6 @@ def fleet(tmp_path_factory):
     f = Fleet(tmp_path_factory.mktemp("multistep"))
     yield f
     f.stop()
-
-
-def new_pool(fleet: Fleet, pool_id: str, on: str | None = None) -> str:
-    """Registers `pool_id` (on shard `on`, moved there if placement chose the other); returns its shard."""
-    with fleet.client() as c:
-        c.register_pool(pool_id, CONFIG, max_model_len=1024, kv_layout="block=16")  # transfers need a layout
-    shard = fleet.owner(pool_id)
-    if on is not None and shard != on:
-        rc, out = fleet.move(pool_id, on)
-        assert rc == 0, out
-        shard = on
-    return shard
-
-
-def other(shard: str) -> str:
-    return next(s for s in SHARDS if s != shard)
 
 
 # The rest of the matrix runs in make test-slow (make test stays under 15 minutes).
@@ -202,123 +181,6 @@ def test_a_pin_whose_holder_is_gone_is_released_after_the_source_restarts(tmp_pa
         f.stop()
 
 
-# ---- what other shards read of a pool's pins, and a move's leftover copy ---------------------------------------
-PROMPT = list(range(100, 200))
-
-
-def cache_and_pin(c: KVServiceClient, pool_id: str) -> ExternalSource:
-    """Caches PROMPT in the pool and pins it: the pin as a transfer source."""
-    c.step(pool_id, [AddRequestOp("p", token_ids=PROMPT), AllocateOp("p", num_new_tokens=100), FreeOp("p")])
-    pin = c.step(pool_id, [PinOp("pin", token_ids=PROMPT + [1])])[0]
-    assert pin.num_computed_tokens == 96
-    return ExternalSource("pin", pool_id, list(pin.new_block_ids[0]), 96)
-
-
-def source_refused(c: KVServiceClient, pool_id: str, source: ExternalSource, within_s: float) -> int:
-    """Admits PROMPT on `pool_id` with `source` until that is refused (NOT_FOUND), for up to `within_s`;
-    an admission that got a transfer order is aborted. Returns how many were accepted; fails if it never is."""
-    deadline, accepted, n = time.monotonic() + within_s, 0, 0
-    while True:
-        n += 1
-        try:
-            r = c.step(pool_id, [AddRequestOp(f"x{n}", token_ids=PROMPT + [1]),
-                                 AllocateOp(f"x{n}", num_new_tokens=101, allow_transfer=True, external_source=source)])
-        except NotFound:
-            return accepted
-        except KVServiceError:  # e.g. UNAVAILABLE while Redis comes back
-            pass
-        else:
-            assert r[1].transfer is not None, r[1]
-            accepted += 1
-            assert c.commit_transfer(pool_id, r[1].transfer.transfer_id, abort=True)[0].status == OpStatus.OK
-        assert time.monotonic() < deadline, f"a released pin stayed a transfer source ({accepted} orders given)"
-        time.sleep(0.2)
-
-
-def test_a_pin_released_while_redis_was_away_stops_being_a_source_once_it_returns(tmp_path):
-    """The unpin of a pool's last pin is acknowledged while Redis is down (no --require-persistence), so it
-    could not be published: once Redis is back the source shard publishes it, and other shards refuse the
-    released pin (its blocks may be reused) instead of ordering a copy of them."""
-    f = Fleet(tmp_path, "unpub")
-    try:
-        src = new_pool(f, "up-a")
-        new_pool(f, "up-b", on=other(src))
-        with f.client() as c:
-            source = cache_and_pin(c, "up-a")
-            f.redis.kill()
-            deadline = time.monotonic() + 15
-            while f.shards[src].call("GetStats", pb.GetStatsRequest()).persistence != "degraded":
-                assert time.monotonic() < deadline, "the source shard never reported persistence degraded"
-                c.step("up-a", [AddRequestOp("probe", token_ids=[1, 2, 3]), FreeOp("probe")])
-                time.sleep(0.1)
-            assert c.step("up-a", [UnpinOp("pin")])[0].status == OpStatus.OK  # acknowledged, not published
-            f.redis.restart()
-            source_refused(c, "up-b", source, within_s=30)
-    finally:
-        f.stop()
-
-
-def test_a_copy_left_by_a_move_neither_publishes_pins_nor_answers_reads(tmp_path):
-    """A move stopped after IMPORT leaves the frozen copy on the source. (a) A fan-out Lookup has one hit for
-    the pool and the sharded GetStats shows the serving copy. (b) The owner releases the pin; the old
-    source restarts (announcing, it republishes its pools): its copy's stale pin must not overwrite the
-    owner's in Redis, so a third shard refuses the released pin."""
-    f = Fleet(tmp_path, "leftover", shards=("s0", "s1", "s2"))
-    try:
-        new_pool(f, "lo-a", on="s1")
-        new_pool(f, "lo-c", on="s2")
-        with f.client() as c:
-            source = cache_and_pin(c, "lo-a")
-            f.phase("s1", "lo-a", Phase.FREEZE, to_shard="s0")
-            f.phase("s0", "lo-a", Phase.IMPORT, from_shard="s1")  # no DROP: s1 keeps its frozen copy
-            assert f.owner("lo-a") == "s0" and f.shards["s1"].pools()["lo-a"].moving_to == "s0"
-            hits = [h.pool_id for h in c.lookup(PROMPT).hits]
-            assert hits.count("lo-a") == 1, hits
-            assert c.get_stats().pools["lo-a"].moving_to == ""  # the serving copy, whichever shard answered last
-        with f.client() as c:
-            assert c.step("lo-a", [UnpinOp("pin")])[0].status == OpStatus.OK  # on s0, the owner
-            source_refused(c, "lo-c", source, within_s=10)
-            f.kill_and_restart("s1")
-            assert "lo-a" in f.shards["s1"].pools()  # the leftover copy is still there (finish() drops it)
-            assert source_refused(c, "lo-c", source, within_s=10) == 0
-    finally:
-        f.stop()
-
-
-def test_an_import_after_the_move_was_thawed_takes_nothing_over(tmp_path):
-    """The takeover (the shard map's MOVE script) requires the export the destination imported to still be
-    waiting: a THAW deletes it first, and a new FREEZE replaces it, so a late IMPORT (its RPC failed on the
-    network, the rebalancer thawed the source, the destination kept working) cannot take the pool over
-    from the source that serves it again. On a real Redis: the script itself, at each of those moments."""
-    import asyncio
-
-    from kvservice.shards.shardmap import ShardMapStore
-
-    redis = RedisServer(tmp_path / "redis")
-    redis.start()
-
-    async def run() -> list:
-        store = ShardMapStore(redis.url, "late-import")
-        try:
-            assert await store.assign("pool", "s0", "t") == "s0"
-            key = store.handoff_key("pool")
-            await store.redis.set(key, b"export-1")  # FREEZE
-            await store.redis.delete(key)  # THAW (the import read export-1 before)
-            thawed = await store.move("pool", "s0", "s1", b"export-1")
-            await store.redis.set(key, b"export-2")  # frozen again, exported anew
-            stale = await store.move("pool", "s0", "s1", b"export-1")
-            owner_then = (await store.load()).shard_of("pool")
-            current = await store.move("pool", "s0", "s1", b"export-2")
-            return [thawed, stale, owner_then, current, (await store.load()).shard_of("pool")]
-        finally:
-            await store.close()
-
-    try:
-        assert asyncio.run(run()) == [False, False, "s0", True, "s1"]
-    finally:
-        redis.stop()
-
-
 def test_an_import_overtaken_by_a_thaw_on_real_shards_leaves_one_owner(fleet):
     """The same race on the shards themselves: Redis pauses writes (CLIENT PAUSE WRITE), so the destination's
     IMPORT reads the export and then waits on its journal write; meanwhile the source is THAWed (as the
@@ -354,144 +216,6 @@ def test_an_import_overtaken_by_a_thaw_on_real_shards_leaves_one_owner(fleet):
     with fleet.client() as c:
         acked.add(c, 3, "after-thaw")
     assert check(fleet, pool, acked) == []
-
-
-# ---- an external pool's replay that answers without the gap ----------------------------------------------
-def test_a_replay_that_answers_without_the_gap_still_resyncs_in_bounded_time(tmp_path):
-    """A replay socket that answers but never brings the missing batch (its buffer is behind the live stream)
-    is no progress: the held batches resync after `resync_after_s` (10 s) as an unanswered replay does, instead
-    of holding the stream (and the index as of the gap) forever."""
-    from tests.external_helpers import Publisher, chain, stored, wait_for
-
-    pub = Publisher()
-    server = start_server("--hash-block-size", "4", log_dir=tmp_path)
-    try:
-        with server.client(hash_block_size=4) as client:
-            def ext():
-                return client.get_stats().external_pools["vllm-0"]
-
-            client.register_external_pool("vllm-0", pub.endpoint, pub.replay_endpoint, block_size=4)
-            wait_for(lambda: ext().connected, what="subscription connected")
-            a, b = list(range(9)), list(range(30, 39))
-            seq = pub.publish(stored(chain(a), None, a[:8]))
-            wait_for(lambda: ext().last_sequence >= seq, what="batch 0 applied")
-            pub.drop(1)
-            pub.publish(stored(chain(b), None, b[:8]))  # lost on the wire ...
-            with pub._lock:
-                pub.buffer.pop()  # ... and never in the replay buffer, which answers with batch 0 only
-            seq = pub.publish(stored(chain(b), None, b[:8]))
-            with pub._lock:
-                pub.buffer.pop()
-            wait_for(lambda: ext().last_sequence >= seq, timeout_s=40, what="the held batch applied after a resync")
-            assert ext().resyncs == 1
-            assert client.lookup(b).tokens("vllm-0") == 8
-    finally:
-        pub.close()
-        server.stop()
-
-
-# ---- a Redis outage without --require-persistence while a hot standby follows -------------------------------
-class LeaderAndStandby:
-    def __init__(self, tmp_path) -> None:
-        self.tmp = tmp_path
-        self.redis = RedisServer(tmp_path / "redis", appendfsync="always")
-        self.redis.start()
-        self.leader = self.start()
-        self.standby = self.start("--standby")
-
-    def start(self, *args: str):
-        return start_server("--redis-url", self.redis.url, "--redis-namespace", "outage", "--leader-lease", "2",
-                            "--session-ttl", "60", *args, persistence=True, log_dir=self.tmp)
-
-    def client(self) -> KVServiceClient:
-        return KVServiceClient(f"{self.leader.target},{self.standby.target}", failover_timeout_s=30)
-
-    def stop(self) -> None:
-        for p in (self.leader, self.standby):
-            p.stop()
-        self.redis.stop()
-
-
-def degraded_acks(pair: LeaderAndStandby, c: KVServiceClient, acked: Acked) -> None:
-    """Redis killed; acknowledgements from the leader's memory."""
-    pair.redis.kill()
-    deadline = time.monotonic() + 15
-    while c.get_stats().persistence != "degraded":
-        assert time.monotonic() < deadline, "the leader never reported persistence degraded"
-        time.sleep(0.1)
-    acked.add(c, 3, "degraded")
-    r = c.step("p", [DecodeBatchOp(["ok-0"], [acked.tables["ok-0"][1]], [9])])
-    assert r[0].batch.status(0) == OpStatus.OK
-    info = c.get_request("p", "ok-0")
-    acked.tables["ok-0"] = (list(info.block_ids[0]), info.num_tokens)
-
-
-def test_outage_then_redis_returns_the_standby_converges_and_keeps_every_ack(tmp_path):
-    """(a) Acknowledged while degraded, then Redis returns: once the leader reports ok (its resync snapshot
-    committed), the standby holds all of it: killed then, the leader loses nothing to its standby."""
-    pair = LeaderAndStandby(tmp_path)
-    try:
-        c = pair.client()
-        c.register_pool("p", CONFIG, max_model_len=1024)
-        acked = Acked("p")
-        acked.add(c, 3, "ok")
-        degraded_acks(pair, c, acked)
-        epoch, pool_epoch = c.get_stats().leader_epoch, c.get_stats().pools["p"].epoch
-        pair.redis.restart()
-        faults.wait_persistence(c, "p", "ok", timeout_s=30)
-        pair.leader.proc.send_signal(signal.SIGKILL)
-        pair.leader.proc.wait(10)
-        lost = []
-        for rid, (table, n) in acked.tables.items():
-            info = c.get_request("p", rid)  # answered by the standby, which leads now
-            if (list(info.block_ids[0]), info.num_tokens) != (table, n):
-                lost.append(rid)
-        assert lost == [], f"acknowledged while degraded, lost after the resync: {lost}"
-        assert c.get_stats().leader_epoch > epoch  # the standby leads now
-        stats = c.get_stats(check_invariants=True).pools["p"]
-        assert stats.invariant_violation == "" and stats.epoch == pool_epoch
-        r = c.step("p", [AddRequestOp("new", token_ids=list(range(9000, 9040))),
-                         AllocateOp("new", num_new_tokens=40), FreeOp("new")])
-        assert r[1].status == OpStatus.OK
-        c.free("p", *acked.tables)
-        assert c.get_stats(check_invariants=True).pools["p"].num_free_blocks == NUM_BLOCKS - 1
-        c.close()
-    finally:
-        pair.stop()
-
-
-def test_outage_with_the_leader_killed_the_standby_takes_over_and_the_pool_gets_a_new_epoch(tmp_path):
-    """(b) Acknowledged while degraded, then the leader dies before Redis returns: those acknowledgements
-    never reached Redis, so the standby that takes over cannot have them (the README says so). The
-    guarantee is that no block is handed out twice: the client, which saw more acknowledged than the
-    standby recovered, makes the pool start a new epoch; its requests fail with EPOCH_CHANGED."""
-    pair = LeaderAndStandby(tmp_path)
-    try:
-        c = pair.client()
-        c.register_pool("p", CONFIG, max_model_len=1024)
-        acked = Acked("p")
-        acked.add(c, 3, "ok")
-        degraded_acks(pair, c, acked)
-        epoch, pool_epoch = c.get_stats().leader_epoch, c.get_stats().pools["p"].epoch
-        pair.leader.proc.send_signal(signal.SIGKILL)
-        pair.leader.proc.wait(10)
-        pair.redis.restart()
-        r = c.step("p", [DecodeBatchOp(["ok-0"], [acked.tables["ok-0"][1]], [9])])  # fails over, resumes
-        assert r[0].status == OpStatus.EPOCH_CHANGED or r[0].batch.status(0) == OpStatus.EPOCH_CHANGED, r[0]
-        assert c.get_stats().leader_epoch > epoch  # the standby leads now
-        stats = c.get_stats(check_invariants=True).pools["p"]
-        assert stats.epoch == pool_epoch + 1 and stats.invariant_violation == "" and stats.num_requests == 0
-        assert stats.num_free_blocks == NUM_BLOCKS - 1  # nothing of the old epoch holds a block
-        for rid in acked.tables:
-            with pytest.raises(KVServiceError):
-                c.get_request("p", rid)
-        r = c.step("p", [AddRequestOp("new", token_ids=list(range(9000, 9040))),
-                         AllocateOp("new", num_new_tokens=40)])
-        assert r[1].status == OpStatus.OK
-        c.free("p", "new")
-        c.close()
-    finally:
-        pair.stop()
 
 
 # ---- the soak loop: kills at random moments inside moves and transfers --------------------------------------
