@@ -108,8 +108,9 @@ def copy_bandwidth(model: dict, block_size: int, page_bytes: int, num_pages: int
 
     from kvservice.blockstore.segment import Segment
     from kvservice.integrations.vllm.connector.movers import CpuMover
+    from kvservice.integrations.vllm.connector.pagecheck import checksum
     from kvservice.integrations.vllm.connector.pageformat import PageFormat
-    from kvservice.integrations.vllm.connector.worker_side import checksum, cpu_attention_isa
+    from kvservice.integrations.vllm.connector.worker_side import cpu_attention_isa
     head = model["head_dim"]
     shape = (num_pages + 1, model["num_key_value_heads"], block_size, 2 * head)
     kv = {f"model.layers.{i}.self_attn.attn": torch.randn(shape) for i in range(model["num_hidden_layers"])}

@@ -1,4 +1,5 @@
-"""Faults inside multi-step shard operations, for tests/test_trust_multistep_faults.py and its soak loop: two
+"""Faults inside multi-step shard operations, for tests/test_trust_multistep_faults.py (and its soak loop) and
+tests/test_trust_shard_pins.py: two
 shard leaders (`kvservice serve --shard s0|s1`) on one real Redis, each SIGKILLed and started again with the
 same command on the same port (what an operator's restart loop does), pool moves driven phase by phase
 (FREEZE, IMPORT, DROP: the MovePool RPC itself) and finished with `kvservice shards move` as an operator
@@ -246,9 +247,6 @@ def check(fleet: Fleet, pool_id: str, acked: Acked) -> list[str]:
     return problems
 
 
-__all__ = ["CONFIG", "NUM_BLOCKS", "SHARDS", "Acked", "Fleet", "Load", "Phase", "Shard", "check"]
-
-
 def new_pool(fleet: Fleet, pool_id: str, on: str | None = None) -> str:
     """Registers `pool_id` (on shard `on`, moved there if placement chose the other); returns its shard."""
     with fleet.client() as c:
@@ -263,3 +261,6 @@ def new_pool(fleet: Fleet, pool_id: str, on: str | None = None) -> str:
 
 def other(shard: str) -> str:
     return next(s for s in SHARDS if s != shard)
+
+
+__all__ = ["CONFIG", "NUM_BLOCKS", "SHARDS", "Acked", "Fleet", "Load", "Phase", "Shard", "check", "new_pool", "other"]

@@ -1,6 +1,8 @@
 """Prefill/decode hand-over through the connector's two sides: a consumer handed the producer's
 kv_transfer_params waits for its pages (an asynchronous load) until they are committed; params a client
-forged are ignored; an aborted or timed-out wait is reported so vLLM frees or recomputes the blocks."""
+forged are ignored; an aborted or timed-out wait is reported so vLLM frees or recomputes the blocks. And the
+other way a request's blocks outlive it: a finished request whose save is in flight is reported to vLLM
+(finished_sending) once the save settles."""
 
 # ruff: noqa: F811 - the fixtures `server` and `store` come from connector_helpers
 

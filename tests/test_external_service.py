@@ -175,20 +175,15 @@ def test_a_replay_that_answers_without_the_gap_still_resyncs_in_bounded_time(tmp
     """A replay socket that answers but never brings the missing batch (its buffer is behind the live stream)
     is no progress: the held batches resync after `resync_after_s` (10 s) as an unanswered replay does, instead
     of holding the stream (and the index as of the gap) forever."""
-    from tests.external_helpers import Publisher, chain, stored, wait_for
-
     pub = Publisher()
     server = start_server("--hash-block-size", "4", log_dir=tmp_path)
     try:
         with server.client(hash_block_size=4) as client:
-            def ext():
-                return client.get_stats().external_pools["vllm-0"]
-
             client.register_external_pool("vllm-0", pub.endpoint, pub.replay_endpoint, block_size=4)
-            wait_for(lambda: ext().connected, what="subscription connected")
+            wait_for(lambda: ext(client).connected, what="subscription connected")
             a, b = list(range(9)), list(range(30, 39))
             seq = pub.publish(stored(chain(a), None, a[:8]))
-            wait_for(lambda: ext().last_sequence >= seq, what="batch 0 applied")
+            wait_for(lambda: ext(client).last_sequence >= seq, what="batch 0 applied")
             pub.drop(1)
             pub.publish(stored(chain(b), None, b[:8]))  # lost on the wire ...
             with pub._lock:
@@ -196,8 +191,9 @@ def test_a_replay_that_answers_without_the_gap_still_resyncs_in_bounded_time(tmp
             seq = pub.publish(stored(chain(b), None, b[:8]))
             with pub._lock:
                 pub.buffer.pop()
-            wait_for(lambda: ext().last_sequence >= seq, timeout_s=40, what="the held batch applied after a resync")
-            assert ext().resyncs == 1
+            wait_for(lambda: ext(client).last_sequence >= seq, timeout_s=40,
+                     what="the held batch applied after a resync")
+            assert ext(client).resyncs == 1
             assert client.lookup(b).tokens("vllm-0") == 8
     finally:
         pub.close()

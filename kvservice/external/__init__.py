@@ -5,5 +5,5 @@
     frames (vLLM's msgpack batches), spec (declared settings, vllm_hashes to check them), wire, snapshot
 
 Everything below the subscriber is deterministic and journaled like the rest of the state (WAL +
-snapshot); the subscriber (run per pool by feeds) is the only part with sockets and clocks.
+snapshot); the subscriber and feeds (which runs one per pool) are the only parts with sockets and clocks.
 """

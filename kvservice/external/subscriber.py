@@ -1,6 +1,7 @@
 """The subscriptions: per external pool, a ZMQ SUB socket on the engine's PUB socket (and a DEALER on its
-replay ROUTER), turning what arrives into IngestEvents commands, in sequence order. The only part of
-kvservice.external with sockets and clocks; every decision it takes is a command, so replay repeats it.
+replay ROUTER), turning what arrives into IngestEvents commands, in sequence order. With feeds.py, which
+runs one per pool, the only part of kvservice.external with sockets and clocks; every decision it takes is a
+command, so replay repeats it.
 
     frame seq == last + 1           -> applied
     frame seq >  last + 1 (a gap)   -> replay from `last`; the batch `last` must come back with the digest

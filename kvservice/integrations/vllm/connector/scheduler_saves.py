@@ -1,6 +1,7 @@
-"""The scheduler side's save planning: which prompts a step finished computing, their store pages (one Step
-on this node's store, and one on its disk tier for the write-through), and what to commit, free or evict once
-every worker rank reported its copies (`Done`).
+"""The scheduler side's part in each step: the step's metadata (`build`: the loads handed out, the waiting
+hand-overs polled, the saves planned: which prompts the step finished computing and their store pages, one
+Step on this node's store and one on its disk tier for the write-through), and what to unpin, commit, free or
+evict once every worker rank reported its copies (`Done`).
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ side's; once every worker rank reported a load or a save (`Done`, vLLM's worker 
 ranks), this side unpins or commits it, in a thread of its own (teller.py). A failed call turns sharing off
 for `retry_after_s`: requests are then computed, never answered from memory that may be gone.
 
-Its parts: loads and the request's life here; save planning and what the workers reported
-(scheduler_saves.py); the prefill/decode hand-over (scheduler_handover.py).
+Its parts: finding and pinning hits, and the request's life (this file); each step's metadata and what the
+workers reported (scheduler_saves.py); the prefill/decode hand-over (scheduler_handover.py).
 """
 
 from __future__ import annotations

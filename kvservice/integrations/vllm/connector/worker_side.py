@@ -12,7 +12,7 @@ block: vLLM recomputes it.
 
 On the store's node the pages are read and written in its shared-memory segment; from another node they come
 through `Stores.read` (transports.py). This file holds the loads and what a rank reports; the saves, their
-sealing and the disk write-through are worker_saves.py's.
+sealing, the disk write-through and the polling of finished copies (loads' included) are worker_saves.py's.
 """
 
 from __future__ import annotations
