@@ -33,14 +33,22 @@ class LeaderAndStandby:
     def client(self) -> KVServiceClient:
         return KVServiceClient(f"{self.leader.target},{self.standby.target}", failover_timeout_s=30)
 
+    def kill_leader(self) -> None:
+        self.leader.proc.send_signal(signal.SIGKILL)
+        self.leader.proc.wait(10)
+
     def stop(self) -> None:
         for p in (self.leader, self.standby):
             p.stop()
         self.redis.stop()
 
 
-def degraded_acks(pair: LeaderAndStandby, c: KVServiceClient, acked: Acked) -> None:
-    """Redis killed; acknowledgements from the leader's memory."""
+def acks_into_an_outage(pair: LeaderAndStandby, c: KVServiceClient) -> Acked:
+    """Pool "p" with 3 requests acknowledged while persistence is ok; then Redis killed, and acknowledgements
+    from the leader's memory (3 more requests, and a decode of the first)."""
+    c.register_pool("p", CONFIG, max_model_len=1024)
+    acked = Acked("p")
+    acked.add(c, 3, "ok")
     pair.redis.kill()
     deadline = time.monotonic() + 15
     while c.get_stats().persistence != "degraded":
@@ -51,6 +59,7 @@ def degraded_acks(pair: LeaderAndStandby, c: KVServiceClient, acked: Acked) -> N
     assert r[0].batch.status(0) == OpStatus.OK
     info = c.get_request("p", "ok-0")
     acked.tables["ok-0"] = (list(info.block_ids[0]), info.num_tokens)
+    return acked
 
 
 def test_outage_then_redis_returns_the_standby_converges_and_keeps_every_ack(tmp_path):
@@ -59,15 +68,11 @@ def test_outage_then_redis_returns_the_standby_converges_and_keeps_every_ack(tmp
     pair = LeaderAndStandby(tmp_path)
     try:
         c = pair.client()
-        c.register_pool("p", CONFIG, max_model_len=1024)
-        acked = Acked("p")
-        acked.add(c, 3, "ok")
-        degraded_acks(pair, c, acked)
+        acked = acks_into_an_outage(pair, c)
         epoch, pool_epoch = c.get_stats().leader_epoch, c.get_stats().pools["p"].epoch
         pair.redis.restart()
         faults.wait_persistence(c, "p", "ok", timeout_s=30)
-        pair.leader.proc.send_signal(signal.SIGKILL)
-        pair.leader.proc.wait(10)
+        pair.kill_leader()
         lost = []
         for rid, (table, n) in acked.tables.items():
             info = c.get_request("p", rid)  # answered by the standby, which leads now
@@ -95,13 +100,9 @@ def test_outage_with_the_leader_killed_the_standby_takes_over_and_the_pool_gets_
     pair = LeaderAndStandby(tmp_path)
     try:
         c = pair.client()
-        c.register_pool("p", CONFIG, max_model_len=1024)
-        acked = Acked("p")
-        acked.add(c, 3, "ok")
-        degraded_acks(pair, c, acked)
+        acked = acks_into_an_outage(pair, c)
         epoch, pool_epoch = c.get_stats().leader_epoch, c.get_stats().pools["p"].epoch
-        pair.leader.proc.send_signal(signal.SIGKILL)
-        pair.leader.proc.wait(10)
+        pair.kill_leader()
         pair.redis.restart()
         r = c.step("p", [DecodeBatchOp(["ok-0"], [acked.tables["ok-0"][1]], [9])])  # fails over, resumes
         assert r[0].status == OpStatus.EPOCH_CHANGED or r[0].batch.status(0) == OpStatus.EPOCH_CHANGED, r[0]
