@@ -148,3 +148,39 @@ def test_redis_that_comes_back_empty_is_resynced_not_fenced(redis7, tmp_path, st
     proc = allocator(redis7, tmp_path)
     assert proc.client().get_request("p", "a").num_tokens == 40  # recovered from the resync snapshot
     proc.stop()
+
+
+def test_a_lost_leader_key_is_not_ok_while_leadership_is_taken_back(redis7):
+    """The moment the journal finds Redis empty it counts the loss, and from that moment it is not `ok`: not
+    even during the round trip that takes the leader key back. (With the loss counted first and the state
+    changed after that await, GetStats and /metrics said `ok` with the loss counted, and a poller stopped
+    there, before the outage had even begun.) The retake is held open here to look inside that window."""
+    import asyncio
+
+    from kvservice.allocator import Allocator
+    from kvservice.store.base import PersistenceState
+    from kvservice.store.journal import PersistentJournal
+    from kvservice.store.redis_store import RedisStore
+
+    class HeldRetake(RedisStore):
+        async def retake_leadership(self) -> bool:
+            self.retaking.set()
+            await self.release.wait()
+            return await super().retake_leadership()
+
+    async def run() -> tuple[int, PersistenceState]:
+        store = HeldRetake(redis7.url, "held")
+        store.retaking, store.release = asyncio.Event(), asyncio.Event()
+        await store.acquire_leadership()
+        journal = PersistentJournal(store, Allocator(), require_persistence=True, snapshot_mode="fork")
+        journal.start()
+        try:
+            with redis7.client() as r:
+                r.flushall()  # Redis answers, without the leader key: its data is lost
+            await asyncio.wait_for(store.retaking.wait(), timeout=10)
+            return journal.stats.redis_data_losses, journal.state
+        finally:
+            await journal.stop()  # cancels the held retake; closes the store
+
+    losses, state = asyncio.run(run())
+    assert losses == 1 and state is PersistenceState.DOWN, (losses, state)

@@ -229,10 +229,11 @@ class PersistentJournal(Journal):
         logger.critical("Redis lost this allocator's data (the leader key of epoch %d is gone): taking leadership "
                         "back and writing a fresh snapshot from memory; serving %s until it is committed",
                         self.store.epoch, "nothing" if self.require_persistence else "degraded")
-        if not await self.store.retake_leadership():
-            return await self.store.leader()  # another allocator wrote the key meanwhile: fenced
+        # Not durable from now on, before the first await: no reader may see the loss counted and "ok" together.
         if self.state in (PS.OK, PS.RESYNCING):
             self._outage(LeaderLostError("Redis lost its data"), [])
+        if not await self.store.retake_leadership():
+            return await self.store.leader()  # another allocator wrote the key meanwhile: fenced
         return self.store.epoch
 
     async def _watch_standby(self) -> None:
@@ -293,8 +294,9 @@ class PersistentJournal(Journal):
                 raise RuntimeError(f"snapshot child exited with {os.waitstatus_to_exitcode(status)}")
             self.stats.wal_lag = await self.store.commit_snapshot(wal_id, "fork")
             if resync and self.state is PS.RESYNCING:
-                self.state = PS.OK
+                # Logged first: whoever sees "ok" (GetStats, /metrics from its own thread) finds the line written.
                 logger.warning("resync snapshot committed: persistence is ok again")
+                self.state = PS.OK
             if self.snapshot_mode == "fork":
                 self.stats.snapshots += 1
             self.stats.last_snapshot_s = time.perf_counter() - start
