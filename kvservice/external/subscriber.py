@@ -3,7 +3,9 @@ replay ROUTER), turning what arrives into IngestEvents commands, in sequence ord
 runs one per pool, the only part of kvservice.external with sockets and clocks; every decision it takes is a
 command, so replay repeats it.
 
-    frame seq == last + 1           -> applied
+    frame seq == last + 1           -> applied (a pool that has applied nothing expects batch 0: any other
+                                       first batch asks the replay from 0 first; a buffer that no longer
+                                       reaches back to 0 is a resync, counted and logged)
     frame seq >  last + 1 (a gap)   -> replay from `last`; the batch `last` must come back with the digest
                                        applied, else the publisher restarted (below); a buffer that starts
                                        past `last + 1` cannot fill it: a resync (the index is dropped)
@@ -183,7 +185,7 @@ class Feed:
                 await self._give_up()
             return
         last = self._position()
-        if last < 0 or seq == last + 1:
+        if seq == last + 1:  # (a pool that has applied nothing starts at batch 0, as every publisher does)
             self._accept(seq, payload)
             if len(self._pending) >= MAX_FRAMES_PER_COMMAND:
                 await self._flush()
@@ -206,16 +208,29 @@ class Feed:
             if seq == last + 1:
                 self._accept(seq, payload)
                 return
+            if last < 0:  # an empty buffer: the batches before this one are gone
+                self._lost_start(seq)
+                self._pending_reset = ResetKind.RESYNC
+                self._accept(seq, payload)
+                return
         if replay and self.spec.replay_endpoint:
             # The replay did not settle it (no answer in time, or it stopped short): dropping the index now
             # would lose every block the engine still holds while its buffer may well have the batches.
             self._hold(seq, payload, went_back)
             return
         if replay:  # no replay socket to wait for (`_give_up` says why it stopped waiting)
-            logger.warning("external pool %s: %s at batch %d (last applied %d) and no replay socket", self.spec.pool_id,
-                           "the publisher restarted" if restarted else "a sequence gap", seq, last)
+            logger.warning("external pool %s: %s at batch %d (%s) and no replay socket", self.spec.pool_id,
+                           "the publisher restarted" if restarted else "a sequence gap", seq,
+                           f"last applied {last}" if last >= 0 else "the first batch received")
         self._pending_reset = ResetKind.RESTART if restarted else ResetKind.RESYNC
         self._accept(seq, payload)
+
+    def _lost_start(self, first: int) -> None:
+        """Nothing was applied and the publisher's replay buffer holds nothing before batch `first`: what it
+        published before is unknown, so indexing from there is a resync (counted by the reset, logged here)."""
+        logger.warning("external pool %s: batches 0..%d are not in the publisher's replay buffer any more: "
+                       "indexing from batch %d on (a resync: what the engine cached before is unknown)",
+                       self.spec.pool_id, first - 1, first)
 
     def _accept(self, seq: int, payload: bytes) -> None:
         self._pending.append((seq, payload))
@@ -292,8 +307,13 @@ class Feed:
         replayed = await self._replay(max(last, 0))
         if replayed is None:
             return False
-        if last < 0:
-            await self._submit(replayed)
+        if last < 0:  # nothing applied yet: the stream from its start, as far as the buffer still reaches
+            if replayed and replayed[0][0] > 0:
+                self._lost_start(replayed[0][0])
+                await self._submit(replayed, ResetKind.RESYNC)
+            else:
+                self._count_missed(replayed)
+                await self._submit(replayed)
             return True
         first = replayed[0][0] if replayed else None
         if first == last and payload_digest(replayed[0][1]) == digest:

@@ -54,15 +54,22 @@ class _Losing:
 
 
 class Harness:
-    def __init__(self, tmp_path, seed: int, fail: bool = False) -> None:
+    def __init__(self, tmp_path, seed: int, fail: bool = False, serve: bool = True, buffer_steps: int = 10_000) -> None:
         self.rng = random.Random(seed)
         self.families = prefixes(self.rng)
         sub, replay = free_port(), free_port()
-        self.engine = VllmEngine(f"tcp://*:{sub}", f"tcp://*:{replay}", num_blocks=NUM_BLOCKS, hash_algo="sha256_cbor")
+        self.engine = VllmEngine(f"tcp://*:{sub}", f"tcp://*:{replay}", num_blocks=NUM_BLOCKS, hash_algo="sha256_cbor",
+                                 buffer_steps=buffer_steps)
         self.pub = self.engine.publisher._pub = _Losing(self.engine.publisher._pub, fail)
-        flag = f"{POOL}={loopback(sub)},replay={loopback(replay)},block-size={BLOCK},hash=sha256_cbor"
-        self.server = start_server("--vllm-events", flag, log_dir=tmp_path)
+        self.flag = f"{POOL}={loopback(sub)},replay={loopback(replay)},block-size={BLOCK},hash=sha256_cbor"
+        self.tmp_path = tmp_path
+        self.server = None
+        if serve:
+            self.serve()
         self.probes = [f + [1, 2, 3] for f in self.families] + [f[:BLOCK * 2 + 1] for f in self.families]
+
+    def serve(self) -> None:
+        self.server = start_server("--vllm-events", self.flag, log_dir=self.tmp_path)
 
     def publish(self, lost: bool = False) -> tuple[int, list] | None:
         """This step's events as one batch (vLLM's scheduler publishes none for a step without events)."""
@@ -104,7 +111,8 @@ class Harness:
         return seq, {h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes}
 
     def close(self) -> None:
-        self.server.stop()
+        if self.server is not None:
+            self.server.stop()
         self.engine.shutdown()
 
 
@@ -173,6 +181,70 @@ def test_batches_missing_from_the_replay_buffer_resync_within_the_bound(tmp_path
             checker.applied()
             for prompt in [*h.probes, *h.running()]:
                 assert client.lookup(prompt).tokens(POOL) <= h.engine.computed_tokens(prompt), prompt
+            assert client.lookup(fresh).tokens(POOL) == h.engine.computed_tokens(fresh) == BLOCK * 3
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("num_lost", [1, 7, 12])
+def test_the_first_batches_lost_are_asked_from_the_replay(tmp_path, monkeypatch, num_lost):
+    """The engine's very first batches are lost on the PUB socket (kept in vLLM's replay buffer), so the first
+    batch the allocator ever receives is `num_lost`: it asks the replay from batch 0 before applying it, and
+    from then on Lookup equals get_computed_blocks, with no resync."""
+    monkeypatch.setenv("KVSERVICE_TEST_LOG_LEVEL", "INFO")
+    h = Harness(tmp_path, seed=43 + num_lost)
+    try:
+        with h.server.client(hash_block_size=BLOCK) as client:
+            wait_for(lambda: client.get_stats().external_pools[POOL].connected, what="subscribed")
+            checker = Checker(client, h.engine, h.probes)
+            lost = 0
+            while lost < num_lost:  # published back to back: no idle catch-up comes between them
+                lost += h.step(lost=True) is not None
+            delivered = 0
+            while delivered < 8:
+                if h.step() is not None:
+                    delivered += 1
+                    checker.check(h.running())
+            s = checker.stats()
+            assert s.resyncs == 0 and s.restarts == 0 and s.gaps >= 1
+            assert set(range(num_lost)) <= logged_repairs(h.server.log.read_text())
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("buffer_steps", [10_000, 20], ids=["buffer-reaches-back", "buffer-cut"])
+def test_an_allocator_started_after_50_batches_learns_what_the_buffer_holds(tmp_path, monkeypatch, buffer_steps):
+    """An allocator connecting to an engine that has published 50 batches (to no subscriber): with the whole
+    stream in vLLM's replay buffer, Lookup equals get_computed_blocks at once; with a buffer of the last 20
+    batches only, that is a resync, counted and logged, and Lookup never reports a block the engine does not
+    hold (and equals it for what is cached from then on)."""
+    monkeypatch.setenv("KVSERVICE_TEST_LOG_LEVEL", "INFO")
+    h = Harness(tmp_path, seed=4350, serve=False, buffer_steps=buffer_steps)
+    try:
+        while h.engine.num_published < 50:
+            h.step()
+        publisher = h.engine.publisher
+        wait_for(lambda: len(publisher._buffer) == min(50, buffer_steps), what="vLLM's publisher sent all 50")
+        h.serve()
+        with h.server.client(hash_block_size=BLOCK) as client:
+            wait_for(lambda: client.get_stats().external_pools[POOL].connected, what="subscribed")
+            checker = Checker(client, h.engine, h.probes)
+            checker.applied()
+            log = h.server.log.read_text()
+            if buffer_steps > 50:
+                checker.check(h.running())
+                assert checker.stats().resyncs == 0 and set(range(50)) <= logged_repairs(log)
+                return
+            assert checker.stats().resyncs == 1
+            assert "batches 0..29 are not in the publisher's replay buffer any more" in log
+            for prompt in [*h.probes, *h.running()]:
+                assert client.lookup(prompt).tokens(POOL) <= h.engine.computed_tokens(prompt), prompt
+            fresh = [h.rng.randrange(2000, 3000) for _ in range(BLOCK * 3 + 1)]
+            for req in list(h.engine.running):
+                h.engine.free(req)
+            assert h.engine.admit(fresh)
+            h.publish()
+            checker.applied()
             assert client.lookup(fresh).tokens(POOL) == h.engine.computed_tokens(fresh) == BLOCK * 3
     finally:
         h.close()
