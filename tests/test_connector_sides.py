@@ -178,18 +178,6 @@ def test_a_layout_with_blocks_elsewhere_is_refused():
         side.register({"l0": torch.zeros(2, NUM_BLOCKS, 4)}, NUM_BLOCKS)
 
 
-def test_store_auto_is_the_nodes_only_live_store(server, store, tmp_path, monkeypatch):
-    from kvservice.integrations.vllm.connector.settings import ENV_RAY_NODE
-    monkeypatch.delenv(ENV_RAY_NODE, raising=False)
-    assert ConnectorSettings.from_extra({"address": "x", "store": "auto", "shm_dir": store.directory}).store == "n1"
-    with pytest.raises(ValueError, match="found 0 live stores"):
-        ConnectorSettings.from_extra({"address": "x", "store": "auto", "shm_dir": str(tmp_path / "none")})
-    # A vLLM subprocess of a Ray actor: the actor's node, handed down.
-    monkeypatch.setenv(ENV_RAY_NODE, "0123456789abcdef")
-    assert ConnectorSettings.from_extra({"address": "x", "store": "auto", "shm_dir": str(tmp_path / "none")}).store \
-        == "node-0123456789ab"
-
-
 def test_a_hit_asked_again_answers_and_loads_from_the_engines_new_hit(server, store):
     """vLLM asks again when it could not admit the request; the engine's own hit may have shrunk meanwhile:
     the answer and the load follow the last ask (every block past the engine's hit is loaded)."""

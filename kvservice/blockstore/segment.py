@@ -31,6 +31,7 @@ class Descriptor:
     disk_dir: str = ""  # the store's disk tier (disk.py), when it has one: its pool and that pool's epoch
     disk_pool_id: str = ""
     disk_epoch: int = 0
+    tenant: str | None = None  # the tenant of the store's token, as the allocator named it (None: not recorded)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -53,10 +54,13 @@ def read_descriptor(name: str, directory: str = DEFAULT_DIR) -> Descriptor | Non
 
 
 def live_descriptors(directory: str = DEFAULT_DIR) -> list[Descriptor]:
-    """The descriptors in `directory` whose store process is alive (on this node)."""
+    """The descriptors in `directory` whose store process is alive (on this node), this user's only (as
+    `read_descriptor`)."""
     out = []
     for path in sorted(Path(directory).glob("kvservice-store-*.json")):
         try:
+            if path.stat().st_uid != os.getuid():
+                continue
             d = Descriptor(**json.loads(path.read_text()))
             os.kill(d.pid, 0)
         except (OSError, ValueError, TypeError):

@@ -108,12 +108,14 @@ class BlockStore:
         self.num_registrations += 1
 
     def _describe(self) -> None:
-        """The descriptor this node's engines read: the segment, its generation, the disk tier and its epoch."""
+        """The descriptor this node's engines read: the segment, its generation, the disk tier and its epoch, and
+        the tenant the allocator knows this store's token as (`store: auto` picks its engine's tenant's store)."""
         disk = self.disk.info if self.disk is not None else None
         self.descriptor = Descriptor(self.name, self.pool_id, self.segment.path, self.segment.num_blocks,
                                      self.page_bytes, self.block_size, self.generation, self.node_id, os.getpid(),
                                      disk_dir=self.disk.directory if disk else "",
-                                     disk_pool_id=disk.pool_id if disk else "", disk_epoch=disk.epoch if disk else 0)
+                                     disk_pool_id=disk.pool_id if disk else "", disk_epoch=disk.epoch if disk else 0,
+                                     tenant=self.client.tenant)
         write_descriptor(self.descriptor, self.directory)
 
     def _watch(self, every_s: float) -> None:

@@ -27,3 +27,22 @@ def test_every_vllm_layout_loads_what_every_vllm_layout_saved(model, src, dst):
 
 def test_what_vllm_builds_but_pages_cannot_hold_is_refused():
     vllm_refusals()
+
+
+@pytest.mark.parametrize("model", VLLM_MODELS)
+@pytest.mark.parametrize("variant", VLLM_VARIANTS)
+def test_the_scheduler_sides_page_size_is_the_workers(model, variant):
+    """`store: auto` matches a store's page size to the one the scheduler side reads off vLLM's KVCacheConfig;
+    the worker's pages (PageFormat, from the views vLLM builds) must be that size, per rank."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
+
+    from kvservice.integrations.vllm.connector.autostore import engine_page_bytes
+    from tests.page_format_helpers import layer_names, vllm_engine
+
+    heads, head_size, dtype, mla = VLLM_MODELS[model]
+    engine = vllm_engine(model, variant)
+    spec = (MLAAttentionSpec if mla else FullAttentionSpec)(block_size=16, num_kv_heads=heads, head_size=head_size,
+                                                           dtype=dtype)
+    config = KVCacheConfig(engine.num_blocks, [], [KVCacheGroupSpec(layer_names(len(engine.caches)), spec)])
+    assert engine_page_bytes(config, 1) == engine.format().page_bytes
+    assert engine_page_bytes(config, 2) == 2 * engine.format().page_bytes

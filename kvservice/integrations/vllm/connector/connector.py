@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvservice.integrations.vllm import version as _version  # noqa: F401 - refuses an unsupported vLLM
+from kvservice.integrations.vllm.connector.autostore import engine_page_bytes
 from kvservice.integrations.vllm.connector.identity import model_namespace
 from kvservice.integrations.vllm.connector.plan import Done, Load, Save
 from kvservice.integrations.vllm.connector.settings import ConnectorSettings, hand_down_ray_node
@@ -80,8 +81,13 @@ class KVServiceConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
-        self.settings = ConnectorSettings.from_extra(transfer.kv_connector_extra_config)
         parallel = vllm_config.parallel_config
+        self.block_size = vllm_config.cache_config.block_size
+        # Only the scheduler side saves into `store` by name: `auto` is resolved there, for this engine's pages.
+        self.settings = ConnectorSettings.from_extra(
+            transfer.kv_connector_extra_config, block_size=self.block_size,
+            page_bytes=engine_page_bytes(kv_cache_config, parallel.tensor_parallel_size),
+            resolve_store=role == KVConnectorRole.SCHEDULER)
         refused = {"pipeline_parallel_size": parallel.pipeline_parallel_size,
                    "decode_context_parallel_size": getattr(parallel, "decode_context_parallel_size", 1),
                    "prefill_context_parallel_size": getattr(parallel, "prefill_context_parallel_size", 1)}
@@ -92,7 +98,6 @@ class KVServiceConnector(KVConnectorBase_V1):
         self.world_size = parallel.tensor_parallel_size
         if self.settings.load_failure == "recompute":
             transfer.kv_load_failure_policy = "recompute"
-        self.block_size = vllm_config.cache_config.block_size
         self.async_saves = str(getattr(vllm_config.device_config, "device_type", "cpu")) == "cuda"
         engine_id = transfer.engine_id or "engine"
         self.scheduler_side = self.worker_side = None

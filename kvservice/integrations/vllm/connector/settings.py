@@ -29,7 +29,8 @@ class ConnectorSettings:
             started it), and an engine finds and reads only its tenant's blocks.
         store: the store on this engine's node, where it saves (default: $KVSERVICE_STORE). Without one
             the engine only loads. "auto": the store `kvservice deploy --stores` started on this Ray node
-            (when this process is in Ray), else the one store running on this node.
+            (when this process is in Ray), else the live store of this node of the engine's tenant, block
+            size and page size (autostore.py; refused while several fit, naming them).
         stores: the stores to load from (default: every store pool the tenant sees).
         ray_address: the Ray cluster of the stores, for loads from other nodes (default: the Ray this
             process already joined, else "auto").
@@ -73,7 +74,11 @@ class ConnectorSettings:
                                timeout_s=self.timeout_s, retries=retries)
 
     @classmethod
-    def from_extra(cls, extra: dict | None) -> ConnectorSettings:
+    def from_extra(cls, extra: dict | None, *, block_size: int | None = None, page_bytes: int | None = None,
+                   resolve_store: bool = True) -> ConnectorSettings:
+        """The settings of `extra`; `store: auto` resolved (autostore.py) for an engine of `block_size` whose
+        store pages are `page_bytes` (None: not checked), unless `resolve_store` is False (a worker, which never
+        saves by name: `store` stays "auto")."""
         extra = dict(extra or {})
         defaults = {f.name: f.default for f in fields(cls)}
         known = set(defaults)
@@ -84,8 +89,6 @@ class ConnectorSettings:
         if not extra.get("address"):
             raise ValueError("kv_connector_extra_config.address: required, the kvservice allocator's host:port")
         extra.setdefault("store", os.environ.get(ENV_STORE) or None)
-        if extra["store"] == "auto":
-            extra["store"] = auto_store(extra.get("shm_dir", defaults["shm_dir"]))
         stores = extra.get("stores", ())
         if isinstance(stores, str):
             stores = tuple(s for s in stores.split(",") if s)
@@ -101,22 +104,10 @@ class ConnectorSettings:
         if extra.get("load_failure", "recompute") not in ("recompute", "fail"):
             raise ValueError(f"kv_connector_extra_config.load_failure: {extra['load_failure']!r} is not "
                              f"'recompute' or 'fail'")
+        if extra["store"] == "auto" and resolve_store:
+            from kvservice.integrations.vllm.connector.autostore import Engine, auto_store
+            extra["store"] = auto_store(extra.get("shm_dir", defaults["shm_dir"]),
+                                        Engine(block_size, page_bytes, extra["address"], extra.get("token"),
+                                               extra["timeout_s"]))
         return cls(**extra)
 
-
-def auto_store(shm_dir: str) -> str:
-    """`store: auto`: this Ray node's deploy store (this process's node, or the node of the process that
-    started it, $KVSERVICE_RAY_NODE_ID), or the only live store of this node."""
-    from kvservice.blockstore.actor import node_store_name
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        return node_store_name(ray.get_runtime_context().get_node_id())
-    if os.environ.get(ENV_RAY_NODE):
-        return node_store_name(os.environ[ENV_RAY_NODE])
-    from kvservice.blockstore.segment import live_descriptors
-    live = sorted({d.name for d in live_descriptors(shm_dir)})
-    if len(live) != 1:
-        raise ValueError(f"kv_connector_extra_config.store: 'auto' is not in Ray (nor started from a Ray process) "
-                         f"and found {len(live)} live stores in {shm_dir} ({', '.join(live) or 'none'}); name this "
-                         f"node's store")
-    return live[0]
