@@ -9,6 +9,7 @@ process's (when both are known); the connector's `store` setting plays no part i
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -23,6 +24,8 @@ from kvservice.blockstore.actor import NAMESPACE, actor_name, live_ray_address
 from kvservice.blockstore.disk import DiskPages
 from kvservice.blockstore.segment import MAX_SLOTS, META_FIELDS, Segment, read_descriptor
 from kvservice.integrations.vllm.connector.settings import ENV_RAY_NODE, ConnectorSettings
+
+logger = logging.getLogger(__name__)
 
 REMOTE_READ_TIMEOUT_S = 10.0  # a load from another node's store that takes longer fails (and is recomputed)
 RAY_RETRY_S = 10.0  # after a failed connect to Ray, loads through it fail at once for this long
@@ -111,6 +114,23 @@ def nixl_state() -> tuple[bool, str]:
     return (True, "") if nixl_available() else (False, nixl_unavailable_reason())
 
 
+def choose_nixl(transport: str) -> tuple[bool, str]:
+    """(whether other nodes' pages move by NIXL, why not: "off" under transport 'ray'). Under 'nixl' a NIXL that
+    does not work here refuses the engine's start (else every load from another node would fail); under 'auto'
+    Ray takes over, with a warning."""
+    if transport == "ray":
+        return False, "off"
+    on, why = nixl_state()
+    if not on and transport == "nixl":
+        raise ValueError(f"kv_connector_extra_config.transport: 'nixl', but NIXL does not work in this engine's "
+                         f"environment ({why}): install it (pip install 'kvservice[nixl]'; nixl-cu13 on a CUDA 13 "
+                         f"host), or set transport to 'auto' (NIXL where it works, else Ray) or 'ray'")
+    if not on:
+        logger.warning("kvservice connector: transport 'auto': NIXL does not work here (%s); pages of other nodes' "
+                       "stores come through Ray (pip install 'kvservice[nixl]' for NIXL)", why)
+    return on, why
+
+
 class Stores:
     """This process's ways to the stores: segments of the stores on this node, NIXL (or Ray actors) to the
     others."""
@@ -119,7 +139,7 @@ class Stores:
         self.settings = settings
         self.endpoints: dict[str, bytes] = {}  # store name -> its NIXL endpoint (the connector's metadata)
         self._nixl: NixlPath | None = None
-        self.nixl_on, self.nixl_why = nixl_state() if settings.transport in ("auto", "nixl") else (False, "off")
+        self.nixl_on, self.nixl_why = choose_nixl(settings.transport)
         self.segments: dict[str, tuple[str, Segment, torch.Tensor]] = {}
         self.actors: dict[str, object] = {}
         self._ray_down = (float("-inf"), "")  # when connecting to Ray last failed, and why
@@ -134,7 +154,7 @@ class Stores:
         ray = "ray" if "ray" in sys.modules or _importable("ray") else ""
         if self.nixl_on:
             return "nixl" + (" (ray for stores with no NIXL endpoint)" if ray else "")
-        why = f"; NIXL: {self.nixl_why}" if self.nixl_why != "off" else ""
+        why = f" (transport auto, NIXL does not work here: {self.nixl_why})" if self.nixl_why != "off" else ""
         return (ray or "none (neither NIXL nor Ray is installed)") + why
 
     def local(self, name: str, generation: int) -> Segment | None:
