@@ -1,6 +1,6 @@
 """The disk tier's page files (kvservice/blockstore/disk.py): a slice is whole only once its bytes, checksum
 and tag are durable; a file truncated, altered or never completed fails verification; a full disk fails the
-write and leaves the page untagged."""
+write, at whichever step it fills, and leaves no file that a later save to that page id could be taken over with."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from kvservice.blockstore.disk import HEADER_BYTES, DiskPages, checksum, open_tier, page_path
 from kvservice.blockstore.segment import CHECKSUM, FORMAT, META_FIELDS, TAG, WORLD
-from tests.disk_helpers import tiny_tmpfs
+from tests.disk_helpers import small_disk, tiny_tmpfs
 
 PAGE = 4096 * 3
 
@@ -78,7 +78,7 @@ def tiny_disk(tmp_path):
         yield mount
 
 
-def test_a_full_disk_fails_the_write_and_leaves_the_page_untagged(tiny_disk):
+def test_a_full_disk_fails_the_write_and_leaves_no_page(tiny_disk):
     pages = DiskPages(str(tiny_disk), PAGE)
     (tiny_disk / "pages").mkdir()
     written = []
@@ -89,3 +89,51 @@ def test_a_full_disk_fails_the_write_and_leaves_the_page_untagged(tiny_disk):
     assert info.value.errno == 28  # ENOSPC
     failed = len(written) + 1
     assert written and all(pages.verify(i) for i in written) and not pages.verify(failed)
+    assert not os.path.exists(page_path(str(tiny_disk), failed))
+
+
+# Pages left free on the disk before a save of two pages (a page file is 4 tmpfs pages: a header, 3 of bytes),
+# so ENOSPC hits at that step; "fsync": every write is taken and the writeback fails.
+ENOSPC_AT = {"header": 0, "slice": 1, "mid-slice": 2, "second page's header": 4, "fsync": 0}
+
+
+def save(pages: DiskPages, page_ids: list[int], seed: int) -> list[np.ndarray]:
+    """One rank's write-through of a save (world 1): every page in one `write_slices`."""
+    rng = np.random.default_rng(seed)
+    data = [rng.integers(0, 256, PAGE, dtype=np.uint8) for _ in page_ids]
+    pages.write_slices([(i, d, meta(d, 1, tag=seed)) for i, d in zip(page_ids, data)], 0, 0)
+    return data
+
+
+@pytest.mark.parametrize("step", list(ENOSPC_AT))
+def test_enospc_at_any_write_step_leaves_no_file_and_the_ids_take_the_next_save(tmp_path, step):
+    """A save whose write fails (ENOSPC at the header, the slice, the next page or the fsync) leaves no page
+    file behind; once space is back, a save to the same ids is written whole (header included) and verifies."""
+    with small_disk(tmp_path / "disk", writeback=step == "fsync") as (disk, ballast):
+        pages = DiskPages(str(disk), PAGE)
+        (disk / "pages").mkdir()
+        ballast.fill(ENOSPC_AT[step])
+        with pytest.raises(OSError) as info:
+            save(pages, [1, 2], seed=1)
+        assert info.value.errno == 28  # ENOSPC
+        left = [i for i in (1, 2) if os.path.exists(page_path(str(disk), i))]
+        ballast.clear()
+        data = save(pages, [1, 2], seed=2)
+        assert pages.verify(1) and pages.verify(2)
+        out = np.empty(PAGE, np.uint8)
+        for page_id, expected in zip((1, 2), data):
+            m = pages.read_slice(page_id, 0, out)
+            assert np.array_equal(out, expected) and m[0, TAG] == 2
+        assert left == []  # removed on failure: nothing there holds space or looks like a page
+
+
+def test_a_page_file_reused_by_id_is_rewritten_header_included(tmp_path):
+    """A full-length file of zeros (what a write that failed at its header left before it was removed on
+    failure) is not a page file: a save to its id writes the header again, and the page verifies."""
+    pages = DiskPages(str(tmp_path), PAGE)
+    (tmp_path / "pages").mkdir()
+    with open(page_path(str(tmp_path), 5), "wb") as f:
+        f.truncate(HEADER_BYTES + PAGE)
+    assert not pages.verify(5)
+    save(pages, [5], seed=3)
+    assert pages.verify(5)

@@ -8,9 +8,12 @@ Layout of the tier's directory:
 
 A page file's header holds what a segment's metadata holds for each slice (segment.py: the tag of the save
 that wrote it, its checksum and its format), so a page on disk carries its own proof. A writer (an engine's
-worker, for its rank's slice) clears the slice's tag, writes the bytes, then checksum, format and tag, and
-`fdatasync`s the file (and the directory when it created the file): only then is the page reported, and only
-then does the allocator cache it. A reader checks the tag, the format and, always, the checksum.
+worker, for its rank's slice) writes the header's magic and page size (on every write: the file may be one a
+failed write left), clears the slice's tag, writes the bytes, then checksum, format and tag, `fdatasync`s the
+file, reads it back as a reader would (header, metadata, checksum), and syncs the directory when it created the
+file: only then is the page reported, and only then does the allocator cache it. A write that fails at any
+step (ENOSPC included) removes the files it wrote to. A reader checks the tag, the format and, always, the
+checksum.
 
 The allocator holds the index of these pages (the pool, its LRU, pins, tenants) in Redis like any pool's. A
 store that restarts verifies every page file before it re-attaches the pool, and has the allocator drop the
@@ -19,6 +22,7 @@ pages that fail (a file truncated, altered or never completed).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -123,32 +127,62 @@ class DiskPages:
         self.write_slices([(page_id, data, meta)], slot, offset)
 
     def write_slices(self, items: list[tuple[int, np.ndarray, np.ndarray]], slot: int, offset: int) -> None:
-        """Slice `slot` (at byte `offset` of its page) of each `(page_id, data, meta)`: the slice's tag cleared,
-        its bytes, then its metadata (`[4]`, tag included); every file `fdatasync`ed (and the directory, for
-        files it created) before this returns, so the slices are durable when the caller reports them. A crash
-        before that leaves pages nobody indexed (and whose checksums a restart finds wrong if torn). OSError
-        (ENOSPC, ...) leaves the slice being written untagged."""
+        """Slice `slot` (at byte `offset` of its page) of each `(page_id, data, meta)`: the file's header, the
+        slice's tag cleared, its bytes, then its metadata (`[4]`, tag included); every file `fdatasync`ed, then
+        read back and checked (header, metadata, checksum), and the directory synced for files it created,
+        before this returns: the slices are durable and whole when the caller reports them. A crash before
+        that leaves pages nobody indexed (and whose checksums a restart finds wrong if torn). Any failure
+        (ENOSPC at any step, a file that does not read back as written) raises OSError and removes the files
+        this call wrote to: none is left that a later save to its id could be taken over with."""
         at = _META_OFFSET + slot * META_FIELDS * 8
-        fds, created = [], False
+        head = MAGIC + int(self.page_bytes).to_bytes(8, "little")
+        paths: list[str] = []
+        created = False
         try:
+            fds: list[int] = []
+            try:
+                for page_id, data, meta in items:
+                    path = page_path(self.directory, page_id)
+                    created |= not os.path.exists(path)
+                    fds.append(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+                    paths.append(path)
+                    fd = fds[-1]
+                    if os.fstat(fd).st_size < HEADER_BYTES + self.page_bytes:
+                        os.ftruncate(fd, HEADER_BYTES + self.page_bytes)
+                    # Every time, not only on a short file: ftruncate allocates nothing, so a write that stopped
+                    # after it (a crash, an older version's ENOSPC) leaves a full-length file with no header.
+                    _pwrite_all(fd, memoryview(head.ljust(_META_OFFSET, b"\0")), 0)
+                    _pwrite_all(fd, memoryview(bytes(META_FIELDS * 8)), at)  # being written
+                    _pwrite_all(fd, memoryview(np.ascontiguousarray(data)).cast("B"), HEADER_BYTES + offset)
+                    _pwrite_all(fd, memoryview(np.asarray(meta, dtype="<u8").tobytes()), at)
+                for fd in fds:
+                    os.fdatasync(fd)
+            finally:
+                for fd in fds:
+                    os.close(fd)
             for page_id, data, meta in items:
-                path = page_path(self.directory, page_id)
-                created |= not os.path.exists(path)
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-                fds.append(fd)
-                if os.fstat(fd).st_size < HEADER_BYTES + self.page_bytes:
-                    os.ftruncate(fd, HEADER_BYTES + self.page_bytes)
-                    os.pwrite(fd, MAGIC + int(self.page_bytes).to_bytes(8, "little"), 0)
-                os.pwrite(fd, np.zeros(META_FIELDS, "<u8").tobytes(), at)  # being written
-                _pwrite_all(fd, memoryview(np.ascontiguousarray(data)), HEADER_BYTES + offset)
-                os.pwrite(fd, np.asarray(meta, dtype="<u8").tobytes(), at)
-            for fd in fds:
-                os.fdatasync(fd)
-        finally:
-            for fd in fds:
-                os.close(fd)
-        if created:
-            _fsync_dir(Path(self.directory) / "pages")
+                self._check_written(page_id, slot, offset, np.asarray(data).nbytes, meta)
+            if created:
+                _fsync_dir(Path(self.directory) / "pages")
+        except BaseException:
+            # A failed fdatasync is reported once and may leave right-looking bytes in the page cache that never
+            # reached the disk: such a file is removed, never trusted or synced again.
+            for path in paths:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            raise
+
+    def _check_written(self, page_id: int, slot: int, offset: int, nbytes: int, meta: np.ndarray) -> None:
+        """The page file as a reader will find it: header, this slot's metadata as written, the slice's bytes
+        matching its checksum. OSError when not."""
+        out = np.empty(nbytes, np.uint8)
+        try:
+            got = self.read_slice(page_id, offset, out)
+        except LookupError as exc:
+            raise OSError(errno.EIO, f"{exc} after it was written") from None
+        want = np.asarray(meta, dtype="<u8")
+        if not np.array_equal(got[slot], want) or checksum(out) != int(want[CHECKSUM]):
+            raise OSError(errno.EIO, f"disk page {page_id}: slot {slot} does not read back as written")
 
     def read_meta(self, page_id: int) -> np.ndarray | None:
         """`[MAX_SLOTS, 4]` of the page file, or None when there is no such file (or it is cut short)."""
