@@ -2,6 +2,7 @@
 
     engine (scheduler: one allocator Step per step, step_plan, request) -> StepBatch (batch) -> every rank
       actor (a Ray actor per DCP rank, or LocalWorkers) -> runner (block_table, KV caches) -> model + kernels
+    llm: `LLM` runs Hugging Face checkpoints on this engine (hf/: their own modules, our paged attention)
     deploy/ brings pools up on a Ray cluster; demo is `make run`.
 """
 

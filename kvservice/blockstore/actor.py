@@ -1,5 +1,7 @@
-"""The store as a Ray actor on a chosen node (`start_store`), named `kvservice-store-<name>` in the namespace
-"kvservice": the engines of other nodes read its pages through it (Ray's object store carries them)."""
+"""The store as a Ray actor on a chosen node (`start_store`; `kvservice deploy --stores` starts one per node,
+named `node_store_name`), named `kvservice-store-<name>` in the namespace "kvservice". Engines of other nodes
+read its pages through it (Ray's object store carries them) where NIXL does not work or the store published no
+NIXL endpoint; otherwise they READ its segment with NIXL (transports/) and the actor is not on the path."""
 
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ session's lease in the background (every third of the server's `--session-ttl`).
     base      the API, written once (each method a `Call`); sessions, sequences, resume
     sync      KVServiceClient: runs a call to its result       aio   AsyncKVServiceClient: as a coroutine
     index     PrefixIndex: a router's replica of the prefix index from the shards' events (Lookup from memory)
+    routing   which shard's connection a call goes to (one session id, sequences per shard)
 """
 
 from kvservice.client.aio import AsyncKVServiceClient

@@ -1,4 +1,10 @@
-"""The gRPC allocator service: servicer (translation only), auth, leases, metrics and the app."""
+"""The gRPC allocator service.
+
+    serve (the `kvservice serve` process: startup checks, leader or hot standby, signals) -> app (the allocator
+      recovered from Redis, leases, health, metrics, external feeds) -> servicer (translation only; rpc: its
+      plumbing, external_handlers: external pools) -> kvservice.allocator
+    auth (bearer tokens -> tenants), metrics (Prometheus), sharding (this allocator as one shard of several)
+"""
 
 import os
 

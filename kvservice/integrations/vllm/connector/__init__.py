@@ -1,6 +1,7 @@
 """kvservice's KV connector for vLLM (0.32.x and 0.33.x): engines save the KV of prompts they computed into the
-store tier (kvservice.blockstore) and load prefixes any engine saved, on this node through shared memory and
-across nodes through Ray.
+store tier (kvservice.blockstore) and load prefixes any engine of their tenant saved: on this node through
+shared memory or from the store's disk tier, across nodes with one NIXL READ of the store's pages (through the
+store's Ray actor where NIXL does not work).
 
     kv_transfer_config={"kv_connector": "KVServiceConnector",
                         "kv_connector_module_path": "kvservice.integrations.vllm.connector",

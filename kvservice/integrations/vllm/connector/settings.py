@@ -45,7 +45,8 @@ class ConnectorSettings:
         load_failure: "recompute" (default; sets vLLM's kv_load_failure_policy) or "fail" (vLLM's).
         shm_dir: where this node's stores keep their segments ("/dev/shm").
         transport: how pages of other nodes' stores move: "auto" (NIXL where it is installed and the store
-            published an endpoint, else Ray), "nixl" (NIXL only: a store without it is not read), "ray".
+            published an endpoint, else Ray), "nixl" (NIXL only: a store without it is not read; the worker
+            refuses to start where NIXL does not work), "ray".
         verify_checksums: check every loaded page's bytes against the checksum its writer stored (False: the
             tag and format are always checked; the checksum costs about as much as the copy on a CPU).
         handoff_timeout_s: how long a consumer given a producer's kv_transfer_params waits for its pages to be

@@ -1,7 +1,8 @@
 """How a worker reaches a store's pages: the store's shared-memory segment when it runs on this node, else a
 transport to its node: one NIXL READ of the pages and their metadata (the store's agent info, its "endpoint",
-comes from the allocator, which hands it only to the store's tenant), or, where NIXL is not installed or the
-store has no endpoint, the store's Ray actor and Ray's object store.
+comes from the allocator, which hands it only to the store's tenant), or, where NIXL does not work or the
+store has no endpoint, the store's Ray actor and Ray's object store (`transport: nixl` refuses to start where
+NIXL does not work: `choose_nixl`).
 
 A store is on this node when its descriptor is in this node's shm_dir and the Ray node it names is this
 process's (when both are known); the connector's `store` setting plays no part in reading.
