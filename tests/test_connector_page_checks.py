@@ -1,6 +1,7 @@
 """The checks a worker makes before it trusts a store's page: written and sealed (its tag), the block the load
 names (its chained hash), unchanged while it was read, its checksum (verify_checksums), and this engine's page
-format (size, dtype, scales, shape). Any doubt fails the load's blocks: vLLM recomputes them."""
+format (size, dtype, scales, shape). Any doubt fails the load's blocks: vLLM recomputes them; a checksum fails
+only from its page on."""
 
 # ruff: noqa: F811 - the fixtures `server` and `store` come from connector_helpers
 
@@ -24,6 +25,7 @@ from tests.connector_helpers import (  # noqa: F401 - server, store: the module'
     kv,
     report,
     request,
+    save_prompt,
     scheduled,
     sealed_page,
     server,
@@ -63,15 +65,17 @@ def test_a_page_rewritten_while_it_is_read_fails_the_load(server, store):
 
 
 def test_checksums_catch_a_page_altered_in_memory(server, store):
-    """With verify_checksums, a byte flipped in a sealed page (in the shared-memory segment) fails the load;
-    without it the tag and format still pass (the knob is what catches it)."""
+    """With verify_checksums, a byte flipped in a sealed page (in the shared-memory segment) fails that block
+    and the ones after it (vLLM's computed tokens are a prefix), the block before it loads; without it the tag
+    and format still pass (the knob is what catches it)."""
     a, pages, load = sealed_page(server, store)
     seg = a.stores.local("n1", store.generation)
     seg.pages[pages[1], 100] ^= 0xFF
     checked = worker(server, store, "b", 42, verify_checksums=True)
     checked.load([load])
-    assert checked.take_failed_blocks() == {5, 6, 7}
-    assert checked.counters.totals["failed"] == {"n1|checksum": 3}
+    assert checked.take_failed_blocks() == {6, 7}
+    assert checked.counters.totals["failed"] == {"n1|checksum": 2}
+    assert checked.counters.totals["loaded"] == {"n1": 1}
     trusting = worker(server, store, "c", 43)
     trusting.load([load])
     assert not trusting.take_failed_blocks()
@@ -169,4 +173,39 @@ def test_a_page_holding_another_prefix_fails_the_load(server, store):
     b.load([load])  # the right prompt's tags: loads
     assert not b.take_failed_blocks()
     for side in (a, b, other):
+        side.close()
+
+
+def test_a_corrupted_page_fails_only_from_its_block_on_and_every_bad_page_leaves_the_index(server, store):
+    """Eight pages, bits flipped in the 6th and the 8th: the first five load (equal to the writer's blocks), the
+    last three are reported failed (what vLLM recomputes: its computed tokens stop at the first bad block),
+    both bad pages are counted and dropped from the index, the good ones stay."""
+    writer_kv, reader_kv = kv(50, 24), kv(51, 24)
+    a = WorkerSide(settings(server, store), BS, "a", head_size=HEAD)
+    a.register(writer_kv, 24)
+    sched = SchedulerSide(settings(server, store, index=False), BS, "a", loads=True, saves=True)
+    prompt = list(range(500, 533))  # 8 whole blocks
+    (save,) = save_prompt(server, store, sched, [a], "r", prompt, list(range(1, 10)))
+    report(sched, a)
+    seg = a.stores.local("n1", store.generation)
+    for i in (5, 7):
+        seg.pages[save.store_block_ids[i], 7] ^= 0x01
+    reader = SchedulerSide(settings(server, store, index=False), BS, "b", loads=True, saves=False)
+    reader.on_new_request(request("x", prompt))
+    assert reader.num_new_matched_tokens(request("x", prompt), 0) == (32, False)
+    reader.after_alloc(request("x", prompt), list(range(10, 19)), 32)
+    (load,), _ = reader.build(scheduled("x", prompt, list(range(10, 19)), 32, 1))
+    b = WorkerSide(settings(server, store, verify_checksums=True), BS, "b", head_size=HEAD)
+    b.register(reader_kv, 24)
+    b.load([load])
+    assert b.take_failed_blocks() == {15, 16, 17}
+    totals = b.counters.totals
+    assert (totals["loaded"], totals["failed"], totals["checksum_failures"]) == \
+        ({"n1": 5}, {"n1|checksum": 3}, {"ram": 2})
+    for name in writer_kv:
+        assert torch.equal(reader_kv[name][10:15], writer_kv[name][1:6])
+    report(reader, b)
+    with server.client(client_name="probe", hash_block_size=BS) as c:
+        assert c.lookup(prompt, pool_ids=[store.pool_id]).tokens(store.pool_id) == 20  # 5 blocks: the 6th is gone
+    for side in (a, b, sched, reader):
         side.close()

@@ -17,6 +17,9 @@ def checksum(row: np.ndarray) -> int:
 
 
 class PageCheckError(LookupError):
-    def __init__(self, reason: str, message: str) -> None:
+    """`loaded`: the load's leading blocks that did load (vLLM keeps those; its computed tokens are a prefix, so
+    every block from the first failed one on is recomputed)."""
+
+    def __init__(self, reason: str, message: str, loaded: int = 0) -> None:
         super().__init__(message)
-        self.reason = reason
+        self.reason, self.loaded = reason, loaded

@@ -8,7 +8,8 @@ Each slice carries metadata in the segment (segment.py): the tag of the save tha
 its format. A writer clears the tag before it copies and sets it (after the checksum and format) once its copy
 completed; a reader checks the tag and format before it copies and the tag again after (a seqlock: a slice
 rewritten meanwhile shows another tag), and the checksum when `verify_checksums` is on. Any doubt is a failed
-block: vLLM recomputes it.
+block: vLLM recomputes it. A checksum fails only its own page: the load's blocks before it are kept, the rest
+recomputed (vLLM's computed tokens are a prefix); any other doubt fails the load's every block.
 
 On the store's node the pages are read and written in its shared-memory segment; from another node they come
 through `Stores.read` (transports.py). This file holds the loads and what a rank reports; the saves, their
@@ -124,7 +125,7 @@ class WorkerSide(SaveCopies):
             except Exception as exc:  # noqa: BLE001 - any failure: vLLM recomputes these blocks
                 reason = getattr(exc, "reason", FailReason.UNREACHABLE if isinstance(exc, StoreUnreachable)
                                  else FailReason.OTHER)
-                self._failed(load, reason, f"{type(exc).__name__}: {exc}")
+                self._failed(load, reason, f"{type(exc).__name__}: {exc}", getattr(exc, "loaded", 0))
             with self._lock:
                 if load.pin_id:
                     self._done.loads[load.pin_id] = self._done.loads.get(load.pin_id, 0) + 1
@@ -146,31 +147,36 @@ class WorkerSide(SaveCopies):
         # A disk page is always checked (its file may have been altered while nobody looked); a RAM page under
         # verify_checksums. A private copy (a disk's, another node's) is checked before it is copied in.
         verify = disk or self.settings.verify_checksums
+        good = len(read.rows)  # the leading pages that passed every check: what this load delivers
         if verify and read.private:
-            self._verify(load, pages, read.rows, before)
-        self._job += 1
-        job = self._job
-        self.mover.submit_load(job, pages, read.rows, load.local_block_ids)
-        self.mover.wait([job])
-        self._poll()  # the load's result, and any save that completed meanwhile (sealed, never dropped)
-        if not self._load_results.pop(job, False):
-            raise PageCheckError(FailReason.OTHER, "the copy into the engine failed")
+            good = self._verify(load, pages, read.rows, before)
+        if good:
+            self._job += 1
+            job = self._job
+            self.mover.submit_load(job, pages, read.rows[:good], load.local_block_ids[:good])
+            self.mover.wait([job])
+            self._poll()  # the load's result, and any save that completed meanwhile (sealed, never dropped)
+            if not self._load_results.pop(job, False):
+                raise PageCheckError(FailReason.OTHER, "the copy into the engine failed")
         if not read.private:
             after = self._check_meta(read.meta(), read.rows, load)
             if not np.array_equal(before[:, TAG], after[:, TAG]):
                 raise PageCheckError(FailReason.PIN_LOST, "a page was rewritten while it was read (its pin was gone)")
             if verify:
-                self._verify(load, pages, read.rows, after)
+                good = self._verify(load, pages, read.rows, after)
         if not read.local and load.pin_id and not self._pin_held(load):
             raise PageCheckError(FailReason.PIN_LOST, f"its pin on {load.pool_id} lapsed during the transfer: the "
                                  f"pages may have been reused meanwhile")
         self.stores.count(read)
         self.fetch_s += fetched - start
         self.copy_in_s += time.perf_counter() - fetched
-        self.num_loaded_blocks += len(load.local_block_ids)
+        self.num_loaded_blocks += good
         label = tier_label(load.pool_id)
-        self.counters.add("loaded", label, len(load.local_block_ids))
-        self.counters.add("bytes_loaded", label, len(load.local_block_ids) * self.fmt.page_bytes)
+        self.counters.add("loaded", label, good)
+        self.counters.add("bytes_loaded", label, good * self.fmt.page_bytes)
+        if good < len(read.rows):
+            raise PageCheckError(FailReason.CHECKSUM, f"page {load.store_block_ids[good]} of {load.pool_id}: its "
+                                 f"bytes do not match their checksum ({good} blocks before it loaded)", loaded=good)
 
     def _pin_held(self, load: Load) -> bool:
         """Whether the load's pin outlived the transfer from another node (one read RPC): a pin that is still
@@ -184,14 +190,15 @@ class WorkerSide(SaveCopies):
         except NotFound:
             return False
 
-    def _verify(self, load: Load, pages: torch.Tensor, rows: list[int], meta: np.ndarray) -> None:
-        for i, row in enumerate(rows):
-            if checksum(pages[row].numpy()) != int(meta[i, CHECKSUM]):
-                self.counters.add("checksum_failures", "disk" if is_disk(load.pool_id) else "ram")
-                with self._lock:  # the scheduler side drops the page from the index: it must not hit again
-                    self._done.evict.setdefault(load.pool_id, []).append(load.store_block_ids[i])
-                raise PageCheckError(FailReason.CHECKSUM, f"page {load.store_block_ids[i]} of {load.pool_id}: its "
-                                     f"bytes do not match their checksum")
+    def _verify(self, load: Load, pages: torch.Tensor, rows: list[int], meta: np.ndarray) -> int:
+        """The number of leading pages whose bytes match their checksum; every page that does not is counted and
+        dropped from the index (the scheduler side evicts it: it must not hit again)."""
+        bad = [i for i, row in enumerate(rows) if checksum(pages[row].numpy()) != int(meta[i, CHECKSUM])]
+        if bad:
+            self.counters.add("checksum_failures", "disk" if is_disk(load.pool_id) else "ram", len(bad))
+            with self._lock:
+                self._done.evict.setdefault(load.pool_id, []).extend(load.store_block_ids[i] for i in bad)
+        return bad[0] if bad else len(rows)
 
     def _staging(self, n: int) -> torch.Tensor:
         """A host buffer of at least `n` of this rank's pages, for reads from a disk tier (page-locked for a
@@ -219,13 +226,15 @@ class WorkerSide(SaveCopies):
                                  f"({self.fmt.format_id}): another layout, scale or size")
         return mine.copy()
 
-    def _failed(self, load: Load, reason: str, message: str) -> None:
-        if self.failed_blocks.isdisjoint(load.local_block_ids):
+    def _failed(self, load: Load, reason: str, message: str, loaded: int = 0) -> None:
+        """The load's blocks from `loaded` on failed: vLLM keeps the ones before and recomputes these."""
+        failed = load.local_block_ids[loaded:]
+        if self.failed_blocks.isdisjoint(failed):
             self.num_failed_loads += 1
             logger.warning("kvservice connector: loading %d blocks of %s from %s failed (%s); they are recomputed",
-                           len(load.local_block_ids), load.req_id, load.pool_id, message)
-        self.counters.add("failed", tier_label(load.pool_id), len(load.local_block_ids), reason)
-        self.failed_blocks.update(load.local_block_ids)
+                           len(failed), load.req_id, load.pool_id, message)
+        self.counters.add("failed", tier_label(load.pool_id), len(failed), reason)
+        self.failed_blocks.update(failed)
         self.failed_requests[load.req_id] = None
         if len(self.failed_requests) > FAILED_KEPT:
             self.failed_requests.popitem(last=False)
