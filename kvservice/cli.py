@@ -16,6 +16,12 @@ STATUS_FAILED = 1  # `kvservice status`: nothing answered
 STATUS_DEGRADED = 3  # `kvservice status`: some shards answered, others are down
 NULL_BLOCK_NOTE = ("(blocks: usable blocks, the pool's num_blocks less 1: block 0 is the null block, which "
                    "padding and skipped window blocks point at, and is never handed out)")
+SUSPENDED_NOTE = ("(suspended: the session that registered the pool ended, and it was registered to outlive it, as "
+                  "a store's disk tier is: its blocks and index are kept, but it answers no hit and takes no "
+                  "allocation until its store registers it again)")
+ENDPOINT_NOTE = ("(endpoint: the size of the transport endpoint a store published for its pool, its NIXL agent "
+                 "metadata: engines on other nodes read that store's pages over NIXL; none, on a store's pool: "
+                 "through the store's Ray actor)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="print pools, usage and hit rate",
                             description="Pools, usage and hit rate of an allocator (sharded: of every shard, and "
-                                        "each shard's state).",
+                                        "each shard's state); per pool also whether it is suspended (a store's "
+                                        "disk tier whose store is away) and the size of the endpoint its store "
+                                        "published (none: other nodes read it through Ray).",
                             epilog=f"exit status: 0 every shard answered; {STATUS_DEGRADED} degraded: some shards "
                                    f"did not answer (listed as down; the others' pools are shown); {STATUS_FAILED} "
                                    "nothing answered (or the call was refused); 2 bad usage")
@@ -71,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     store.add_argument("--store-disk", metavar="DIR", help="a local-disk tier under the RAM pages: page files in DIR "
                        "(pool kvdisk:NAME), kept across restarts")
     store.add_argument("--store-disk-bytes", type=int, default=0, metavar="N",
-                       help="the disk tier's byte budget (with --store-disk)")
+                       help="the disk tier's byte budget (needs --store-disk)")
     store.add_argument("--token", help="bearer token: the store's pool belongs to its tenant")
     store.add_argument("--token-file", help="read the bearer token from this file (its first token)")
     store.add_argument("--tls-ca", help="CA that signed the server's certificate (PEM): turns on TLS")
@@ -133,16 +141,24 @@ def cmd_status(args: argparse.Namespace) -> int:
     stats = merge_stats([s for s in per_shard.values() if not isinstance(s, KVServiceError)])
     print(f"kvservice at {args.target}: {len(stats.pools)} pools, {stats.num_sessions} sessions, "
           f"persistence {stats.persistence}, hash spec {stats.hash_fingerprint} (block {stats.hash_block_size})")
-    rows = [("pool", "epoch", "blocks", "free", "usage", "requests", "cached", "hit rate", "evictions", "invariants")]
+    rows = [("pool", "epoch", "blocks", "free", "usage", "requests", "cached", "hit rate", "evictions", "state",
+             "endpoint", "invariants")]
     for p in stats.pools.values():
         inv = "" if not args.check_invariants else ("ok" if not p.invariant_violation else p.invariant_violation)
+        state = "suspended" if p.suspended else f"moving to {p.moving_to}" if p.moving_to else "active"
+        endpoint = p.endpoint_size or len(p.endpoint)  # the bytes only for the pool's tenant: never printed
         rows.append((p.pool_id, str(p.epoch), str(p.num_blocks - 1), str(p.num_free_blocks), f"{p.usage:.1%}",
-                     str(p.num_requests), str(p.num_cached_blocks), f"{p.prefix_hit_rate:.1%}", str(p.evictions), inv))
+                     str(p.num_requests), str(p.num_cached_blocks), f"{p.prefix_hit_rate:.1%}", str(p.evictions),
+                     state, f"{endpoint} B" if endpoint else "none", inv))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
     if stats.pools:
         print(NULL_BLOCK_NOTE)
+    if any(p.suspended for p in stats.pools.values()):
+        print(SUSPENDED_NOTE)
+    if any(p.endpoint_size or p.endpoint for p in stats.pools.values()):
+        print(ENDPOINT_NOTE)
     if len(per_shard) > 1 or down:
         for shard_id, s in per_shard.items():
             state = (f"down ({s.code.name}: {s}); its pools are not listed" if shard_id in down
@@ -226,6 +242,9 @@ def cmd_store(args: argparse.Namespace) -> int:
     try:
         if args.store_disk and args.store_disk_bytes <= 0:
             raise ValueError("--store-disk needs --store-disk-bytes N (the disk tier's byte budget)")
+        if args.store_disk_bytes and not args.store_disk:
+            raise ValueError("--store-disk-bytes is the disk tier's budget: it needs --store-disk DIR (where its "
+                             "page files go)")
         store = BlockStore(args.name, args.target, args.pages, args.page_bytes, args.block_size, token=token,
                            directory=args.dir, tls_ca=args.tls_ca, disk_dir=args.store_disk,
                            disk_bytes=args.store_disk_bytes)

@@ -116,13 +116,14 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, DeployConfig
     parser.add_argument("--teardown", action="store_true", help="kill every kvservice actor and the allocator")
     parser.add_argument("--stores", action="store_true", help="a KV block store on every node, for vLLM engines "
                         "with KVServiceConnector (their extra config: store auto); --pools 0 for stores only")
-    parser.add_argument("--store-pages", type=int, default=d.store_pages, help="pages per store (%(default)s)")
+    parser.add_argument("--store-pages", type=int, help=f"pages per store ({d.store_pages}; with --stores)")
     parser.add_argument("--store-page-bytes", type=int, default=0, help="bytes of one block of every layer of the "
                         "engines' model (needed with --stores)")
-    parser.add_argument("--store-dir", default=d.store_dir, help="each node's shared-memory dir (%(default)s)")
-    parser.add_argument("--store-disk", metavar="DIR", help="each store's local-disk tier: page files in DIR on its "
-                        "node (kept across restarts)")
-    parser.add_argument("--store-disk-bytes", type=int, default=0, metavar="N", help="each disk tier's byte budget")
+    parser.add_argument("--store-dir", help=f"each node's shared-memory dir ({d.store_dir}; with --stores)")
+    parser.add_argument("--store-disk", metavar="DIR", help="each store's local-disk tier: page files in "
+                        "DIR/<store name>/ on its node, kept across restarts (with --stores and --store-disk-bytes)")
+    parser.add_argument("--store-disk-bytes", type=int, default=0, metavar="N",
+                        help="each disk tier's byte budget (with --store-disk)")
     args = parser.parse_args(argv)
     cfg = DeployConfig(pools=args.pools, add_pools=args.add_pools, dcp=args.dcp, num_blocks=args.num_blocks,
                        block_size=args.block_size, max_model_len=args.max_model_len, backend=args.backend,
@@ -133,14 +134,50 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, DeployConfig
                        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
                        allocator=args.allocator, allocator_shards=args.allocator_shards, standbys=args.standbys,
                        detached=args.detached, timeout_s=args.timeout, stores=args.stores,
-                       store_pages=args.store_pages, store_page_bytes=args.store_page_bytes,
-                       store_dir=args.store_dir, store_disk=args.store_disk,
+                       store_pages=args.store_pages or d.store_pages, store_page_bytes=args.store_page_bytes,
+                       store_dir=args.store_dir or d.store_dir, store_disk=args.store_disk,
                        store_disk_bytes=args.store_disk_bytes)
     return args, cfg
 
 
+def refused(args: argparse.Namespace) -> str | None:
+    """A flag that means nothing without another one (it would be ignored, or fail once Ray is up): what is
+    wrong, naming both."""
+    if args.teardown:
+        return None
+    if args.store_disk and args.store_disk_bytes <= 0:
+        return "--store-disk needs --store-disk-bytes N (each disk tier's byte budget)"
+    if args.store_disk_bytes and not args.store_disk:
+        return "--store-disk-bytes is a disk tier's budget: it needs --store-disk DIR (where its page files go)"
+    store_flags = [flag for flag, value in (("--store-pages", args.store_pages), ("--store-page-bytes",
+                                            args.store_page_bytes), ("--store-dir", args.store_dir),
+                                            ("--store-disk", args.store_disk),
+                                            ("--store-disk-bytes", args.store_disk_bytes)) if value]
+    if store_flags and not args.stores:
+        return f"{', '.join(store_flags)}: the stores' settings, and no store is started without --stores"
+    if args.stores and args.store_page_bytes <= 0:
+        return ("--stores needs --store-page-bytes: one block of every layer of the engines' model "
+                "(num_layers * num_kv_heads * block_size * 2 * head_dim * dtype bytes on vLLM's CPU attention)")
+    if args.allocator:
+        ignored = [flag for flag, value in (("--redis-url", args.redis_url), ("--token-file", args.token_file),
+                                            ("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key),
+                                            ("--no-persistence", args.no_persistence),
+                                            ("--allocator-shards", args.allocator_shards > 1),
+                                            ("--standbys", args.standbys)) if value]
+        if ignored:
+            return (f"{', '.join(ignored)}: settings of the allocator deploy starts, and with --allocator it "
+                    f"starts none (give them to that allocator's kvservice serve)")
+    elif (args.allocator_shards > 1 or args.standbys) and not args.redis_url:
+        return ("--allocator-shards and --standbys need --redis-url: the shards and standbys share one Redis (or a "
+                "Redis Cluster, rediscluster://host:port) that every node reaches")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args, cfg = parse_args(argv)
+    if (why := refused(args)) is not None:
+        print(f"kvservice deploy: {why}", file=sys.stderr)
+        return 2
     if bool(cfg.tls_cert) != bool(cfg.tls_key) or (cfg.tls_cert and not cfg.tls_ca):
         print("kvservice deploy: TLS needs --tls-cert, --tls-key (the allocator's) and --tls-ca (what the engines "
               "and the router trust) together", file=sys.stderr)
