@@ -105,7 +105,7 @@ test-vllm: vllm-env
 	$(PY) tests/vllm/run_scheduler.py --env $(VLLM_ENV)
 	VLLM_TARGET_DEVICE=cpu PYTHONPATH=.:$(VLLM_ENV)/src $(VLLM_ENV)/venv/bin/python -m pytest -q -p no:cacheprovider \
 	  tests/vllm/test_external_vllm.py tests/vllm/test_external_hashes.py tests/vllm/test_external_lost_batches.py tests/vllm/test_vllm_scheduler.py \
-	  tests/vllm/test_vllm_connector.py tests/vllm/test_connector_layouts.py
+	  tests/vllm/test_vllm_connector.py tests/vllm/test_connector_layouts.py tests/vllm/test_connector_observability.py
 
 vllm-cpu-env:
 	bash tools/vllm_cpu_env.sh $(VLLM_CPU_ENV)

@@ -2,7 +2,8 @@
 the scrape config; every metric the Grafana dashboard or a rule names is exported by a real `kvservice serve`
 leader (persistence on a real Redis, a pool stepped, a quota, an external pool) or its hot standby, read
 from their /metrics; a real Prometheus, run on the shipped scrape config, loads the rules and fires
-KVServicePersistenceDown once Redis is killed under --require-persistence (and resolves it once Redis is back)."""
+KVServicePersistenceDown once Redis is killed under --require-persistence (and resolves it once Redis is back).
+Every allocator series the docs name, with the labels they select it by, is exported too."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvservice.errors import NotFound
 from kvservice.ops import AddRequestOp, AllocateOp, FreeOp
 from tests.external_helpers import Publisher, chain, stored, wait_for
+from tests.metric_docs import is_connectors, named_series, unexported
 from tests.prometheus_helpers import PROMTOOL, Prometheus, api, needs_prometheus
 from tests.redis_helpers import RedisServer, debian_redis, free_port
 from tests.service_helpers import REPO, small_config, start_server
@@ -110,8 +112,17 @@ def test_the_dashboard_is_a_grafana_model_with_promql_targets():
 
 
 def samples(port: int) -> set[str]:
+    return set(labelled_samples(port))
+
+
+def labelled_samples(port: int) -> dict[str, set[str]]:
+    """Each sample name on the /metrics at `port`, with its label names."""
     raw = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return {s.name for family in text_string_to_metric_families(raw) for s in family.samples}
+    found: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(raw):
+        for s in family.samples:
+            found.setdefault(s.name, set()).update(s.labels)
+    return found
 
 
 def alerts(prom: Prometheus) -> dict[str, list[dict]]:
@@ -169,6 +180,11 @@ def test_the_kit_names_real_metrics_and_a_rule_fires_when_redis_dies(redis7, tmp
             wait_for(lambda: "kvservice_standby_applied_entries_total" in samples(ports["standby"]), timeout_s=30,
                      what="the standby follows the WAL")
             exported = samples(ports["leader"]) | samples(ports["standby"])
+            labelled = labelled_samples(ports["leader"])
+            for name, labels in labelled_samples(ports["standby"]).items():
+                labelled.setdefault(name, set()).update(labels)
+            documented = {n: p for n, p in named_series().items() if not is_connectors(n)}
+            assert len(documented) > 20 and unexported(documented, labelled) == []  # the docs name real series
 
             rules = tmp_path / "alerts.yml"  # the shipped rules with `for: 0s`: they fire at their first evaluation
             rules.write_text(re.sub(r"(?m)^(\s+)for: \S+$", r"\1for: 0s", (KIT / "alerts.yml").read_text()))

@@ -19,6 +19,7 @@ from kvservice.integrations.vllm.connector.autostore import engine_page_bytes
 from kvservice.integrations.vllm.connector.identity import model_namespace
 from kvservice.integrations.vllm.connector.plan import Done, Load, Save
 from kvservice.integrations.vllm.connector.settings import ConnectorSettings, hand_down_ray_node
+from kvservice.integrations.vllm.connector.vllm_logging import follow_vllm_logging
 
 logger = logging.getLogger(__name__)
 hand_down_ray_node()  # vLLM imports this module in the process that builds the engine's config
@@ -80,6 +81,7 @@ class KVServiceConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        follow_vllm_logging()  # before either side logs: the worker names its copy path at start-up
         transfer = self._kv_transfer_config
         parallel = vllm_config.parallel_config
         self.block_size = vllm_config.cache_config.block_size

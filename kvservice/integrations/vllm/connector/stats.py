@@ -3,7 +3,7 @@ them per interval, vLLM adds up the workers' and the scheduler's, and its Promet
 of `vllm serve`) records them through `KVServiceConnectorPromMetrics`.
 
 vLLM counts an external hit when the connector claims it, before the load: a claimed hit whose load fails
-still shows in `num_cached_tokens` and `vllm:external_prefix_cache_hits`. These say what happened to it.
+still shows in `num_cached_tokens` and `vllm:external_prefix_cache_hits_total`. These say what happened to it.
 
 | series (labels: vLLM's model_name and engine, plus) | what |
 |---|---|
