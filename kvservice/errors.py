@@ -89,6 +89,15 @@ class Moved(FailedPrecondition):
         self.pool_id, self.shard_id, self.address = pool_id, shard_id, address
 
 
+class SequenceOutOfOrder(FailedPrecondition):
+    """A mutation whose sequence is neither its session's next nor a retry of its last applied one (with the same
+    body): refused, nothing applied. `last_applied` is where the session stands (the client resumes there)."""
+
+    def __init__(self, message: str, last_applied: int) -> None:
+        super().__init__(message)
+        self.last_applied = last_applied
+
+
 class PermissionDenied(KVServiceError):
     code = Code.PERMISSION_DENIED
 

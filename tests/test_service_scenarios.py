@@ -1,11 +1,14 @@
 """End-to-end RPC scenarios against a real server process, mirroring the core scenarios."""
 
+import grpc
 import pytest
 
 from kvservice.core import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
-from kvservice.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvservice.errors import FailedPrecondition, InvalidArgument, NotFound, SequenceOutOfOrder
 from kvservice.hashing import hash_prompt
 from kvservice.ops import AddRequestOp, AllocateOp, ForkOp, FreeOp, OpStatus
+from kvservice.wire import encode
+from kvservice.wire.status import from_rpc_error
 from tests.service_helpers import small_config, start_server
 
 HBS = 4  # small blocks keep exact-id scenarios readable
@@ -133,10 +136,15 @@ def test_retry_of_applied_sequence_gets_the_original_reply(client, request):
     again = client.step(pid, ops)
     assert again == first
     assert client.get_stats().pools[pid].num_requests == 1  # applied once
-    client.next_sequence += 5
-    with pytest.raises(FailedPrecondition, match="out of order"):
-        client.step(pid, [FreeOp("x")])
-    client.next_sequence -= 5
+    # A sequence past the next is refused, saying where the session stands (the client resumes there: see
+    # test_client_sequences.py); sent raw, as a client of another language would.
+    skipped = encode.step_request(pid, [FreeOp("x")])
+    skipped.session_id, skipped.sequence = client.session_id, client.next_sequence + 5
+    with pytest.raises(grpc.RpcError) as caught:
+        client.stub.Step(skipped, timeout=10)
+    refused = from_rpc_error(caught.value)
+    assert isinstance(refused, SequenceOutOfOrder) and "out of order" in refused.message
+    assert refused.last_applied == client.next_sequence - 1
     client.free(pid, "x")
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvservice.errors import SESSION_GONE, FailedPrecondition, NotFound, PermissionDenied
+from kvservice.errors import SESSION_GONE, NotFound, PermissionDenied, SequenceOutOfOrder
 from kvservice.ops import StepResult
 from kvservice.results import RegisterResult
 
@@ -38,20 +38,21 @@ class Session:
         """The stored reply when `sequence` retries the last applied request; None when it is the next.
 
         Raises:
-            FailedPrecondition: out of order, or the last sequence again with another body (a different
+            SequenceOutOfOrder: out of order, or the last sequence again with another body (a different
                 request reusing an applied sequence must not get the old reply).
         """
         if sequence == self.last_sequence + 1:
             return None
         if sequence == self.last_sequence and self.last_reply is not None:
             if digest and self.last_digest and digest != self.last_digest:
-                raise FailedPrecondition(
+                raise SequenceOutOfOrder(
                     f"sequence {sequence} of session {self.session_id!r} was applied to a different request; "
-                    f"send new requests with sequence {sequence + 1}")
+                    f"send new requests with sequence {sequence + 1}", self.last_sequence)
             return self.last_reply
-        raise FailedPrecondition(
+        raise SequenceOutOfOrder(
             f"sequence {sequence} out of order for session {self.session_id!r}: the last applied is "
-            f"{self.last_sequence}, so send {self.last_sequence + 1} (or retry {self.last_sequence})")
+            f"{self.last_sequence}, so send {self.last_sequence + 1} (or retry {self.last_sequence})",
+            self.last_sequence)
 
     def commit(self, sequence: int, digest: int, reply: Reply) -> None:
         self.last_sequence = sequence

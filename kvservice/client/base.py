@@ -30,13 +30,21 @@ from kvservice.client.routing import (
 )
 from kvservice.commands import VllmOptions
 from kvservice.core import KVCacheConfig
-from kvservice.errors import InvalidArgument, KVServiceError
+from kvservice.errors import InvalidArgument, KVServiceError, SequenceOutOfOrder
 from kvservice.hashing import DEFAULT_HASH_BLOCK_SIZE, DEFAULT_HASH_SEED, HashSpec, hash_prompt, spec_fingerprint
 from kvservice.ops import AddRequestOp, AllocateOp, Op
 from kvservice.results import LookupResult, SessionOpened, Stats, best_pool
 from kvservice.wire import encode, replies
+from kvservice.wire.status import from_rpc_error
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+# The codes of a mutation the allocator refused before applying anything (its sequence stays the next one).
+# Any other failure (a deadline, a cancellation, a connection torn down as the allocator restarts) may
+# have come after the mutation was applied.
+REFUSED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS,
+           grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED,
+           grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE,
+           grpc.StatusCode.UNIMPLEMENTED}
 MAX_HOPS = 4  # redirects (and failovers) one call follows
 FAILOVER_POLL_S = 0.1  # a call that found its shard down asks for the map this often, until it changes
 FAILOVER_RETRY_S = 1.0  # ... and is retried after this long even if it did not (a move called off)
@@ -58,6 +66,15 @@ class Call:
     # left out instead of waited for; merge(answers, missing) gets {shard: result}, {shard: KVServiceError}
     partial: bool = False
     locate: tuple[str, ...] = ()  # pools to find first when no map names them (external pools: GetStats)
+
+
+def _body(request) -> int:
+    """A mutation's body (its session and sequence aside), to tell a resend of it from another call."""
+    session_id, sequence = request.session_id, request.sequence
+    request.session_id, request.sequence = "", 0
+    body = hash(request.SerializeToString(deterministic=True))
+    request.session_id, request.sequence = session_id, sequence
+    return body
 
 
 _SEVERITY = ["ok", "off", "resyncing", "degraded", "down", "fenced"]
@@ -164,38 +181,61 @@ class ClientBase:
         msg = pb.OpenSessionRequest(client_name=self.client_name)
         if self.session_id and not fresh:
             msg.resume_session_id = self.session_id
-            msg.last_acked_sequence = conn.next_sequence - 1  # an unacknowledged one is next_sequence itself
+            # (a mutation whose reply was lost is not acknowledged, even once the server said it applied it)
+            msg.last_acked_sequence = (conn.unacked_sequence or conn.next_sequence) - 1
             msg.attach = self.shards.sharded
         return Call("OpenSession", msg, lambda r: self._adopt_session(conn, r), conn=conn)
 
     def _adopt_session(self, conn: Conn, r: pb.OpenSessionResponse) -> SessionOpened:
+        """Where the session stands on `conn`. A mutation whose reply was lost (`unacked_sequence`) was applied
+        if the server's next sequence is the one after it: then a resend of it (the same body) keeps its
+        sequence and gets the stored reply, and any other call takes the next. Otherwise nothing is pending."""
         opened = replies.decode_session_opened(r)
         pending = conn.unacked_sequence
         resumed = opened.session_id == self.session_id
         self.session_id, self.tenant, self.ttl_s = opened.session_id, opened.tenant, opened.ttl_ms / 1000
         conn.attached, conn.stale = True, False
-        if resumed and pending and opened.next_sequence in (pending, pending + 1):
-            conn.next_sequence = pending  # resend that request as it was: applied or not, it applies once
-        else:
-            conn.next_sequence = opened.next_sequence
-            conn.unacked_sequence = 0
+        conn.next_sequence = opened.next_sequence
+        if not (resumed and pending and opened.next_sequence == pending + 1):
+            conn.unacked_sequence, conn.unacked_body, conn.unacked_pool = 0, 0, ""
         return opened
 
     @staticmethod
     def _stamp(conn: Conn, session_id: str, request) -> None:
+        """The session and sequence of a mutation: the pending one's if it resends that (the same body), else the
+        next (the session has learnt where it stands since any failure: `_unacked` made it resume)."""
         request.session_id = session_id
-        request.sequence = conn.next_sequence
+        if conn.unacked_sequence and _body(request) == conn.unacked_body:
+            request.sequence = conn.unacked_sequence
+        else:
+            request.sequence = conn.next_sequence
 
     @staticmethod
-    def _acked(conn: Conn) -> None:
-        conn.next_sequence += 1
-        conn.unacked_sequence, conn.unacked_pool = 0, ""
+    def _acked(conn: Conn, request) -> None:
+        conn.next_sequence = request.sequence + 1
+        conn.unacked_sequence, conn.unacked_body, conn.unacked_pool = 0, 0, ""
 
     @staticmethod
-    def _unacked(conn: Conn, err: grpc.RpcError, pool_id: str | None = None) -> None:
-        """A mutation failed: if the transport failed (not the server refusing it), it may have been applied."""
-        if err.code() in RETRYABLE:
-            conn.unacked_sequence, conn.unacked_pool = conn.next_sequence, pool_id or ""
+    def _unacked(conn: Conn, err: BaseException, request, pool_id: str | None = None) -> None:
+        """A mutation failed. Refused by the server, it was not applied and its sequence stays the next. Any
+        other failure (the transport's, a deadline, a cancellation, whatever its code) may have come after it
+        was applied: the next mutation first resumes the session (the server says where it stands), and a
+        resend of this one keeps its sequence, so it applies once."""
+        if isinstance(err, grpc.RpcError) and err.code() in REFUSED:
+            return
+        conn.unacked_sequence, conn.unacked_body, conn.unacked_pool = request.sequence, _body(request), pool_id or ""
+        conn.stale = conn.attached
+
+    @staticmethod
+    def _out_of_order(conn: Conn, err: grpc.RpcError) -> bool:
+        """Whether the server refused a mutation's sequence (nothing applied): the session resumes, to learn where
+        it stands, before the mutation is sent again. A server whose recovered state lacks mutations this client
+        saw acknowledged (Redis lost them) then starts new epochs for the session's pools."""
+        if err.code() != grpc.StatusCode.FAILED_PRECONDITION or not isinstance(from_rpc_error(err),
+                                                                              SequenceOutOfOrder):
+            return False
+        conn.stale = conn.attached
+        return True
 
     @staticmethod
     def _redirected(conn: Conn, pool_id: str | None) -> None:

@@ -92,8 +92,9 @@ class Conn:
     stale: bool = False  # the shard's leader changed (failover): resume before the next mutation
     next_sequence: int = 1
     # A mutation sent but never acknowledged (the reply was lost): its sequence survives a resume, so
-    # sending it again gets the stored reply instead of applying it twice.
+    # sending it again (the same body) gets the stored reply instead of applying it twice.
     unacked_sequence: int = 0
+    unacked_body: int = 0  # its body's digest (session and sequence aside): what tells a resend from a new call
     unacked_pool: str = ""  # its pool: resent here first even if the pool moved meanwhile (conn_for_mutation)
 
 

@@ -93,18 +93,24 @@ class KVServiceClient(ClientBase):
                 if call.method == "OpenSession":
                     self._renew_in_background()
                 return result
-            stub = conn.stub
-            if not conn.attached or conn.stale:
-                self._run_on(conn, self._session_call(conn))
+            for resent in (False, True):
                 stub = conn.stub
-            self._stamp(conn, self.session_id, call.request)
-            try:
-                reply = self._call(conn, call.method, call.request, stub=stub)
-            except grpc.RpcError as err:
-                self._unacked(conn, err, call.pool_id)
-                raise
-            self._acked(conn)
-            return call.decode(reply)
+                if not conn.attached or conn.stale:
+                    self._run_on(conn, self._session_call(conn))
+                    stub = conn.stub
+                self._stamp(conn, self.session_id, call.request)
+                try:
+                    reply = self._call(conn, call.method, call.request, stub=stub)
+                except grpc.RpcError as err:
+                    if not resent and self._out_of_order(conn, err):
+                        continue  # refused: sent again once the session knows where it stands
+                    self._unacked(conn, err, call.request, call.pool_id)
+                    raise
+                except BaseException as exc:  # e.g. ConnectionReplaced after a send that timed out
+                    self._unacked(conn, exc, call.request, call.pool_id)
+                    raise
+                self._acked(conn, call.request)
+                return call.decode(reply)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 

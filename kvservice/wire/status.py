@@ -9,9 +9,9 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from kvservice.errors import Code, InvalidArgument, KVServiceError, Moved, error_for
+from kvservice.errors import Code, InvalidArgument, KVServiceError, Moved, SequenceOutOfOrder, error_for
 
-MOVED_REASON, DOMAIN = "POOL_MOVED", "kvservice"
+MOVED_REASON, SEQUENCE_REASON, DOMAIN = "POOL_MOVED", "SEQUENCE_OUT_OF_ORDER", "kvservice"
 
 _TO_GRPC = {code: getattr(grpc.StatusCode, code.name) for code in Code}
 _FROM_GRPC = {v: k for k, v in _TO_GRPC.items()}
@@ -35,6 +35,9 @@ def rich_status(exc: KVServiceError) -> grpc.Status:
     elif isinstance(exc, Moved):
         detail = error_details_pb2.ErrorInfo(reason=MOVED_REASON, domain=DOMAIN, metadata={
             "pool_id": exc.pool_id, "shard_id": exc.shard_id, "address": exc.address})
+    elif isinstance(exc, SequenceOutOfOrder):
+        detail = error_details_pb2.ErrorInfo(reason=SEQUENCE_REASON, domain=DOMAIN,
+                                             metadata={"last_applied": str(exc.last_applied)})
     if detail is not None:
         packed = any_pb2.Any()
         packed.Pack(detail)
@@ -68,4 +71,6 @@ def from_rpc_error(err: grpc.RpcError) -> KVServiceError:
             if detail.Unpack(info) and info.reason == MOVED_REASON:
                 m = info.metadata
                 return Moved(m.get("pool_id", ""), m.get("shard_id", ""), m.get("address", ""), details)
+            if info.reason == SEQUENCE_REASON:
+                return SequenceOutOfOrder(details, int(info.metadata.get("last_applied", "0")))
     return error_for(code, details)
