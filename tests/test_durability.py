@@ -16,7 +16,9 @@ import urllib.request
 
 import pytest
 
-from kvservice.ops import AddRequestOp, AllocateOp
+from kvservice.commands import Barrier
+from kvservice.ops import AddRequestOp, AllocateOp, OpStatus
+from kvservice.store import wal
 from tests import faults
 from tests.load_helpers import LoadClient, Supervisor, run_clients
 from tests.redis_helpers import RedisServer, debian_redis, free_port
@@ -105,6 +107,38 @@ def test_require_persistence_crash_loop_around_outages(redis7, tmp_path):
         faults.free_everything_drains(admin, "loop", clients)
         for c in (*clients, admin):
             c.close()
+    finally:
+        sup.stop()
+
+
+def test_a_leader_recovered_up_to_a_gap_closes_it_before_it_acknowledges(redis7, tmp_path):
+    """The path behind a client of the crash loop wedged on "sequence 181 out of order: the last applied is
+    178": an allocator killed after logging its resync barrier, before the resync snapshot committed, leaves a
+    gap in the WAL. The next leader recovers up to the gap; unless it makes that the snapshot before serving,
+    what it logs after the gap is skipped by the recovery after its own crash: acknowledged, then lost. Here
+    the barrier is logged as such an allocator would have logged it, then two leaders are killed in turn."""
+    sup = Supervisor(("--redis-url", redis7.url, "--redis-namespace", "gap", "--require-persistence",
+                      "--snapshot-mode", "fork"), tmp_path)
+    try:
+        c = sup.proc.client(retries=5)
+        c.register_pool("p", small_config(64, 16), max_model_len=512)
+
+        def add(rid: str) -> None:
+            r = c.step("p", [AddRequestOp(rid, token_ids=list(range(40))), AllocateOp(rid, num_new_tokens=40)])
+            assert [x.status for x in r] == [OpStatus.OK, OpStatus.OK]
+
+        add("before-the-gap")
+        with redis7.client() as r:
+            r.xadd("gap:wal", {"e": wal.encode(Barrier(resync=True))})  # its resync snapshot never committed
+        sup.kill()
+        assert "WAL has a gap" in sup.proc.log.read_text()
+        add("after-the-gap")  # acknowledged by the leader that recovered up to the gap
+        sup.kill()
+        for rid in ("before-the-gap", "after-the-gap"):
+            assert c.get_request("p", rid).num_tokens == 40
+        add("next")  # the session's sequence is where the client has it: no "out of order"
+        stats = c.get_stats(check_invariants=True)
+        assert stats.pools["p"].invariant_violation == ""
     finally:
         sup.stop()
 

@@ -186,7 +186,7 @@ async def build_server(config: ServerSettings) -> AllocatorServer:
     if not config.persistence:
         logger.warning("persistence is OFF (--no-persistence): a restart loses every allocation")
         return AllocatorServer(config, allocator)
-    from kvservice.store.recovery import recover
+    from kvservice.store.recovery import close_gap, recover
     store, embedded, url = await connect_store(config)
     try:
         if config.reset_state:
@@ -197,6 +197,8 @@ async def build_server(config: ServerSettings) -> AllocatorServer:
         info = recover(allocator, snapshot, entries)
         logger.info("recovered as leader epoch %d: snapshot %d bytes (WAL id %s) + %d WAL entries in %.3f s",
                     epoch, info["snapshot_bytes"], covered, info["replayed"], info["seconds"])
+        if info["skipped_after_gap"]:
+            await close_gap(store, allocator)
     except BaseException:
         if embedded is not None:
             embedded.stop()

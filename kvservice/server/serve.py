@@ -32,6 +32,7 @@ async def _serve_standby(config: ServerSettings, ready_line: bool) -> tuple[int,
     """A hot standby: follows the leader's WAL, answers only GetShardMap (and health: NOT_SERVING), and takes
     over (a new epoch, the old leader fenced) once the leader's lease has lapsed for a whole lease."""
     from kvservice.store.follower import Follower
+    from kvservice.store.recovery import close_gap
     store, _, url = await connect_store(config)
     follower = Follower(store, config.allocator)
     await follower.load()
@@ -59,8 +60,8 @@ async def _serve_standby(config: ServerSettings, ready_line: bool) -> tuple[int,
             if epoch:
                 break
         await follower.catch_up()  # what the old leader wrote before it was fenced
-        if not follower.consistent:
-            await follower.load()  # a resync it never finished: recover as a restart would
+        if not follower.consistent and not await follower.load():  # a resync it never finished
+            await close_gap(store, follower.allocator)  # recovered as a restart would, and made durable
         freeze_long_lived()
         server.lead(store)
         server.servicer.standby = ""

@@ -8,10 +8,13 @@ import time
 from collections.abc import Iterable
 
 from kvservice.allocator import Allocator
+from kvservice.commands import Barrier
 from kvservice.store import wal
+from kvservice.store.snapshot import dump
 from kvservice.store.snapshot import load as load_snapshot
 
 logger = logging.getLogger(__name__)
+GAP_WRITER = "recovery"  # the pending-snapshot slot of a snapshot written to close a gap
 
 
 def recover(allocator: Allocator, snapshot: bytes | None, entries: Iterable[tuple[bytes, bytes]]) -> dict:
@@ -43,3 +46,14 @@ def recover(allocator: Allocator, snapshot: bytes | None, entries: Iterable[tupl
         logger.warning("WAL has a gap (acknowledged while Redis was down and never resynced): %d entries after it "
                        "were not replayed; clients that saw them will get new pool epochs", skipped)
     return info
+
+
+async def close_gap(store, allocator: Allocator) -> None:
+    """After a recovery that stopped at a gap, and before anything is served: the recovered state becomes the
+    snapshot, covering the gap. Left in the WAL, the gap would make the next recovery skip everything logged
+    after it, so whatever this allocator acknowledged would be lost at its next crash."""
+    (barrier_id,) = await store.append([wal.encode(Barrier())])
+    await store.write_pending(GAP_WRITER, dump(allocator))
+    await store.commit_snapshot(barrier_id, GAP_WRITER)
+    logger.warning("the recovered state (up to the WAL's gap) is committed as the snapshot, covering the gap, "
+                   "before serving")
