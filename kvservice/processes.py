@@ -1,8 +1,10 @@
-"""Child processes that must not outlive their parent (a redis-server, a snapshotter, a test server)."""
+"""Child processes that must not outlive their parent (a redis-server, a snapshotter, a test server), and the
+priority of the control plane's own processes."""
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import sys
@@ -10,6 +12,7 @@ import threading
 from collections.abc import Callable
 
 _PR_SET_PDEATHSIG = 1
+logger = logging.getLogger(__name__)
 
 
 def parent_death_signal(sig: int = signal.SIGTERM, main_thread_only: bool = True) -> Callable[[], None] | None:
@@ -34,3 +37,19 @@ def parent_death_signal(sig: int = signal.SIGTERM, main_thread_only: bool = True
             os._exit(1)
 
     return preexec
+
+
+def normal_priority(what: str) -> None:
+    """Runs this process (and the children it starts from now on) at niceness 0. Ray starts its workers at
+    niceness 15 (RAY_worker_niceness): an allocator, a standby or a store hosted by a Ray actor would then get
+    a few percent of a core whenever anything else on the node is busy, and a failover would wait on it. Needs
+    the right to raise priority (root, or CAP_SYS_NICE); without it, says how to get it."""
+    niceness = os.getpriority(os.PRIO_PROCESS, 0)
+    if niceness <= 0:
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
+    except PermissionError:
+        logger.warning("%s runs at niceness %d (Ray's worker niceness) and may not lower it: any busy process on "
+                       "this node starves it. Start Ray with RAY_worker_niceness=0, or grant CAP_SYS_NICE", what,
+                       niceness)

@@ -65,16 +65,21 @@ def test_router_and_engines_follow_the_map_and_a_dead_shard_fails_over(up):
     asked = router.index.remote_lookups
     assert router.route(prompts[0]).cached_tokens == 32 and router.index.remote_lookups == asked
     victim = ray.get_actor(deploy.shard_actor_name("s0"), namespace=deploy.NAMESPACE)
+    resyncs = router.index.resyncs("s0")
     ray.kill(victim, no_restart=False)  # its server dies with it; Ray restarts the actor
-    time.sleep(1)
-    again = router.generate(prompts[:2], max_tokens=4)  # the standby of s0 serves its pools now
+    deadline = time.monotonic() + 120
+    while router.index.resyncs("s0") == resyncs and time.monotonic() < deadline:
+        time.sleep(0.05)  # the replica saw s0's stream end: s0's leader is gone
+    # Routed from the replica's hashes as they were (no RPC to a shard that is failing over), then run by the
+    # engines, whose steps wait for s0's standby to take over.
+    again = router.generate(prompts[:2], max_tokens=4)
     assert again == outputs[:2]
     assert sum(router.routed_by_prefix.values()) >= 2  # the repeated prompts went where they were cached
     from kvservice.client import KVServiceClient
     with KVServiceClient(up.target) as c:
         s0 = next(s for s in c.shard_map().shards if s.shard_id == "s0")
     assert s0.epoch >= 2
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 300  # (a bound on a loaded machine: the loop ends once it is back)
     while time.monotonic() < deadline:  # Ray brings the killed actor back, as a standby
         try:
             if ray.get(victim.health.remote(), timeout=10) == "NOT_SERVING":

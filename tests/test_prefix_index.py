@@ -192,6 +192,35 @@ def test_the_replica_follows_a_failover_and_a_moved_pool(tmp_path):
         cluster.stop()
 
 
+def test_a_broken_stream_answers_from_the_hashes_as_they_were(tmp_path):
+    """The allocator dies (its standby, if any, not yet leading): the replica answers its pools from the hashes it
+    had, the same answers as before the death and without a Lookup RPC, which would wait out a failover (as long
+    as a loaded machine makes it) and then fail. Before: that RPC, and "Connection refused" once it gave up."""
+    proc = start_server(log_dir=tmp_path)
+    with KVServiceClient(proc.target, failover_timeout_s=1, retries=0) as client:
+        pools = ["p0", "p1"]
+        for p in pools:
+            client.register_pool(p, KVCacheConfig(32, [FullAttentionSpec(BS)]), max_model_len=512)
+        work = Workload(client, pools, seed=5)
+        with PrefixIndex(client, refresh_s=0.2) as index:
+            assert index.wait_synced()
+            for _ in range(30):
+                work.one()
+            caught_up(client, index)
+            prompts = [work.prompt() for _ in range(8)]
+            assert_same_answers(client, index, prompts)
+            before = [index.lookup(p).hits for p in prompts]
+            resyncs = index.resyncs()
+            proc.proc.send_signal(signal.SIGKILL)
+            proc.proc.wait(10)
+            deadline = time.monotonic() + 30
+            while index.resyncs() == resyncs and time.monotonic() < deadline:
+                time.sleep(0.01)  # the replica saw the stream end
+            asked = index.remote_lookups
+            assert [index.lookup(p).hits for p in prompts] == before
+            assert index.remote_lookups == asked and any(h.num_cached_tokens for hits in before for h in hits)
+
+
 def test_a_dump_carries_a_sha256_pools_whole_hashes(server):
     """A pool with vLLM's sha256 chain (32-byte hashes): WatchEvents(include_state)'s dump names its blocks
     exactly as its live `stored` events did, and the replica leaves the pool to Lookup RPCs (its clients'

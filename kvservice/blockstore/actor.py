@@ -54,6 +54,8 @@ class _StoreActor:
         import ray
 
         from kvservice.blockstore.store import BlockStore
+        from kvservice.processes import normal_priority
+        normal_priority(f"store {name}")  # engines on other nodes wait on its reads
         self.store = BlockStore(name, address, num_blocks, page_bytes, block_size, token=token, directory=directory,
                                 node_id=ray.get_runtime_context().get_node_id(), tls_ca=tls_ca, disk_dir=disk_dir,
                                 disk_bytes=disk_bytes)

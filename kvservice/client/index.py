@@ -7,12 +7,14 @@
 Each shard's stream starts with the state of its pools (a dump taken atomically with the stream's start)
 and goes on with every change, so a replica that applied its stream holds exactly the cached block
 hashes of every pool the client's tenant sees, as of the last event it received (measured here: a few
-milliseconds behind; `bench/shard_bench.py`). While a shard's stream is not synced (starting, after its
-leader failed over, after a pool moved onto it) its pools are answered by a Lookup RPC to that shard, as
-are pools whose hits a replica cannot compute (several KV groups, blocks larger than hash blocks, a hash
+milliseconds behind; `bench/shard_bench.py`). While a shard's stream is not synced (starting, after a pool
+moved onto it or started a new epoch) its pools are answered by a Lookup RPC to that shard, as are pools whose hits a replica cannot compute (several KV groups, blocks larger than hash blocks, a hash
 spec of their own such as vLLM's; their `PoolStats.plain_prefix` is false) and external pools. Free-block
 counts (the tie-break of `best_pool`) and whether a pool is suspended (its store away: no hit, its hashes kept
-for when it resumes) are refreshed every `refresh_s`.
+for when it resumes) are refreshed every `refresh_s`. A stream that broke (its shard's leader died) leaves
+the hashes as they were: its pools are answered from them until the stream is back (a standby took over with
+the same state), stale by what changed meanwhile, rather than by an RPC to a shard that may be failing over
+for a while.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class _Shard:
         self.synced = False
         self.stream: EventStream | None = None
         self.restart = False  # set by the refresher: resync (a pool moved here, an epoch changed)
+        self.broken = False  # its stream broke: its pools answer from the hashes as they were until it resyncs
         self.applied_sequence = 0  # the newest event applied (the dump's sequence, then each event's)
         self.resyncs = 0
 
@@ -125,7 +128,7 @@ class PrefixIndex:
         """The pool's replicated hashes, or None when this replica cannot answer for it now."""
         stats = self._stats.get(pool_id)
         shard = self._shards.get(self._pool_shard.get(pool_id, ""))
-        if stats is None or not stats.plain_prefix or shard is None or not shard.synced:
+        if stats is None or not stats.plain_prefix or shard is None or not (shard.synced or shard.broken):
             return None
         return self._hashes.get(pool_id, {})
 
@@ -182,8 +185,8 @@ class PrefixIndex:
                 moved = old_shard is not None and old_shard != shard_id
                 new_epoch = old is not None and pool_id in stats.pools and old.epoch != stats.pools[pool_id].epoch
                 if (moved or new_epoch) and shard_id in self._shards:
-                    self._shards[shard_id].restart = True
-                    self._shards[shard_id].synced = False  # RPCs answer for it until the resync
+                    shard = self._shards[shard_id]
+                    shard.restart, shard.synced, shard.broken = True, False, False  # RPCs answer until the resync
             self._pool_shard = {p: s for p, s in pools.items() if p in stats.pools}
             # A pool is gone only if it was known and is no longer listed; one registered after `stats` was
             # read keeps what its events already brought.
@@ -216,6 +219,7 @@ class PrefixIndex:
                 delay = 0.05
             except Exception as exc:  # the shard went away (a failover) or fell behind: resync
                 logger.debug("prefix index: shard %r stream ended: %r", shard.shard_id, exc)
+                shard.broken = (shard.synced or shard.broken) and not shard.restart  # (it had the hashes)
             shard.synced = False
             if self._closed.is_set():
                 return
@@ -237,7 +241,7 @@ class PrefixIndex:
                     with self._lock:
                         self._hashes.update(rebuilt)
                         shard.applied_sequence = e.sequence
-                        shard.synced = True
+                        shard.synced, shard.broken = True, False
                     rebuilt = {}
                 continue
             with self._lock:

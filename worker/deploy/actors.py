@@ -16,6 +16,7 @@ import torch
 
 from kvservice.client import KVServiceClient
 from kvservice.launch import start_serve
+from kvservice.processes import normal_priority
 from kvservice.server.startup import TOKEN_NAME, read_token
 from worker.actor import PoolLayout, RankWorker, RayWorkers, free_port
 from worker.deploy.names import NAMESPACE, group_name, rank_name
@@ -39,6 +40,7 @@ class AllocatorActor:
         `token`: the deployment's one token (every shard takes the same), written into a token file here.
         `data_subdir`: this server's own directory under --data-dir (several may share a node)."""
         import ray
+        normal_priority("the allocator actor")  # and so its server: the control plane must not be starved
         args = [os.path.expanduser(a) for a in serve_args]  # paths are the head node's
         if data_subdir and "--data-dir" in args:
             i = args.index("--data-dir") + 1
