@@ -4,17 +4,17 @@
     result = index.lookup(token_ids)       # what client.lookup answers, from memory
     index.close()
 
-Each shard's stream starts with the state of its pools (a dump taken atomically with the stream's start)
-and goes on with every change, so a replica that applied its stream holds exactly the cached block
-hashes of every pool the client's tenant sees, as of the last event it received (measured here: a few
-milliseconds behind; `bench/shard_bench.py`). While a shard's stream is not synced (starting, after a pool
-moved onto it or started a new epoch) its pools are answered by a Lookup RPC to that shard, as are pools whose hits a replica cannot compute (several KV groups, blocks larger than hash blocks, a hash
-spec of their own such as vLLM's; their `PoolStats.plain_prefix` is false) and external pools. Free-block
-counts (the tie-break of `best_pool`) and whether a pool is suspended (its store away: no hit, its hashes kept
-for when it resumes) are refreshed every `refresh_s`. A stream that broke (its shard's leader died) leaves
-the hashes as they were: its pools are answered from them until the stream is back (a standby took over with
-the same state), stale by what changed meanwhile, rather than by an RPC to a shard that may be failing over
-for a while.
+Each shard's stream starts with the state of its pools (a dump taken atomically with the stream's start) and
+goes on with every change, so a replica that applied its stream holds exactly the cached block hashes of every
+pool the client's tenant sees, as of the last event it received (measured here: a few milliseconds behind;
+`bench/shard_bench.py`). While a shard's stream is not synced (starting, after a pool moved onto it or started
+a new epoch) its pools are answered by a Lookup RPC to that shard, as are pools whose hits a replica cannot
+compute (several KV groups, blocks larger than hash blocks, a hash spec of their own such as vLLM's; their
+`PoolStats.plain_prefix` is false) and external pools. Free-block counts (the tie-break of `best_pool`) and
+whether a pool is suspended (its store away: no hit, its hashes kept for when it resumes) are refreshed every
+`refresh_s`. A stream that broke (its shard's leader died) leaves the hashes as they were: its pools are
+answered from them until the stream is back (a standby took over with the same state), stale by what changed
+meanwhile, rather than by an RPC to a shard that may be failing over for a while.
 """
 
 from __future__ import annotations
