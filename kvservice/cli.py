@@ -1,4 +1,4 @@
-"""`kvservice serve | status | shards | store | demo | generate | bench | deploy`."""
+"""`kvservice serve | status | shards | store | route | demo | generate | bench | deploy`."""
 
 from __future__ import annotations
 
@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     store.add_argument("--token-file", help="read the bearer token from this file (its first token)")
     store.add_argument("--tls-ca", help="CA that signed the server's certificate (PEM): turns on TLS")
 
+    sub.add_parser("route", help="an OpenAI-compatible router in front of stock vLLM servers (KV-aware, P/D, "
+                                "health-checked); options after it go to kvservice.router (--backend, --policy, ...)",
+                   add_help=False)
     sub.add_parser("demo", help="end-to-end demo (allocator + Ray workers + a tiny model); options after it go "
                                "to worker/demo.py (e.g. --requests, --dcp, --backend, --num-blocks)", add_help=False)
     sub.add_parser("generate", help="generate with a Hugging Face checkpoint on kvservice's paged KV; options after "
@@ -270,6 +273,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return generate_main(args.demo_args)
 
 
+def cmd_route(args: argparse.Namespace) -> int:
+    from kvservice.router.cli import main as route_main  # aiohttp loads only for the router
+    return route_main(args.demo_args)
+
+
 def cmd_deploy(args: argparse.Namespace) -> int:
     from worker.deploy import main as deploy_main  # Ray and torch load only for deploy
     return deploy_main(args.deploy_args)
@@ -278,13 +286,13 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command not in ("demo", "deploy", "generate"):
+    if extra and args.command not in ("demo", "deploy", "generate", "route"):
         subcommand = parser._subparsers._group_actions[0].choices[args.command]
         subcommand.error(f"unrecognized arguments: {' '.join(extra)}")  # its usage, and the flag meant
     args.demo_args = args.deploy_args = extra
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return {"serve": cmd_serve, "status": cmd_status, "shards": cmd_shards, "store": cmd_store, "demo": cmd_demo,
-            "bench": cmd_bench, "deploy": cmd_deploy, "generate": cmd_generate}[args.command](args)
+            "bench": cmd_bench, "deploy": cmd_deploy, "generate": cmd_generate, "route": cmd_route}[args.command](args)
 
 
 if __name__ == "__main__":

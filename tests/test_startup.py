@@ -153,7 +153,7 @@ def test_make_test_and_make_run_install_first_on_a_fresh_clone(tmp_path):
     assert "make install" in plan.stdout
 
 
-@pytest.mark.parametrize("command", ["demo", "deploy", "generate", "status"])
+@pytest.mark.parametrize("command", ["demo", "deploy", "generate", "status", "route"])
 def test_every_subcommand_names_itself_in_its_help(command):
     out = subprocess.run([sys.executable, "-m", "kvservice.cli", command, "--help"], capture_output=True, text=True,
                          timeout=120, cwd=REPO)

@@ -1,5 +1,5 @@
 """The CLI reference page, written from the parsers themselves (kvservice.cli.build_parser() and the
-parsers `demo`, `generate` and `deploy` hand their options to), so it cannot drift from the code."""
+parsers `demo`, `generate`, `deploy` and `route` hand their options to), so it cannot drift from the code."""
 
 from __future__ import annotations
 
@@ -24,10 +24,11 @@ def help_of(entry, name: str) -> str:
 
 
 def delegated() -> dict[str, object]:
+    from kvservice.router.cli import settings_from_argv as route_args
     from worker.demo import main as demo_main
     from worker.deploy.cli import parse_args as deploy_args
     from worker.generate import parse_args as generate_args
-    return {"demo": demo_main, "generate": generate_args, "deploy": deploy_args}
+    return {"demo": demo_main, "generate": generate_args, "deploy": deploy_args, "route": route_args}
 
 
 def page() -> str:

@@ -1,5 +1,6 @@
-"""KV-aware placement in the driver, beside its allocator client: each prompt goes to the pool holding its
-longest cached prefix (the allocator's Lookup), and each pool's share runs as one batch on its engine.
+"""KV-aware placement in the driver, beside its allocator client: each prompt goes to the pool with the lowest
+estimated time to first token (kvservice.router.scoring, the formula `kvservice route` uses: with no load
+figures, the longest cached prefix), and each pool's share runs as one batch on its engine.
 
     Router.generate -> KVServiceClient.lookup (per prompt) -> EngineActor.generate (per pool, in parallel)
                        or PrefixIndex.lookup (a replica of the index in this process: no RPC per prompt)
@@ -11,6 +12,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from kvservice.client import KVServiceClient, PrefixIndex
+from kvservice.router.scoring import Load, Reuse, ScoringWeights, estimate, rank
 
 
 @dataclass(slots=True, frozen=True)
@@ -20,8 +22,9 @@ class Route:
 
 
 class Router:
-    """KV-aware placement: a prompt goes to the pool with its longest cached prefix (ties: the most free
-    blocks), which is the allocator's Lookup answer; round-robin while no pool has any of it cached."""
+    """KV-aware placement: a prompt goes to the pool with the lowest estimated TTFT, which without load figures
+    is the longest cached prefix (ties: the allocator's `best_pool_id`, the most free blocks); round-robin while
+    no pool has any of it cached."""
 
     def __init__(self, client: KVServiceClient, engines: dict[str, object], index: PrefixIndex | None = None) -> None:
         self.client = client
@@ -30,13 +33,17 @@ class Router:
         self.pool_ids = list(engines)
         self.routed: Counter = Counter()
         self.routed_by_prefix: Counter = Counter()
+        self.weights = ScoringWeights()
         self._next = 0
 
     def route(self, prompt: list[int]) -> Route:
         lookup = (self.index or self.client).lookup(prompt, pool_ids=self.pool_ids)
-        cached = lookup.tokens(lookup.best_pool_id) if lookup.best_pool_id else 0
+        estimates = {p: estimate(len(prompt), Reuse(engine=lookup.tokens(p)), Load(), self.weights)
+                     for p in self.pool_ids if p in lookup.hits and not lookup.hits[p].suspended}
+        order = rank(estimates, prefer=lookup.best_pool_id, tolerance_s=0.0)
+        cached = estimates[order[0]].cached_tokens if order else 0
         if cached > 0:
-            return Route(lookup.best_pool_id, cached)
+            return Route(order[0], cached)
         pool_id = self.pool_ids[self._next % len(self.pool_ids)]
         self._next += 1
         return Route(pool_id, 0)
