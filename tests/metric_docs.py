@@ -37,6 +37,11 @@ def is_connectors(name: str) -> bool:
     return name.startswith("vllm:") or name.startswith("kvservice_page_checksum_failures")
 
 
+def is_routers(name: str) -> bool:
+    """`kvservice route`'s series (exported by the router's /metrics), not the allocator's."""
+    return name.startswith("kvservice_router_")
+
+
 def unexported(named: dict[str, dict[str, set[str]]], exported: dict[str, set[str]]) -> list[str]:
     """What the docs name that `exported` (sample name -> its label names) lacks: a name (a histogram's by its
     base name), or a label of it."""

@@ -57,13 +57,14 @@ async def http(method: str, url: str, body=None, headers: dict | None = None, ra
             return Reply(r.status, {k.lower(): v for k, v in r.headers.items()}, await r.read())
 
 
-def cache_prompt(client, pool_id: str, tokens: list[int], tag: str = "warm") -> None:
-    """Makes `pool_id` (a kvservice pool, registered if new) hold `tokens`' whole blocks cached."""
+def cache_prompt(client, pool_id: str, tokens: list[int], tag: str = "warm", salt: str | None = None) -> None:
+    """Makes `pool_id` (a kvservice pool, registered if new) hold `tokens`' whole blocks cached (`salt`: under
+    that cache salt, as the connector saves pages under its namespace)."""
     if pool_id not in client.get_stats().pools:
         client.register_pool(pool_id, small_config(256, BLOCK), max_model_len=4096)
     rid = f"{tag}-{pool_id}-{time.monotonic_ns()}"
-    client.step(pool_id, [AddRequestOp(rid, token_ids=tokens), AllocateOp(rid, num_new_tokens=len(tokens)),
-                          FreeOp(rid)])
+    client.step(pool_id, [AddRequestOp(rid, token_ids=tokens, cache_salt=salt),
+                          AllocateOp(rid, num_new_tokens=len(tokens)), FreeOp(rid)])
 
 
 class Rig:

@@ -59,6 +59,27 @@ def test_a_prompt_goes_where_it_is_cached_and_the_headers_say_so(rig, allocator)
     rig.loop.call(setattr, rig.state("e1"), "waiting", 0.0)
 
 
+def test_store_tiers_count_with_the_connectors_namespace(loop, allocator):
+    """Pools named as a store's tiers (kvstore:NODE, kvdisk:NODE) hold prompts under the connector's namespace;
+    an engine on NODE is predicted to load them, one on another node to read them remotely."""
+    server, client = allocator
+    tokens = prompt(31, 300)
+    cache_prompt(client, "kvstore:node-b", tokens[:200], salt="ns")  # another node's RAM
+    cache_prompt(client, "kvdisk:node-a", tokens, salt="ns")  # node a's disk
+    cache_prompt(client, "kvstore:node-a", tokens, tag="unsalted")  # not under the namespace: no hit
+    rig = Rig(loop, server.target, ["s0", "s1"], {"s0": ",node=node-a", "s1": ",node=node-c"},
+              store_namespace="ns", disk_gbps=100, remote_gbps=100)
+    try:
+        d = rig.post("/v1/route", {"prompt": tokens}).json()
+        assert d["hits"]["kvstore:node-a"] == 0 and d["hits"]["kvdisk:node-a"] == 288
+        s0, s1 = d["estimates"]["s0"], d["estimates"]["s1"]
+        assert (s0["load_from"], s0["loaded_tokens"], s0["cached_tokens"]) == ("disk", 288, 288)
+        assert (s1["load_from"], s1["loaded_tokens"], s1["cached_tokens"]) == ("remote", 192, 192)
+        assert d["engine"] == "s0" and d["predicted_cached_tokens"] == 288
+    finally:
+        rig.close()
+
+
 def test_cold_prompts_spread_by_their_first_block_and_stick(rig):
     chosen = {}
     for seed in range(12):

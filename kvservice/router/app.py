@@ -44,6 +44,7 @@ class Router:
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
         self.metrics = RouterMetrics()
+        self.metrics.decision.labels(settings.policy)
         self.tokenizers = Tokenizers(settings.tokenizer)
         self.session: aiohttp.ClientSession | None = None
         self.fleet: Fleet | None = None
@@ -133,7 +134,8 @@ class Router:
             return errors.unauthorized()
         return web.json_response({
             "engine": d.order[0], "order": d.order, "prefill_order": d.prefill_order,
-            "prefill_skipped": d.prefill_skipped, "prompt_tokens": d.prompt_tokens, "lookup_ok": d.lookup_ok,
+            "prefill_skipped": d.prefill_skipped, "prompt_tokens": d.prompt_tokens, "prompt_token_ids": d.tokens,
+            "lookup_ok": d.lookup_ok,
             "predicted_cached_tokens": d.predicted.get(d.order[0], 0), "hits": d.hits,
             "estimates": {n: {"ttft_s": e.ttft_s, "cached_tokens": e.cached_tokens, "engine_tokens": e.engine_tokens,
                               "loaded_tokens": e.loaded_tokens, "load_from": e.load_from, "load_s": e.load_s,

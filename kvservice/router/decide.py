@@ -9,7 +9,7 @@ import itertools
 import logging
 from dataclasses import dataclass, field
 
-from kvservice.router.backends import STORE_RAM
+from kvservice.router.backends import STORE_DISK, STORE_RAM
 from kvservice.router.fleet import Engine, Fleet
 from kvservice.router.metrics import RouterMetrics
 from kvservice.router.scoring import Estimate, Reuse, estimate, rank, rendezvous
@@ -28,6 +28,7 @@ class Decision:
     prefill_skipped: bool = False
     prompt_tokens: int | None = None
     hits: dict[str, int] = field(default_factory=dict)  # the Lookup: pool -> cached tokens (this tenant's pools)
+    tokens: list[int] | None = None  # the prompt as the router tokenized it
     lookup_ok: bool = False
 
 
@@ -55,6 +56,10 @@ def reuse_of(engine: Engine, hits: dict, limit: int) -> Reuse:
     return reuse
 
 
+def is_store(pool_id: str) -> bool:
+    return pool_id.startswith((STORE_RAM, STORE_DISK))
+
+
 def first_block_hash(tokens: list[int] | None, block_size: int) -> int:
     if not tokens:
         return 0
@@ -70,16 +75,25 @@ class Decider:
         self.metrics = metrics
         self._turn = itertools.count()
 
-    async def lookup(self, tokens: list[int], allocator_token: str | None, cache_salt: str | None) -> dict | None:
+    async def lookup(self, tokens: list[int], allocator_token: str | None, cache_salt: str | None,
+                     stores: bool) -> dict | None:
+        """The Lookup's hits by pool. With `stores` (and --store-namespace) a second Lookup goes out with it, in
+        parallel: the stores' pages are salted with the connector's namespace, the engines' own caches are not."""
+        client = self.tenants.client(allocator_token)
+        calls = [client.lookup(tokens, cache_salt=cache_salt)]
+        namespace = self.settings.store_namespace
+        if stores and namespace:
+            calls.append(client.lookup(tokens, cache_salt=f"{namespace}|{cache_salt}" if cache_salt else namespace))
         try:
-            client = self.tenants.client(allocator_token)
-            result = await asyncio.wait_for(client.lookup(tokens, cache_salt=cache_salt),
-                                            self.settings.lookup_timeout_s)
+            results = await asyncio.wait_for(asyncio.gather(*calls), self.settings.lookup_timeout_s)
         except Exception as exc:  # noqa: BLE001 - routed on load alone; the allocator is not in the request path
             self.metrics.lookup_failures.inc()
             logger.debug("kvservice route: Lookup failed (%s: %s); routing on load alone", type(exc).__name__, exc)
             return None
-        return {hit.pool_id: hit for hit in result.hits}
+        hits = {h.pool_id: h for h in results[0].hits if not is_store(h.pool_id) or len(results) == 1}
+        if len(results) > 1:
+            hits.update({h.pool_id: h for h in results[1].hits if is_store(h.pool_id)})
+        return hits
 
     def order(self, policy: str, engines: list[Engine], estimates: dict[str, Estimate], tokens: list[int] | None,
               session_key: str | None) -> list[str]:
@@ -105,7 +119,8 @@ class Decider:
         serving = self.fleet.serving(model)
         decoders = [e for e in serving if e.backend.decodes]
         producers = [e for e in serving if e.backend.role == "prefill"]
-        hits = await self.lookup(tokens, allocator_token, cache_salt) if tokens else None
+        stores = any(e.backend.connector for e in decoders + producers)
+        hits = await self.lookup(tokens, allocator_token, cache_salt, stores) if tokens else None
         n = len(tokens) if tokens else 0
         limit = (n - 1) // self.settings.block_size * self.settings.block_size if n else 0
         estimates: dict[str, Estimate] = {}
@@ -117,7 +132,7 @@ class Decider:
                 estimate(n, reuse, load, self.weights, stores=False)
         decision = Decision(self.order(policy, decoders, ordering, tokens, session_key),
                             {name: est.cached_tokens for name, est in estimates.items()}, estimates,
-                            prompt_tokens=n if tokens else None, lookup_ok=hits is not None,
+                            prompt_tokens=n if tokens else None, tokens=tokens, lookup_ok=hits is not None,
                             hits={p: h.num_cached_tokens for p, h in (hits or {}).items()})
         if producers and decision.order:
             chosen = decision.predicted[decision.order[0]]

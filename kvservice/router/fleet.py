@@ -89,6 +89,7 @@ class Fleet:
                 logger.info("kvservice route: backend %s at %s (pool %s, role %s)", name, backend.url, backend.pool,
                             backend.role)
                 self.engines[name] = Engine(backend)
+                self.metrics.add_engine(name)
             elif engine.backend != backend:
                 same_place = engine.backend.url == backend.url
                 self.engines[name] = Engine(backend, up=engine.up and same_place, seen=engine.seen and same_place)

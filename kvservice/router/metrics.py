@@ -48,6 +48,17 @@ class RouterMetrics:
         self.backends_file_errors = Counter("kvservice_router_backends_file_errors", "Backends file re-reads "
                                             "refused (the fleet stayed as it was)", registry=r)
 
+        for outcome in ("handed_over", "skipped", "no_params", "failed"):
+            self.prefills.labels(outcome)
+
+    def add_engine(self, name: str) -> None:
+        """Its series at 0 from the start (a rate over a series that appears at its first event misses it)."""
+        for family in (self.predicted, self.realized, self.realized_predicted, self.ejections, self.readmissions,
+                       self.engine_up, self.inflight):
+            family.labels(name)
+        for reason in ("refused", "disconnected"):
+            self.retries.labels(name, reason)
+
     def forget_engine(self, name: str) -> None:
         for family in (self.engine_up, self.inflight):
             try:

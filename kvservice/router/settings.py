@@ -26,6 +26,9 @@ class RouterSettings:
                                  "default: the model dir an engine's /v1/models names, when it is on this machine)")
     block_size: int = flag(16, "--block-size", "the allocator's --hash-block-size (= the engines' --block-size)",
                            type=int)
+    store_namespace: str | None = flag(None, "--store-namespace", "the connector's `namespace` (its "
+                                       "kv_connector_extra_config key), which salts the stores' pages: without it "
+                                       "the stores' tiers are not looked up")
     session_header: str = flag("x-session-id", "--session-header", "the session policy's conversation key, when "
                                "a request has no `user` field")
     pd_skip_fraction: float = flag(0.8, "--pd-skip-fraction", "P/D: no prefill step when the chosen decode engine "
