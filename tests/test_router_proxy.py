@@ -160,8 +160,10 @@ def test_bad_input_gets_vllms_error_shape(rig):
          "The model `nope` does not exist. Valid aliases: m."),
         (json.dumps({"model": "m", "prompt": []}).encode(), 400, "BadRequestError", None,
          "The decoder prompt cannot be empty"),
+        (json.dumps({"model": "m", "prompt": [1] * 2100}).encode(), 400, "BadRequestError", "input_tokens",
+         "This model's maximum context length is 2048 tokens. However, your prompt contains 2100 input tokens"),
         (json.dumps({"model": "m", "prompt": [1] * 2049}).encode(), 400, "BadRequestError", "input_tokens",
-         "This model's maximum context length is 2048 tokens. However, your prompt contains 2049 input tokens"),
+         "However, your prompt contains at least 2049 input tokens"),  # vLLM's words one over the limit
     ]
     for raw, status, err_type, param, message in cases:
         reply = rig.post("/v1/completions", raw=raw)

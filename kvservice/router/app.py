@@ -182,7 +182,11 @@ class Router:
         name = engine.backend.name
         predicted = decision.predicted.get(name, 0)
         extra.update({ENGINE_HEADER: name, PREDICTED_HEADER: str(predicted)})
-        sent = await relay(request, self.metrics, engine, reply, extra, bool(body.get("stream")))
+        try:
+            sent = await relay(request, self.metrics, engine, reply, extra, bool(body.get("stream")))
+        except BaseException:
+            self.metrics.requests.labels(name, policy, endpoint, "cut").inc()  # the engine or the client went away
+            raise
         self.metrics.requests.labels(name, policy, endpoint, str(sent.status)).inc()
         if sent.status == 200:
             self.metrics.predicted.labels(name).inc(predicted)

@@ -39,9 +39,11 @@ def empty_prompt() -> RouterError:
 
 
 def prompt_too_long(num_tokens: int, max_model_len: int) -> RouterError:
+    # vLLM says "at least" at one over: its tokenizer may have cut a text prompt there
+    qualifier = "at least " if num_tokens == max_model_len + 1 else ""
     return RouterError(400, f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
-                            f"contains {num_tokens} input tokens, which exceeds this limit even without any output "
-                            f"tokens. Please reduce the length of the input prompt.", "BadRequestError",
+                            f"contains {qualifier}{num_tokens} input tokens, which exceeds this limit even without any "
+                            f"output tokens. Please reduce the length of the input prompt.", "BadRequestError",
                        "input_tokens")
 
 

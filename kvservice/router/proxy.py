@@ -5,6 +5,7 @@ are read on the way."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from dataclasses import dataclass
@@ -20,7 +21,10 @@ logger = logging.getLogger(__name__)
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
               "transfer-encoding", "upgrade", "host", "content-length"}
 MAX_TAPPED_BYTES = 16 << 20  # a non-streamed reply's body is parsed for its usage up to this size
-RETRYABLE = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+# Failures before any byte of the engine's reply: the request may go to another engine. (A read timeout is not
+# one: the engine may be computing it still.)
+RETRYABLE = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
+             getattr(aiohttp, "ConnectionTimeoutError", aiohttp.ClientConnectorError))
 
 
 def usage_cached_tokens(obj) -> int | None:
@@ -110,9 +114,11 @@ async def post_in_order(fleet: Fleet, metrics: RouterMetrics, session: aiohttp.C
             last = exc
             logger.warning("kvservice route: engine %s failed before answering (%s); trying the next", name, exc)
             continue
-        except BaseException:
+        except BaseException as exc:
             engine.inflight -= 1
             metrics.inflight.labels(name).set(engine.inflight)
+            if isinstance(exc, (aiohttp.ClientError, asyncio.TimeoutError)):
+                raise errors.engine_failed(name, exc) from exc
             raise
         return engine, reply
     if last is None:
