@@ -157,8 +157,7 @@ def _during_outage(start, end, ops, outage_s: float) -> None:
 def kill_redis(redis_server, client: KVServiceClient, pool: str, ops, outage_s: float = 1.5) -> str:
     """SIGKILL Redis during load; the allocator degrades (or refuses), then resyncs when it is back."""
     _during_outage(redis_server.kill, redis_server.restart, ops, outage_s)
-    wait_persistence(client, pool, "ok")
-    time.sleep(0.5)  # the resync snapshot commits right after the state flips
+    wait_persistence(client, pool, "ok")  # (only once the resync snapshot committed)
     return "redis SIGKILL"
 
 
@@ -192,8 +191,7 @@ class TmpfsDir:
 def disk_full(tmpfs: TmpfsDir, client: KVServiceClient, pool: str, ops, outage_s: float = 1.5) -> str:
     """Redis cannot grow its AOF: it refuses writes (MISCONF); the allocator degrades, then resyncs."""
     _during_outage(tmpfs.fill, tmpfs.unfill, ops, outage_s)
-    wait_persistence(client, pool, "ok", timeout_s=30)
-    time.sleep(0.5)
+    wait_persistence(client, pool, "ok", timeout_s=30)  # (only once the resync snapshot committed)
     return "disk full on the Redis data dir"
 
 
