@@ -102,6 +102,7 @@ def test_each_tenant_sees_only_its_own_pools(loop, allocator, tmp_path):
         for headers in ({}, {"Authorization": "Bearer client-c"}):
             reply = rig.post("/v1/completions", body, headers)
             assert reply.status == 401 and reply.json() == {"error": "Unauthorized"}
+        assert rig.get("/v1/models").status == 401 and rig.get("/health").status == 200
     finally:
         rig.close()
 

@@ -197,7 +197,19 @@ class Router:
         return sent.response
 
     # ---- the rest ----------------------------------------------------------------------------------
+    def _refused(self, request: web.Request) -> web.Response | None:
+        """With tenants, /v1/* wants a known bearer token (as vLLM's --api-key does)."""
+        try:
+            self.tenants.allocator_token(request.headers.get("Authorization"))
+        except Unauthorized:
+            return errors.unauthorized()
+        return None
+
     async def models(self, request: web.Request) -> web.Response:
+        refused = self._refused(request)
+        if refused is not None:
+            return refused
+
         async def fetch(engine):
             try:
                 async with self.session.get(engine.backend.url + "/v1/models", headers=forward_headers(
@@ -223,6 +235,9 @@ class Router:
 
     async def other(self, request: web.Request) -> web.StreamResponse:
         """Any other call, unchanged, to the least loaded engine up."""
+        refused = self._refused(request) if request.path.startswith("/v1/") else None
+        if refused is not None:
+            return refused
         up = sorted(self.fleet.up(), key=lambda e: (e.current_load().waiting, e.current_load().running, e.inflight))
         if not up:
             return errors.no_engine(None).response()

@@ -185,7 +185,9 @@ class Fleet:
                 self.eject(engine, why)
 
     async def _models(self, engine: Engine, timeout: aiohttp.ClientTimeout) -> None:
-        async with self.session.get(engine.backend.url + "/v1/models", timeout=timeout) as reply:
+        key = self.settings.engine_api_key  # vLLM's --api-key guards /v1/*, not /health or /metrics
+        headers = {"Authorization": f"Bearer {key}"} if key else None
+        async with self.session.get(engine.backend.url + "/v1/models", timeout=timeout, headers=headers) as reply:
             if reply.status != 200:
                 return
             data = await reply.json(content_type=None)
