@@ -51,6 +51,8 @@ class AllocatorSettings:
                                 "costs ~150 bytes of allocator memory)", type=int)
     # The core's fast paths (off: every op takes the general path, which they equal; differential tests).
     fast_path: bool = True
+    # Lookup walks one index of every pool (off: it asks each pool in turn, the reference it equals).
+    lookup_index: bool = True
 
     def to_argv(self) -> list[str]:
         """These settings as `kvservice serve` flags (what the standby snapshotter is started with)."""

@@ -1,21 +1,35 @@
 """Lookup and placement across pools: per pool, how many prefix tokens an admission would reuse, and the
-pool a KV-aware router should pick. Read-only (no touch, no statistics)."""
+pool a KV-aware router should pick. Read-only (no touch, no statistics).
+
+Pools whose hit is the unbroken run of the prompt's hashes they hold (one full-attention group of hash-sized
+blocks in kvservice's chain, no EAGLE drop; external pools of hash-sized blocks holding GPU blocks only) are
+answered by one walk of the prompt per key space over a GlobalIndex, whatever their number; every other pool
+is asked on its own (its hybrid groups' fixed point, its own hash spec, its tiers). With
+`AllocatorSettings.lookup_index` off every pool is asked on its own: the reference the walk is tested against.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvservice.allocator.global_index import GlobalIndex, Member
 from kvservice.allocator.keys import namespace
 from kvservice.allocator.state import AllocatorState
+from kvservice.core.block import make_block_hash_with_group_id
+from kvservice.external.nodes import TIERS
 from kvservice.external.registry import ExternalRegistry
-from kvservice.hashing import HashSpec, hash_prompt
+from kvservice.hashing import HASH_BYTES, HashSpec, hash_prompt
 from kvservice.results import LookupResult, PoolHit, best_pool
+
+_GPU_ONLY = {t: 0 for t in TIERS}
 
 
 class Placement:
     def __init__(self, state: AllocatorState, external: ExternalRegistry) -> None:
         self.state = state
         self.external = external
+        self.pool_index = GlobalIndex()  # kvservice pools' map keys: hash || tenant namespace || group 0
+        self.gpu_index = GlobalIndex()  # external pools' GPU-tier keys: kvservice chain hashes
 
     def lookup(self, tenant: str, token_ids=None, block_hashes: Sequence[bytes] | None = None, num_tokens: int = 0,
                cache_salt: str | None = None, lora_name: str | None = None,
@@ -39,24 +53,35 @@ class Placement:
             # would answer beside the pool's real one, and it serves no step.
             pools = [p for p in state.visible_pools(tenant, admin) if not p.moving_to]
             externals = external.visible(tenant, admin)
+        by_hashes = block_hashes is not None
+        if settings.lookup_index:
+            hits = self._indexed_hits(pools, raw, num_tokens, token_ids, by_hashes, cache_salt, lora_name, ns)
+            if externals:
+                hits += self._indexed_external_hits(externals, raw, num_tokens, token_ids, cache_salt, lora_name)
+        else:
+            hits = self._pool_hits(pools, raw, num_tokens, token_ids, by_hashes, cache_salt, lora_name, ns)
+            if externals:  # ranked with the others (best_pool: no free blocks published, so 0 empty ones)
+                hits += external.hits(externals, raw, num_tokens, token_ids, cache_salt, lora_name)
+        return LookupResult(hits, best_pool(hits, raw[0] if raw else None))
+
+    # ---- each pool on its own (the reference) ------------------------------------------------------
+    def _pool_hits(self, pools, raw: list[bytes], num_tokens: int, token_ids, by_hashes: bool,
+                   cache_salt: str | None, lora_name: str | None, ns: bytes) -> list[PoolHit]:
         hits = []
         by_spec: dict[HashSpec, list[bytes] | None] = {}  # each pool asked in its own hash spec
         for p in pools:
+            bp = p.manager.block_pool
             if p.suspended:  # its store is away: nothing it holds can be read now
-                bp = p.manager.block_pool
                 hits.append(PoolHit(p.pool_id, 0, bp.get_num_free_blocks(), len(bp.cached_block_hash_to_block),
                                     suspended=True))
                 continue
             spec = p.hash_spec
             if spec not in by_spec:
-                by_spec[spec] = self._hashes(p, raw, token_ids, block_hashes is not None, cache_salt, lora_name, ns)
+                by_spec[spec] = self._hashes(p, raw, token_ids, by_hashes, cache_salt, lora_name, ns)
             hashes = by_spec[spec]
             hits.append(PoolHit(p.pool_id, p.cached_prefix_tokens(hashes, num_tokens) if hashes is not None else 0,
-                                p.manager.block_pool.get_num_free_blocks(),
-                                len(p.manager.block_pool.cached_block_hash_to_block)))
-        if externals:  # ranked with the others (best_pool: no free blocks published, so 0 empty ones)
-            hits += external.hits(externals, raw, num_tokens, token_ids, cache_salt, lora_name)
-        return LookupResult(hits, best_pool(hits, raw[0] if raw else None))
+                                bp.get_num_free_blocks(), len(bp.cached_block_hash_to_block)))
+        return hits
 
     def _hashes(self, pool, raw: list[bytes], token_ids, by_hashes: bool, cache_salt: str | None,
                 lora_name: str | None, ns: bytes) -> list[bytes] | None:
@@ -69,3 +94,77 @@ class Placement:
         elif not (spec.is_kvservice and spec.effective_seed == self.state.settings.hash_seed):
             raw = pool.request_from_tokens("lookup", token_ids, cache_salt, lora_name).block_hashes
         return [h + ns for h in raw] if ns else raw
+
+    # ---- one walk for the pools a GlobalIndex answers -------------------------------------------------
+    def _indexed_hits(self, pools, raw: list[bytes], num_tokens: int, token_ids, by_hashes: bool,
+                      cache_salt: str | None, lora_name: str | None, ns: bytes) -> list[PoolHit]:
+        h = self.state.settings.hash_block_size
+        hits: list[PoolHit] = []
+        walked: list[tuple[int, Member]] = []
+        others = []
+        index = self.pool_index
+        for p in pools:
+            if not p.suspended and p.indexable:
+                bp = p.manager.block_pool
+                walked.append((len(hits), index.member(bp.cached_block_hash_to_block)))
+                hits.append(p)  # (its hit once the walk is done)
+            else:
+                others.append(len(hits))
+                hits.append(p)
+        if others:
+            answered = self._pool_hits([hits[i] for i in others], raw, num_tokens, token_ids, by_hashes,
+                                       cache_salt, lora_name, ns)
+            for i, hit in zip(others, answered):
+                hits[i] = hit
+        if walked:
+            max_blocks = max(0, num_tokens - 1) // h if num_tokens > 1 else 0
+            keys = [] if by_hashes and raw and len(raw[0]) != HASH_BYTES else \
+                [make_block_hash_with_group_id(x + ns, 0) for x in raw[:max_blocks]]
+            depths = index.walk(keys, [m for _, m in walked], max_blocks)
+            for (i, _), depth in zip(walked, depths):
+                p = hits[i]
+                bp = p.manager.block_pool
+                hits[i] = PoolHit(p.pool_id, depth * h, bp.get_num_free_blocks(), len(bp.cached_block_hash_to_block))
+        self._prune(index)
+        return hits
+
+    def _indexed_external_hits(self, pools, raw: list[bytes], num_tokens: int, token_ids, cache_salt: str | None,
+                               lora_name: str | None) -> list[PoolHit]:
+        h = self.state.settings.hash_block_size
+        out: list[PoolHit | None] = []
+        walked: list[tuple[int, Member]] = []
+        others = []
+        index = self.gpu_index
+        for pool in pools:
+            ix = pool.index
+            if ix.block_size == h and not (ix.tier_blocks[1] or ix.tier_blocks[2]):
+                walked.append((len(out), index.member(ix)))
+            else:
+                others.append(len(out))
+            out.append(pool)
+        if others:
+            answered = self.external.hits([out[i] for i in others], raw, num_tokens, token_ids, cache_salt, lora_name)
+            for i, hit in zip(others, answered):
+                out[i] = hit
+        if walked:
+            max_blocks = max(0, num_tokens - 1) // h if num_tokens > 1 else 0
+            depths = index.walk(raw, [m for _, m in walked], max_blocks)
+            for (i, _), depth in zip(walked, depths):
+                tiers = dict(_GPU_ONLY)
+                tiers[TIERS[0]] = depth * h
+                out[i] = PoolHit(out[i].pool_id, depth * h, 0, external=True, tiers=tiers)
+        self._prune(index)
+        return out
+
+    def _prune(self, index: GlobalIndex) -> None:
+        """Members whose pool is gone (a new epoch's pool replaced it, a move dropped it, a snapshot was loaded)
+        leave once they are more than the live pools: their keys lose their bits, their slots are reused."""
+        state = self.state
+        live_count = len(state.pools) + len(state.external.pools)
+        if len(index.members) <= 2 * live_count + 16:
+            return
+        live = {id(p.manager.block_pool.cached_block_hash_to_block) for p in state.pools.values()}
+        live |= {id(p.index) for p in state.external.pools.values()}
+        for owner_id, member in list(index.members.items()):
+            if owner_id not in live:
+                index.leave(member.owner)

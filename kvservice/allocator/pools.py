@@ -122,6 +122,14 @@ class Pool:
         return (self.spec.hash_spec is None and len(groups) == 1 and type(groups[0]) is FullAttentionSpec
                 and self.block_sizes()[0] == self.hash_block_size)
 
+    @property
+    def indexable(self) -> bool:
+        """Whether a GlobalIndex answers its Lookup: a plain prefix, cached, with no EAGLE block dropped from
+        its hits."""
+        manager = self.manager
+        return (manager.enable_caching and self.plain_prefix
+                and not getattr(manager.coordinator, "drop_eagle_group_ids", ()))
+
     def cached_hashes(self) -> dict[int, list[BlockHash]]:
         """Per group, the (namespaced) hash of every cached block (a hash twice when two blocks carry it)."""
         out: dict[int, list[BlockHash]] = {}

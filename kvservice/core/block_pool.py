@@ -340,7 +340,7 @@ class BlockPool:
         if num_used != 1:  # the null block always counts as used
             logger.warning("reset_prefix_cache refused: %d blocks are still in use", num_used - 1)
             return False
-        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        self.cached_block_hash_to_block.clear()  # (in place: whoever listens to it is told)
         self.cached_block_hashes_by_block.clear()
         if self._reuse_watchers:
             self._notify_reuse([self.blocks[i] for i in list(self._reuse_watchers)])
@@ -358,7 +358,7 @@ class BlockPool:
         for block in self.blocks:
             block.prev_free_block = block.next_free_block = None
         self.free_block_queue = FreeBlockQueue([])
-        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        self.cached_block_hash_to_block.clear()
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks

@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 from kvservice.core.block import BlockHashWithGroupId, KVCacheBlock
 from kvservice.hashing import BlockHash
+
+
+class KeyListener(Protocol):
+    def added(self, key: BlockHashWithGroupId) -> None: ...
+
+    def removed(self, key: BlockHashWithGroupId) -> None: ...
 
 
 class BlockHashToBlockMap:
@@ -16,10 +23,29 @@ class BlockHashToBlockMap:
     tables are append-only: a request never swaps a block it already holds for an equal one.
     """
 
-    __slots__ = ("_cache",)
+    __slots__ = ("_cache", "listener")
 
     def __init__(self) -> None:
         self._cache: dict[BlockHashWithGroupId, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+        # Told when a key comes in and when its last block goes (kvservice.allocator.global_index: one index
+        # over every pool); None: nobody listens.
+        self.listener: KeyListener | None = None
+
+    def listen(self, listener: KeyListener | None) -> None:
+        """`listener` is told every key present now, then every key that comes or goes; None: stops."""
+        self.listener = listener
+        if listener is not None:
+            for key in self._cache:
+                listener.added(key)
+
+    def listened_keys(self) -> list[BlockHashWithGroupId]:
+        return list(self._cache)
+
+    def clear(self) -> None:
+        if self.listener is not None:
+            for key in self._cache:
+                self.listener.removed(key)
+        self._cache.clear()
 
     def get_one_block(self, key: BlockHashWithGroupId) -> KVCacheBlock | None:
         entry = self._cache.get(key)
@@ -55,6 +81,8 @@ class BlockHashToBlockMap:
         entry = self._cache.get(key)
         if entry is None:
             self._cache[key] = block
+            if self.listener is not None:
+                self.listener.added(key)
         elif type(entry) is KVCacheBlock:
             self._cache[key] = {entry.block_id: entry, block.block_id: block}
         else:
@@ -67,12 +95,16 @@ class BlockHashToBlockMap:
             return None
         if type(entry) is KVCacheBlock:
             if entry.block_id == block_id:
+                if self.listener is not None:
+                    self.listener.removed(key)
                 return entry
             self._cache[key] = entry
             return None
         block = entry.pop(block_id, None)
         if entry:
             self._cache[key] = entry
+        elif self.listener is not None:
+            self.listener.removed(key)
         return block
 
     def items(self) -> Iterable[tuple[BlockHashWithGroupId, KVCacheBlock]]:

@@ -42,9 +42,25 @@ class ExternalIndex:
         self.max_blocks = max_blocks
         self.group_idx = group_idx
         self.counters = IndexCounters()
+        # Told each key whose GPU tier comes or goes (kvservice.allocator.global_index); None: nobody listens.
+        self.listener = None
+        self.by_key: dict[bytes, Node] = {}
         self._empty()
 
+    def listen(self, listener) -> None:
+        """`listener` is told every key held on the GPU tier now, then each one that comes or goes."""
+        self.listener = listener
+        if listener is not None:
+            for key in self.listened_keys():
+                listener.added(key)
+
+    def listened_keys(self) -> list[bytes]:
+        return [key for key, node in self.by_key.items() if node.counts & COUNT_MASK]
+
     def _empty(self) -> None:
+        if self.listener is not None:
+            for key in self.listened_keys():
+                self.listener.removed(key)
         self.block_size: int | None = None  # learned from the first BlockStored
         self.key_block_size = self.hash_block_size
         self.stride = 1
@@ -163,6 +179,8 @@ class ExternalIndex:
             node.counts -= 1 << shift
             if not (node.counts >> shift) & COUNT_MASK:
                 self.tier_blocks[tier] -= 1
+                if tier == 0 and self.listener is not None:
+                    self.listener.removed(node.key)
             if not node.counts and not node.children:
                 self._delete(node)
 
@@ -193,6 +211,8 @@ class ExternalIndex:
                 parent.children += 1
             self.tier_blocks[tier] += 1
             self.push_leaf(node)
+            if tier == 0 and self.listener is not None:
+                self.listener.added(key)
         else:
             if node.counts:
                 self.counters.duplicate_stores += 1
@@ -201,6 +221,8 @@ class ExternalIndex:
             count = (node.counts >> shift) & COUNT_MASK
             if count == 0:
                 self.tier_blocks[tier] += 1
+                if tier == 0 and self.listener is not None:
+                    self.listener.added(key)
             if count < COUNT_MASK:  # saturates rather than carrying into the next tier
                 node.counts += inc
             if not node.children:
@@ -253,6 +275,8 @@ class ExternalIndex:
             for t in range(len(TIERS)):
                 if (node.counts >> (t * COUNT_BITS)) & COUNT_MASK:
                     self.tier_blocks[t] -= 1
+            if node.counts & COUNT_MASK and self.listener is not None:
+                self.listener.removed(node.key)
             node.counts = 0
             self._delete(node)
             self.counters.evictions += 1
