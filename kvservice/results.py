@@ -47,16 +47,25 @@ def best_pool(hits: list[PoolHit], first_block_hash: bytes | None) -> str:
     hash, so a prompt family keeps landing on the same pool instead of every cold prompt piling onto the
     first one. A suspended pool takes no allocation: it is never picked. The same rule whether one allocator or
     a client over several shards applies it."""
-    hits = [h for h in hits if not h.suspended]
-    if not hits:
+    best, most, names = -1, -1, []  # one pass: a router asks this once per request
+    for h in hits:
+        tokens = h.num_cached_tokens
+        if h.suspended or tokens < best:
+            continue
+        empty = h.num_free_blocks - h.num_cached_blocks
+        if empty < 0:
+            empty = 0
+        if tokens > best:
+            best, most, names = tokens, empty, [h.pool_id]
+        elif empty > most:
+            most, names = empty, [h.pool_id]
+        elif empty == most:
+            names.append(h.pool_id)
+    if not names:
         return ""
-    best = max(h.num_cached_tokens for h in hits)
-    tied = [h for h in hits if h.num_cached_tokens == best]
-    empty = {h.pool_id: max(0, h.num_free_blocks - h.num_cached_blocks) for h in tied}
-    most = max(empty.values())
-    names = sorted(pool_id for pool_id, n in empty.items() if n == most)
     if len(names) == 1 or not first_block_hash:
-        return names[0]
+        return min(names)
+    names.sort()
     return names[int.from_bytes(first_block_hash[:8], "big") % len(names)]
 
 

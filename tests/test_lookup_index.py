@@ -213,3 +213,30 @@ def test_members_of_gone_pools_leave_and_free_their_slots():
     for p in a.state.pools.values():
         held |= set(p.manager.block_pool.cached_block_hash_to_block.listened_keys())
     assert set(index.keys) <= held
+
+
+def _best_pool_reference(hits, first_block_hash):
+    """best_pool as it was written before its one-pass form (the rule, spelled out)."""
+    hits = [h for h in hits if not h.suspended]
+    if not hits:
+        return ""
+    best = max(h.num_cached_tokens for h in hits)
+    tied = [h for h in hits if h.num_cached_tokens == best]
+    empty = {h.pool_id: max(0, h.num_free_blocks - h.num_cached_blocks) for h in tied}
+    most = max(empty.values())
+    names = sorted(pool_id for pool_id, n in empty.items() if n == most)
+    if len(names) == 1 or not first_block_hash:
+        return names[0]
+    return names[int.from_bytes(first_block_hash[:8], "big") % len(names)]
+
+
+def test_best_pool_in_one_pass_is_the_rule():
+    from kvservice.results import PoolHit, best_pool
+    rng = random.Random(4)
+    for _ in range(3000):
+        n = rng.randint(0, 12)
+        ids = rng.sample([f"p{i}" for i in range(20)], n)
+        hits = [PoolHit(i, rng.choice([0, 16, 32, 48]), rng.randint(0, 8), rng.randint(0, 8),
+                        suspended=rng.random() < 0.2) for i in ids]
+        first = rng.choice([None, rng.randbytes(16)])
+        assert best_pool(hits, first) == _best_pool_reference(hits, first)

@@ -54,8 +54,8 @@ class GlobalIndex:
     def member(self, owner: Listened) -> Member:
         """`owner`'s member (a pool's map), joining it first: subscribed to `owner`, which reports every key it
         holds now."""
-        member = self.members.get(id(owner))
-        if member is not None and member.owner is owner:
+        member = owner.listener
+        if member is not None and member.index is self:
             return member
         slot = self._free.pop() if self._free else self._take_slot()
         member = Member(self, 1 << slot, owner)

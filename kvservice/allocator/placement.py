@@ -99,18 +99,17 @@ class Placement:
     def _indexed_hits(self, pools, raw: list[bytes], num_tokens: int, token_ids, by_hashes: bool,
                       cache_salt: str | None, lora_name: str | None, ns: bytes) -> list[PoolHit]:
         h = self.state.settings.hash_block_size
-        hits: list[PoolHit] = []
-        walked: list[tuple[int, Member]] = []
+        hits: list = list(pools)  # each pool, replaced by its hit
+        walked: list[int] = []
+        members: list[Member] = []
         others = []
         index = self.pool_index
-        for p in pools:
-            if not p.suspended and p.indexable:
-                bp = p.manager.block_pool
-                walked.append((len(hits), index.member(bp.cached_block_hash_to_block)))
-                hits.append(p)  # (its hit once the walk is done)
+        for i, p in enumerate(pools):
+            if p.indexable and not p.suspended:
+                walked.append(i)
+                members.append(index.member(p.manager.block_pool.cached_block_hash_to_block))
             else:
-                others.append(len(hits))
-                hits.append(p)
+                others.append(i)
         if others:
             answered = self._pool_hits([hits[i] for i in others], raw, num_tokens, token_ids, by_hashes,
                                        cache_salt, lora_name, ns)
@@ -118,38 +117,40 @@ class Placement:
                 hits[i] = hit
         if walked:
             max_blocks = max(0, num_tokens - 1) // h if num_tokens > 1 else 0
-            keys = [] if by_hashes and raw and len(raw[0]) != HASH_BYTES else \
-                [make_block_hash_with_group_id(x + ns, 0) for x in raw[:max_blocks]]
-            depths = index.walk(keys, [m for _, m in walked], max_blocks)
-            for (i, _), depth in zip(walked, depths):
+            suffix = make_block_hash_with_group_id(ns, 0)  # (the map's keys: hash || namespace || group 0)
+            keys = [] if by_hashes and raw and len(raw[0]) != HASH_BYTES else [x + suffix for x in raw[:max_blocks]]
+            depths = index.walk(keys, members, max_blocks)
+            for i, depth in zip(walked, depths):
                 p = hits[i]
                 bp = p.manager.block_pool
-                hits[i] = PoolHit(p.pool_id, depth * h, bp.get_num_free_blocks(), len(bp.cached_block_hash_to_block))
+                hits[i] = PoolHit(p.pool_id, depth * h, bp.free_block_queue.num_free_blocks,
+                                  len(bp.cached_block_hash_to_block))
         self._prune(index)
         return hits
 
     def _indexed_external_hits(self, pools, raw: list[bytes], num_tokens: int, token_ids, cache_salt: str | None,
                                lora_name: str | None) -> list[PoolHit]:
         h = self.state.settings.hash_block_size
-        out: list[PoolHit | None] = []
-        walked: list[tuple[int, Member]] = []
+        out: list = list(pools)  # each pool, replaced by its hit
+        walked: list[int] = []
+        members: list[Member] = []
         others = []
         index = self.gpu_index
-        for pool in pools:
+        for i, pool in enumerate(pools):
             ix = pool.index
             if ix.block_size == h and not (ix.tier_blocks[1] or ix.tier_blocks[2]):
-                walked.append((len(out), index.member(ix)))
+                walked.append(i)
+                members.append(index.member(ix))
             else:
-                others.append(len(out))
-            out.append(pool)
+                others.append(i)
         if others:
             answered = self.external.hits([out[i] for i in others], raw, num_tokens, token_ids, cache_salt, lora_name)
             for i, hit in zip(others, answered):
                 out[i] = hit
         if walked:
             max_blocks = max(0, num_tokens - 1) // h if num_tokens > 1 else 0
-            depths = index.walk(raw, [m for _, m in walked], max_blocks)
-            for (i, _), depth in zip(walked, depths):
+            depths = index.walk(raw, members, max_blocks)
+            for i, depth in zip(walked, depths):
                 tiers = dict(_GPU_ONLY)
                 tiers[TIERS[0]] = depth * h
                 out[i] = PoolHit(out[i].pool_id, depth * h, 0, external=True, tiers=tiers)

@@ -67,6 +67,10 @@ class Pool:
         # spec.suspend_on_session_end, its bound session ended: blocks, index and LRU order kept, but no hit and
         # no new request, allocation or pin until its store registers it again at this epoch
         self.suspended = False
+        # Whether a GlobalIndex answers its Lookup: a plain prefix, cached, with no EAGLE block dropped from its
+        # hits (its shape never changes: a new shape is a new Pool).
+        self.indexable = (self.manager.enable_caching and self.plain_prefix
+                          and not getattr(self.manager.coordinator, "drop_eagle_group_ids", ()))
 
     @property
     def hash_block_size(self) -> int:
@@ -121,14 +125,6 @@ class Pool:
         groups = self.spec.config.groups
         return (self.spec.hash_spec is None and len(groups) == 1 and type(groups[0]) is FullAttentionSpec
                 and self.block_sizes()[0] == self.hash_block_size)
-
-    @property
-    def indexable(self) -> bool:
-        """Whether a GlobalIndex answers its Lookup: a plain prefix, cached, with no EAGLE block dropped from
-        its hits."""
-        manager = self.manager
-        return (manager.enable_caching and self.plain_prefix
-                and not getattr(manager.coordinator, "drop_eagle_group_ids", ()))
 
     def cached_hashes(self) -> dict[int, list[BlockHash]]:
         """Per group, the (namespaced) hash of every cached block (a hash twice when two blocks carry it)."""
