@@ -35,7 +35,7 @@ def populate(client: KVServiceClient, prompts: list[list[int]], num_pools: int, 
         print(f"  pool {p + 1}/{num_pools} populated", flush=True)
 
 
-def _hammer(target: str, raws: list[bytes], seconds: float, threads: int, out) -> None:
+def _hammer(target: str, method: str, raws: list[bytes], seconds: float, threads: int, out) -> None:
     import grpc
 
     from kvservice.client.routing import channel_options
@@ -43,8 +43,7 @@ def _hammer(target: str, raws: list[bytes], seconds: float, threads: int, out) -
     stop = time.monotonic() + seconds
 
     def one(k: int) -> None:
-        call = grpc.insecure_channel(target, options=channel_options()).unary_unary(
-            "/kvservice.v1.Allocator/Lookup")
+        call = grpc.insecure_channel(target, options=channel_options()).unary_unary(method)
         i = k
         while time.monotonic() < stop:
             call(raws[i % len(raws)], timeout=30)
@@ -57,6 +56,19 @@ def _hammer(target: str, raws: list[bytes], seconds: float, threads: int, out) -
     for w in workers:
         w.join()
     out.put(sum(done))
+
+
+def concurrent(target: str, method: str, raws: list[bytes], seconds: float) -> int:
+    """Calls completed by 16 clients (two processes of eight threads) in `seconds`."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_hammer, args=(target, method, raws, seconds, 8, queue)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    total = sum(queue.get() for _ in procs)
+    for p in procs:
+        p.join()
+    return total
 
 
 def rpc_side_by_side(work, num_pools: int, rng: random.Random, num_lookups: int, seconds: float) -> dict:
@@ -79,22 +91,19 @@ def rpc_side_by_side(work, num_pools: int, rng: random.Random, num_lookups: int,
             t["rpc"].append(time.perf_counter() - start_t)
             t["echo"].append(echo((len(raw), len(reply))))
         assert pb.LookupResponse.FromString(reply).hits
-        queue = multiprocessing.get_context("spawn").Queue()
-        procs = [multiprocessing.get_context("spawn").Process(target=_hammer, args=(target, raws, seconds, 8, queue))
-                 for _ in range(2)]
-        for p in procs:
-            p.start()
-        total = sum(queue.get() for _ in procs)
-        for p in procs:
-            p.join()
+        echo_raws = [len(reply).to_bytes(4, "little") + bytes(4) + bytes(len(raw) - 8) for raw in raws[:50]]
+        total = concurrent(target, "/kvservice.v1.Allocator/Lookup", raws, seconds)
+        echo_total = concurrent(echo_target, "/bench.Echo/Echo", echo_raws, seconds)
         out = {"pools": num_pools, "rpc_p50_us": median(t["rpc"]) * 1e6, "rpc_p99_us": percentile(t["rpc"], 99) * 1e6,
                "echo_p50_us": median(t["echo"]) * 1e6, "echo_p99_us": percentile(t["echo"], 99) * 1e6,
-               "lookups_per_s_16_clients": total / seconds, "reply_bytes": len(reply)}
+               "lookups_per_s_16_clients": total / seconds, "echoes_per_s_16_clients": echo_total / seconds,
+               "reply_bytes": len(reply)}
         print(table(["Lookup over gRPC", "p50 us", "p99 us"],
                     [(f"Lookup, {num_pools} kvservice pools", out["rpc_p50_us"], out["rpc_p99_us"]),
                      (f"bare echo, {len(raws[0])} / {len(reply)} bytes", out["echo_p50_us"], out["echo_p99_us"])]))
-        print(f"Lookups/s, 16 concurrent clients (2 processes x 8 threads): {out['lookups_per_s_16_clients']:,.0f}",
-              flush=True)
+        print(f"calls/s, 16 concurrent clients (2 processes x 8 threads): Lookup "
+              f"{out['lookups_per_s_16_clients']:,.0f}, bare echo of the same sizes "
+              f"{out['echoes_per_s_16_clients']:,.0f}", flush=True)
         client.close()
         return out
     finally:
