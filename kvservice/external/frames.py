@@ -172,6 +172,9 @@ def _stored(f: dict, where: str) -> Stored:
                   f.get("lookahead_token_ids") is not None)
 
 
+_U64 = 1 << 64
+
+
 def _hash(value: Any, where: str) -> EngineHash:
     if isinstance(value, bytes) and value:
         return value
@@ -183,7 +186,11 @@ def _hash(value: Any, where: str) -> EngineHash:
 def _hashes(value: Any, where: str) -> list[EngineHash]:
     if not isinstance(value, list):
         raise FrameError(where, value, "must be an array of block hashes")
-    return [_hash(h, f"{where}[{i}]") for i, h in enumerate(value)]
+    for i, h in enumerate(value):  # (the common cases checked inline: a batch carries thousands)
+        kind = type(h)
+        if not (kind is int and 0 <= h < _U64 or kind is bytes and h):
+            _hash(h, f"{where}[{i}]")  # another kind that passes, or the error naming the entry
+    return value
 
 
 def _opt_str(value: Any, where: str) -> str | None:

@@ -146,8 +146,26 @@ class ExternalIndex:
         if ev.lora_name is None and not ev.extra_keys:  # one hashing call for the whole event
             fine = hash_packed_blocks(packed, self.key_block_size, parent.key if parent else self.root)
             stride = self.stride
+            by_key, by_engine, leaves = self.by_key, self.by_engine, self.leaves
+            added = self.listener.added if tier == 0 and self.listener is not None else None
+            num_new = 0
             for i, engine in enumerate(ev.block_hashes):
-                parent = self._insert(fine[(i + 1) * stride - 1], engine, parent, inc, tier)
+                key = fine[(i + 1) * stride - 1]
+                if key in by_key or self.waiting:
+                    parent = self._insert(key, engine, parent, inc, tier)
+                    continue
+                # A block never seen (the common case), inlined: `_insert`'s first branch.
+                node = Node(key, engine, parent, inc)
+                by_key[key] = by_engine[engine] = node
+                if parent is not None:
+                    parent.children += 1
+                node.queued = 1
+                leaves.append(node)
+                if added is not None:
+                    added(key)
+                parent = node
+                num_new += 1
+            self.tier_blocks[tier] += num_new
             self._bound()
             return
         for i, engine in enumerate(ev.block_hashes):
