@@ -182,6 +182,7 @@ class Bench:
         after = self.stats(actor)
         delta = {k: after[k] - before[k] for k in ("fetch_s", "copy_in_s", "nixl_reads", "remote_reads",
                                                    "local_reads")}
+        delta["parts_s"] = load_parts(before, after, side)
         delta["loaded_blocks"] = after["loaded_by_tier"].get(side.tier, 0) - before["loaded_by_tier"].get(side.tier, 0)
         moved = {"local": delta["local_reads"], "disk": delta["local_reads"], "nixl": delta["nixl_reads"],
                  "ray": delta["remote_reads"] - delta["nixl_reads"]}[side.path]
@@ -229,6 +230,17 @@ class Bench:
         return {"prefixes_saved": len(self.prompts), "prefixes_on_disk_before": len(held),
                 "prefixes_hit_after_restart": hit, "percent": 100.0 * hit / max(1, len(held)),
                 "restart_s": restart_s, "pages": sum(n // BLOCK for _, n in held)}
+
+
+def load_parts(before: dict, after: dict, side: Side) -> dict[str, float]:
+    """The seconds of each part of one load (connector/timing.py): the scheduler side's per tier, the worker's
+    per path."""
+    from kvservice.integrations.vllm.connector.timing import SCHEDULER_PARTS, WORKER_PARTS
+    out = {}
+    for key, parts, group in ((side.tier, SCHEDULER_PARTS, "claim_parts"), (side.path, WORKER_PARTS, "load_parts")):
+        a, b = before[group].get(key, {}), after[group].get(key, {})
+        out.update({part: b.get(part, 0.0) - a.get(part, 0.0) for part in parts})
+    return out
 
 
 def memory_needed(sides: list[Side], kv_bytes: int, store_bytes: int, prompt_bytes: int) -> int:

@@ -47,6 +47,10 @@ def summarize(results: dict) -> None:
         return {"fetch_ms": fetch * 1e3, "copy_in_ms": copy * 1e3,
                 "fetch_GBps": nbytes / fetch / 1e9 if fetch > 1e-4 else NAN, "copy_in_GBps": nbytes / copy / 1e9}
     results["loads"] = {side: {n: rates(per[n], n) for n in per} for side, per in results["loaded"].items()}
+    results["load_parts_ms"] = {side: {n: {part: med([d["parts_s"][part] for d in per[n]]) * 1e3
+                                           for part in per[n][0]["parts_s"]}
+                                       for n in per if per[n] and "parts_s" in per[n][0]}
+                                for side, per in results["loaded"].items()}
     for row in results["loads"].get(keys.get("same"), {}).values():
         row["fetch_GBps"] = NAN  # on the same node the fetch checks the segment's header: no bytes move
 
@@ -67,6 +71,12 @@ def report(results: dict) -> None:
             for s in results["loads"] for part in ("fetch", "copy_in") for unit, key in (("ms", "ms"),
                                                                                            ("GB/s", "GBps"))]
     print(table(["side", *cols], rows))
+    parts = results.get("load_parts_ms", {})
+    if any(parts.values()):
+        print("\nwhere a load's time goes (connector/timing.py; medians, ms; commit is off the step):")
+        rows = [[f"{s}: {part}"] + [parts[s].get(n, {}).get(part, NAN) for n in lengths]
+                for s in parts for part in next(iter(parts[s].values()), {})]
+        print(table(["side: part", *cols], rows))
     if "next step, d" in w:
         print("\nwhat write-through costs the writer (median ms):")
         both = {**m, **w}

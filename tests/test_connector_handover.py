@@ -76,6 +76,36 @@ def test_a_handoff_waits_for_the_producers_pages(server, store):
         side.close()
 
 
+def test_a_handoff_already_committed_loads_in_its_own_step(server, store):
+    """The producer's save is committed when the consumer asks: the hand-over is pinned at once and answered as
+    a synchronous load (loaded in start_load_kv before this step's forward), not an asynchronous one vLLM would
+    compute a step later."""
+    producer = worker(server, store, "p", 52)
+    p_sched = SchedulerSide(settings(server, store, index=False), BS, "p", loads=False, saves=True)
+    prompt = list(range(600, 614))
+    save_prompt(server, store, p_sched, [producer], "r", prompt, [1, 2, 3, 4])
+    report(p_sched, producer)  # committed before the consumer hears of it
+    params = p_sched.finished(request("r", prompt))
+    consumer = SchedulerSide(settings(server, store, index=False, store=None), BS, "c", loads=True, saves=False)
+    consumer.on_new_request(request("x", prompt, params))
+    assert consumer.num_new_matched_tokens(request("x", prompt, params), 0) == (12, False)
+    assert consumer.num_new_matched_tokens(request("x", prompt, params), 4) == (8, False)  # asked again
+    consumer.after_alloc(request("x", prompt, params), [5, 6, 7, 8], 8)
+    (load,), _ = consumer.build(scheduled("x", prompt, [5, 6, 7, 8], 12, 2))
+    assert not load.async_load and load.local_block_ids == [6, 7] and consumer.loaded["x"] == 8
+    reader_kv = kv(53)
+    reader = WorkerSide(settings(server, store, store=None), BS, "c", head_size=HEAD)
+    reader.register(reader_kv, NUM_BLOCKS)
+    reader.load([load])
+    assert reader.finished(set()) == (None, None) and not reader.take_failed_blocks()
+    for name, t in kv(52).items():
+        assert torch.equal(reader_kv[name][[6, 7]], t[[2, 3]])
+    report(consumer, reader)
+    assert consumer.claim_parts.snapshot()["n1"]["pin_n"] == 1 and not consumer.pins_out
+    for side in (producer, p_sched, consumer, reader):
+        side.close()
+
+
 def test_kv_transfer_params_from_a_client_are_checked(server, store):
     """A client's kv_transfer_params that name no store pool or no positive token count are ignored (no
     hand-over, no claim that vLLM would assert on), and a hand-over claiming nothing answers (0, False)."""

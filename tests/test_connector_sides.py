@@ -238,3 +238,35 @@ def test_the_ray_path_checks_the_meta_it_read(server, store):
         data, store.segment.pages[pages])
     a.close()
 
+
+
+def test_each_load_is_timed_part_by_part_and_logged(server, store, caplog):
+    """Where a load's time goes (timing.py): the scheduler side's lookup, pin and the unpin sent once the
+    workers reported it (commit), the worker's fetch, checks and copy, each added up per tier or path and
+    logged at DEBUG, one line per load."""
+    a = worker(server, store, "a", 61)
+    a_sched = SchedulerSide(settings(server, store, index=False), BS, "a", loads=False, saves=True)
+    prompt = list(range(700, 714))
+    save_prompt(server, store, a_sched, [a], "r", prompt, [5, 6, 7, 8])
+    report(a_sched, a)
+    caplog.set_level("DEBUG", logger="kvservice.integrations.vllm.connector")
+    b_sched = SchedulerSide(settings(server, store, index=False), BS, "b", loads=True, saves=False)
+    b = worker(server, store, "b", 62)
+    b_sched.on_new_request(request("s", prompt))
+    assert b_sched.num_new_matched_tokens(request("s", prompt), 0) == (12, False)
+    b_sched.after_alloc(request("s", prompt), [1, 2, 3, 4], 12)
+    (load,), _ = b_sched.build(scheduled("s", prompt, [1, 2, 3, 4], 12, 2))
+    b.load([load])
+    report(b_sched, b)
+    parts = b.load_parts.snapshot()["local"]
+    assert parts["loads"] == 1 and parts["blocks"] == 3 and parts["bytes"] == 3 * PAGE
+    assert all(parts[p] > 0 and parts[f"{p}_n"] == 1 for p in ("fetch", "check", "copy")), parts
+    assert parts["verify"] == 0 and parts["pin_check"] >= 0  # off for RAM pages; this node's: no RPC
+    claims = b_sched.claim_parts.snapshot()["n1"]
+    assert all(claims[p] > 0 and claims[f"{p}_n"] == 1 for p in ("lookup", "pin", "commit")), claims
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("loaded 3 blocks" in m and "over local" in m and "copy" in m for m in lines), lines
+    assert any("lookup" in m and "pin on kvstore:n1" in m for m in lines), lines
+    assert any("unpin(s) on kvstore:n1" in m for m in lines), lines
+    for side in (a, a_sched, b, b_sched):
+        side.close()

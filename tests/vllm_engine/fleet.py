@@ -66,7 +66,8 @@ class Engine:
                 "copy_in_s": worker.copy_in_s, "copy_out_s": worker.copy_out_s,
                 "failed": dict(worker.counters.totals.get("failed", {})),
                 "loaded_by_tier": dict(worker.counters.totals.get("loaded", {})),
-                "claimed_tokens": side.counters.total("claimed_tokens")}
+                "claimed_tokens": side.counters.total("claimed_tokens"),
+                "load_parts": worker.load_parts.snapshot(), "claim_parts": side.claim_parts.snapshot()}
 
     def generate_handoff(self, prompts: list[list[int]], params: list[dict | None] | None = None,
                          max_tokens: int = 8) -> tuple[list, list]:

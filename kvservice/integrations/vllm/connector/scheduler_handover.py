@@ -48,6 +48,27 @@ class HandoverWaits:
             self.counters.add("claimed_tokens", tier_label(handoff.pool_id), handoff.claimed)
         return handoff.claimed
 
+    def _handoff_now(self, req_id: str, tracked: Tracked, num_computed_tokens: int, claimed: int) -> bool:
+        """One PinOp: when the producer's pages are committed already, the hand-over becomes a plain pinned hit,
+        loaded synchronously before this step's forward (an asynchronous load would make vLLM compute the
+        request a step later). False: not (wholly) there yet, it waits as a hand-over."""
+        try:
+            t0 = time.perf_counter()
+            hit = self._pin_on(tracked.handoff.pool_id, req_id, tracked, num_computed_tokens)
+            self.claim_parts.add(tier_label(tracked.handoff.pool_id), "pin", time.perf_counter() - t0)
+        except Exception as exc:  # noqa: BLE001 - it waits, and asks again
+            self.failed("pinning a hand-over", exc)
+            return False
+        if hit is None:
+            return False
+        if hit.num_tokens < num_computed_tokens + claimed:
+            self._unpin(hit)  # a part of it: wait for the whole save
+            return False
+        hit.num_tokens = num_computed_tokens + claimed  # what was claimed, never more (never the whole prompt)
+        tracked.handoff = None
+        self.hits[req_id] = hit
+        return True
+
     def _poll_handoffs(self) -> None:
         """Each waiting hand-over asks for its pages (a PinOp); pinned, or past its deadline, it becomes an
         asynchronous load (a failed one: vLLM recomputes the blocks)."""

@@ -7,9 +7,11 @@ evict once every worker rank reported its copies (`Done`).
 from __future__ import annotations
 
 import logging
+import time
 
 from kvservice.blockstore.saves import admit_save, commit_save
 from kvservice.integrations.vllm.connector.plan import DiskSave, Done, Load, Save, Tracked, is_disk, tier_label
+from kvservice.integrations.vllm.connector.timing import ms
 from kvservice.ops import EvictBlocksOp, FreeOp, OpStatus, UnpinOp
 
 logger = logging.getLogger(__name__)
@@ -61,9 +63,18 @@ class SavePlanner:
         if self.handoffs:
             self._poll_handoffs()
         loads, self.pending = self.pending, []
+        now = time.perf_counter()
+        for load in loads:
+            if load.async_load and not load.failed:
+                self.handed_out[load.req_id] = (now, tier_label(load.pool_id))
         done: list[tuple[str, Tracked, int]] = []
         num_scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
+            handed = self.handed_out.pop(new.req_id, None)
+            if handed is not None:  # vLLM computes it now, a step (or more) after its asynchronous load
+                self.claim_parts.add(handed[1], "async_wait", now - handed[0])
+                logger.debug("kvservice connector: %s computed %s after its asynchronous load was handed out",
+                             new.req_id, ms(now - handed[0]))
             tracked = self.tracked.get(new.req_id)
             if tracked is not None:
                 tracked.block_ids = list(new.block_ids[0]) if new.block_ids else []

@@ -16,6 +16,7 @@ workers reported (scheduler_saves.py); the prefill/decode hand-over (scheduler_h
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 
 from kvservice.hashing import hash_prompt
@@ -34,6 +35,7 @@ from kvservice.integrations.vllm.connector.plan import (
 from kvservice.integrations.vllm.connector.scheduler_handover import HandoverWaits
 from kvservice.integrations.vllm.connector.scheduler_saves import SavePlanner
 from kvservice.integrations.vllm.connector.settings import ConnectorSettings
+from kvservice.integrations.vllm.connector.timing import Parts, ms
 from kvservice.ops import OpStatus, PinOp, UnpinOp
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,9 @@ class SchedulerSide(HandoverWaits, SavePlanner, AllocatorLink):
         self.num_pins = self.num_saves = self.num_lookups = 0
         self.world_size = world_size  # the worker ranks that must report a load or a save
         self.counters = Counters()
+        self.claim_parts = Parts()  # lookup, pin, async_wait and commit seconds per tier (timing.py)
+        self.handed_out: dict[str, tuple[float, str]] = {}  # async load's request -> (handed out at, tier)
+        self.teller.on_sent = self._told
         self.pins_out: dict[str, str] = {}  # pin id -> pool: loads handed to the workers, not reported yet
         # save id -> [pool, num_tokens, ranks written, ranks failed, request, the linked RAM/disk save id]
         self.saves_out: dict[str, list] = {}
@@ -105,6 +110,8 @@ class SchedulerSide(HandoverWaits, SavePlanner, AllocatorLink):
             return 0, False  # not a block more to find than the engine has
         if tracked.handoff is not None:
             claimed = self._await_handoff(req_id, tracked, num_computed_tokens)
+            if claimed and self._handoff_now(req_id, tracked, num_computed_tokens, claimed):
+                return claimed, False  # committed already: loaded in this step, not a step later
             return claimed, claimed > 0  # vLLM takes an asynchronous answer only for a positive count
         try:
             return self._pin(req_id, tracked, num_computed_tokens), False
@@ -114,14 +121,23 @@ class SchedulerSide(HandoverWaits, SavePlanner, AllocatorLink):
 
     def _pin(self, req_id: str, tracked: Tracked, num_computed_tokens: int) -> int:
         self.num_lookups += 1
+        t0 = time.perf_counter()
         found = self.find(tracked)
         # A disk tier is read on its store's node only: another node's disk hits are not this engine's.
         hits = [h for h in found.hits if h.num_cached_tokens > num_computed_tokens and is_store_pool(h.pool_id)
                 and (not is_disk(h.pool_id) or h.pool_id == self.local_disk())]
+        t1 = time.perf_counter()
         if not hits:
+            self.claim_parts.add("", "lookup", t1 - t0)
             return 0
         best = max(hits, key=lambda h: (h.num_cached_tokens, self.rank(h.pool_id)))
         hit = self._pin_on(best.pool_id, req_id, tracked, num_computed_tokens)
+        t2 = time.perf_counter()
+        label = tier_label(best.pool_id)
+        self.claim_parts.add(label, "lookup", t1 - t0)
+        self.claim_parts.add(label, "pin", t2 - t1)
+        logger.debug("kvservice connector: %s: lookup %s, pin on %s %s: %s tokens", req_id, ms(t1 - t0),
+                     best.pool_id, ms(t2 - t1), hit.num_tokens - num_computed_tokens if hit else "none")
         if hit is None:
             return 0
         self.hits[req_id] = hit
@@ -184,6 +200,14 @@ class SchedulerSide(HandoverWaits, SavePlanner, AllocatorLink):
         if load.pin_id:
             self.pins_out[load.pin_id] = load.pool_id
 
+    def _told(self, pool_id: str, ops: list, seconds: float) -> None:
+        """The teller sent a Step: its unpins are the commit back of loads (`commit`, per unpin)."""
+        unpins = sum(isinstance(op, UnpinOp) for op in ops)
+        if unpins:
+            self.claim_parts.add(tier_label(pool_id), "commit", seconds * unpins, unpins)
+            logger.debug("kvservice connector: %d unpin(s) on %s answered %s after the workers reported", unpins,
+                         pool_id, ms(seconds))
+
     def _unpin(self, hit: Hit) -> None:
         self.teller.tell(hit.pool_id, [UnpinOp(hit.pin_id)])
 
@@ -204,6 +228,7 @@ class SchedulerSide(HandoverWaits, SavePlanner, AllocatorLink):
         """vLLM finished the request (aborts included); returns its kv_transfer_params."""
         req_id = request.request_id
         self.tracked.pop(req_id, None)
+        self.handed_out.pop(req_id, None)
         handoff = self.handoffs.pop(req_id, None)
         if handoff is not None:  # aborted while it waited: vLLM frees it once the workers report the load ended
             self.pending.append(Load(req_id, handoff.pool_id, "", 0, [], [], async_load=True, failed="aborted"))

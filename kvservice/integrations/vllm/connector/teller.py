@@ -30,6 +30,8 @@ class Teller:
         self._thread: threading.Thread | None = None
         self._retry: list[tuple[float, int, str, list]] = []  # (when, tries, pool, ops)
         self.num_sent = self.num_failed = 0
+        # Told of each Step sent: (pool, its ops, seconds from the oldest one's tell to the allocator's answer).
+        self.on_sent: Callable[[str, list, float], None] | None = None
 
     def tell(self, pool_id: str, ops: list) -> None:
         if not ops:
@@ -37,7 +39,7 @@ class Teller:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
             self._thread.start()
-        self._queue.put((pool_id, ops))
+        self._queue.put((pool_id, ops, time.monotonic()))
 
     def _loop(self) -> None:
         stop = False
@@ -55,20 +57,22 @@ class Teller:
             now = time.monotonic()
             due = [(tries, pool, ops) for when, tries, pool, ops in self._retry if when <= now]
             self._retry = [r for r in self._retry if r[0] > now]
-            self._send([(pool, ops, 0) for pool, ops in (b for b in batch if b is not None)]
-                       + [(pool, ops, tries) for tries, pool, ops in due])
+            self._send([(pool, ops, 0, at) for pool, ops, at in (b for b in batch if b is not None)]
+                       + [(pool, ops, tries, now) for tries, pool, ops in due])
             for _ in batch:
                 self._queue.task_done()
 
-    def _send(self, batch: list[tuple[str, list, int]]) -> None:
-        by_pool: dict[str, tuple[list, int]] = {}
-        for pool_id, ops, tries in batch:
-            have, most = by_pool.get(pool_id, ([], 0))
-            by_pool[pool_id] = (have + ops, max(most, tries))
-        for pool_id, (ops, tries) in by_pool.items():
+    def _send(self, batch: list[tuple[str, list, int, float]]) -> None:
+        by_pool: dict[str, tuple[list, int, float]] = {}
+        for pool_id, ops, tries, at in batch:
+            have, most, first = by_pool.get(pool_id, ([], 0, at))
+            by_pool[pool_id] = (have + ops, max(most, tries), min(first, at))
+        for pool_id, (ops, tries, first) in by_pool.items():
             try:
                 results = self._step(pool_id, ops)
                 self.num_sent += len(ops)
+                if self.on_sent is not None:
+                    self.on_sent(pool_id, ops, time.monotonic() - first)
                 bad = [r for r in results if r.status not in (OpStatus.OK, OpStatus.NOT_FOUND)]
                 if bad:
                     logger.warning("kvservice connector: %s refused %s", pool_id, bad[0].message)

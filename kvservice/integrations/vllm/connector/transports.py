@@ -49,6 +49,7 @@ class PageRead:
     local: bool
     sliced: bool = False
     private: bool = False
+    path: str = "local"  # how the pages came: local (this node's segment), nixl, ray, disk (timing.py)
 
 
 def this_node() -> str:
@@ -100,7 +101,7 @@ class NixlPath:
         self.num_reads += 1
         self.num_bytes += n * int(info["page_bytes"])
         pages, meta = torch.from_numpy(self.pages[:n]), self.meta[:n].copy()
-        return PageRead(pages, list(range(n)), lambda: meta, False, private=True)
+        return PageRead(pages, list(range(n)), lambda: meta, False, private=True, path="nixl")
 
     def close(self) -> None:
         self.imp.close()
@@ -204,7 +205,8 @@ class Stores:
                                    f"is not installed in this engine's environment (pip install ray)") from None
         with warnings.catch_warnings():  # Ray's zero-copy arrays are read-only; they are only read here
             warnings.simplefilter("ignore", UserWarning)
-            return PageRead(torch.from_numpy(data), list(range(len(page_ids))), lambda: meta, False, private=True)
+            return PageRead(torch.from_numpy(data), list(range(len(page_ids))), lambda: meta, False, private=True,
+                            path="ray")
 
     def read_disk(self, name: str, epoch: int, page_ids: list[int], offset: int, width: int,
                   into: torch.Tensor) -> PageRead:
@@ -221,7 +223,7 @@ class Stores:
         for i, page_id in enumerate(page_ids):
             metas[i] = disk.read_slice(page_id, offset, into[i].numpy())
         return PageRead(into[:len(page_ids)], list(range(len(page_ids))), lambda: metas, True, sliced=True,
-                        private=True)
+                        private=True, path="disk")
 
     def count(self, read: PageRead) -> None:
         if read.local:

@@ -34,6 +34,7 @@ from kvservice.integrations.vllm.connector.pagecheck import PageCheckError, chec
 from kvservice.integrations.vllm.connector.pageformat import PageFormat
 from kvservice.integrations.vllm.connector.plan import Done, Load, is_disk, store_name, tier_label
 from kvservice.integrations.vllm.connector.settings import ConnectorSettings
+from kvservice.integrations.vllm.connector.timing import Parts, gbps, ms
 from kvservice.integrations.vllm.connector.transports import Stores, StoreUnreachable
 from kvservice.integrations.vllm.connector.worker_saves import DISK_QUEUE, SaveCopies
 
@@ -58,8 +59,9 @@ class WorkerSide(SaveCopies):
         self.failed_blocks: set[int] = set()
         self.failed_requests: OrderedDict[str, None] = OrderedDict()  # loads failed, in any earlier step
         self.num_loaded_blocks = self.num_saved_blocks = self.num_failed_loads = 0
-        # seconds on the step's path: fetching pages (another node's), copying them in, saves
+        # seconds on the step's path: fetching pages (another node's), checking and copying them in, saves
         self.fetch_s = self.copy_in_s = self.copy_out_s = 0.0
+        self.load_parts = Parts()  # the same, part by part and per path (timing.py)
         self._lock = threading.Lock()
         self._done = Done()
         self._recving: set[str] = set()  # asynchronous loads finished (vLLM's finished_recving)
@@ -133,7 +135,7 @@ class WorkerSide(SaveCopies):
                     self._recving.add(load.req_id)
 
     def _load(self, load: Load) -> None:
-        start = time.perf_counter()
+        t0 = time.perf_counter()
         name, disk = store_name(load.pool_id), is_disk(load.pool_id)
         if disk:  # this rank's slices from the page files, into a buffer of this rank's
             width = self.fmt.page_bytes
@@ -141,15 +143,17 @@ class WorkerSide(SaveCopies):
                                          self._staging(len(load.store_block_ids)))
         else:
             read = self.stores.read(name, load.generation, load.store_block_ids)
-        fetched = time.perf_counter()
+        t1 = time.perf_counter()
         pages = read.pages if read.sliced else self._slice(read.pages)
         before = self._check_meta(read.meta(), read.rows, load)
+        t2 = time.perf_counter()
         # A disk page is always checked (its file may have been altered while nobody looked); a RAM page under
         # verify_checksums. A private copy (a disk's, another node's) is checked before it is copied in.
         verify = disk or self.settings.verify_checksums
         good = len(read.rows)  # the leading pages that passed every check: what this load delivers
         if verify and read.private:
             good = self._verify(load, pages, read.rows, before)
+        t3 = time.perf_counter()
         if good:
             self._job += 1
             job = self._job
@@ -158,25 +162,42 @@ class WorkerSide(SaveCopies):
             self._poll()  # the load's result, and any save that completed meanwhile (sealed, never dropped)
             if not self._load_results.pop(job, False):
                 raise PageCheckError(FailReason.OTHER, "the copy into the engine failed")
+        t4 = time.perf_counter()
         if not read.private:
             after = self._check_meta(read.meta(), read.rows, load)
             if not np.array_equal(before[:, TAG], after[:, TAG]):
                 raise PageCheckError(FailReason.PIN_LOST, "a page was rewritten while it was read (its pin was gone)")
-            if verify:
-                good = self._verify(load, pages, read.rows, after)
+        t5 = time.perf_counter()
+        if verify and not read.private:
+            good = self._verify(load, pages, read.rows, after)
+        t6 = time.perf_counter()
         if not read.local and load.pin_id and not self._pin_held(load):
             raise PageCheckError(FailReason.PIN_LOST, f"its pin on {load.pool_id} lapsed during the transfer: the "
                                  f"pages may have been reused meanwhile")
+        t7 = time.perf_counter()
         self.stores.count(read)
-        self.fetch_s += fetched - start
-        self.copy_in_s += time.perf_counter() - fetched
+        self.fetch_s += t1 - t0
+        self.copy_in_s += t7 - t1
         self.num_loaded_blocks += good
-        label = tier_label(load.pool_id)
+        label, nbytes = tier_label(load.pool_id), good * self.fmt.page_bytes
         self.counters.add("loaded", label, good)
-        self.counters.add("bytes_loaded", label, good * self.fmt.page_bytes)
+        self.counters.add("bytes_loaded", label, nbytes)
+        self._timed(load, read.path, len(read.rows), nbytes, fetch=t1 - t0, check=(t2 - t1) + (t5 - t4),
+                    verify=(t3 - t2) + (t6 - t5) if verify else 0.0, copy=t4 - t3, pin_check=t7 - t6)
         if good < len(read.rows):
             raise PageCheckError(FailReason.CHECKSUM, f"page {load.store_block_ids[good]} of {load.pool_id}: its "
                                  f"bytes do not match their checksum ({good} blocks before it loaded)", loaded=good)
+
+    def _timed(self, load: Load, path: str, blocks: int, nbytes: int, **parts: float) -> None:
+        for part, seconds in parts.items():
+            self.load_parts.add(path, part, seconds)
+        self.load_parts.count(path, "loads", 1)
+        self.load_parts.count(path, "blocks", blocks)
+        self.load_parts.count(path, "bytes", nbytes)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("kvservice connector: rank %d loaded %d blocks (%.1f MiB) of %s from %s over %s: %s; copy "
+                         "%s", self.rank, blocks, nbytes / 2**20, load.req_id, load.pool_id, path,
+                         ", ".join(f"{part} {ms(s)}" for part, s in parts.items()), gbps(nbytes, parts["copy"]))
 
     def _pin_held(self, load: Load) -> bool:
         """Whether the load's pin outlived the transfer from another node (one read RPC): a pin that is still
