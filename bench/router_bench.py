@@ -195,7 +195,10 @@ def main(argv=None) -> int:
               f"direct (+{o['added_p50_ms']:.2f} ms); p99 {o['router_p99_ms']:.2f} vs {o['direct_p99_ms']:.2f} ms")
     t = stub["throughput"]
     print(f"router alone on one core: {t['requests_per_s']:.0f} requests/s ({t['concurrency']} concurrent, "
-          f"{t['errors']} errors); decision p50 {stub['decision_p50_ms']:.3f} ms, p99 {stub['decision_p99_ms']:.3f} ms")
+          f"{t['errors']} errors)")
+    for key in ("sequential", "saturated"):
+        print(f"  decision latency, {key}: p50 {stub[f'decision_{key}_p50_ms']:.3f} ms, "
+              f"p99 {stub[f'decision_{key}_p99_ms']:.3f} ms")
     name = "router_stub.json" if args.stub else "router.json"
     (args.out / name).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out / name}")

@@ -145,14 +145,18 @@ def run_stub(out_dir: Path, engines: int = 4, prompt_tokens: int = 512, n_overhe
         affinity = os.sched_getaffinity(0)
         if client_core is not None:
             os.sched_setaffinity(0, {client_core})
-        before = urllib.request.urlopen(router + "/metrics").read().decode()
+        def buckets():
+            return decision_buckets(urllib.request.urlopen(router + "/metrics").read().decode(), "precise-stores")
+
+        start = buckets()
         result = {"engines": engines, "prompt_tokens": prompt_tokens, "router_core": router_core,
                   "overhead": asyncio.run(overhead(router, f"http://127.0.0.1:{ports[0]}", reqs[:n_overhead]))}
+        sequential = buckets()
         result["throughput"] = asyncio.run(throughput(router, reqs, concurrency, duration_s))
-        after = urllib.request.urlopen(router + "/metrics").read().decode()
-        b, a = decision_buckets(before, "precise-stores"), decision_buckets(after, "precise-stores")
-        result["decision_p50_ms"] = histogram_quantile(0.5, b, a) * 1e3
-        result["decision_p99_ms"] = histogram_quantile(0.99, b, a) * 1e3
+        saturated = buckets()
+        for key, (b, a) in (("sequential", (start, sequential)), ("saturated", (sequential, saturated))):
+            result[f"decision_{key}_p50_ms"] = histogram_quantile(0.5, b, a) * 1e3
+            result[f"decision_{key}_p99_ms"] = histogram_quantile(0.99, b, a) * 1e3
         os.sched_setaffinity(0, affinity)
         return result
     finally:

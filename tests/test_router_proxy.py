@@ -159,6 +159,8 @@ def test_bad_input_gets_vllms_error_shape(rig):
         (json.dumps({"model": "nope", "prompt": [1]}).encode(), 404, "NotFoundError", "model",
          "The model `nope` does not exist. Valid aliases: m."),
         (json.dumps({"model": "m", "prompt": []}).encode(), 400, "BadRequestError", None,
+         "You must pass at least one prompt"),
+        (json.dumps({"model": "m", "prompt": [[]]}).encode(), 400, "BadRequestError", None,
          "The decoder prompt cannot be empty"),
         (json.dumps({"model": "m", "prompt": [1] * 2100}).encode(), 400, "BadRequestError", "input_tokens",
          "This model's maximum context length is 2048 tokens. However, your prompt contains 2100 input tokens"),

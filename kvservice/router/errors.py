@@ -34,6 +34,11 @@ def unknown_model(model: str, served: list[str]) -> RouterError:
                        "NotFoundError", "model")
 
 
+def no_prompt() -> RouterError:
+    """`"prompt": []`: an empty batch, to vLLM."""
+    return RouterError(400, "You must pass at least one prompt", "BadRequestError")
+
+
 def empty_prompt() -> RouterError:
     return RouterError(400, "The decoder prompt cannot be empty", "BadRequestError")
 
@@ -43,8 +48,8 @@ def prompt_too_long(num_tokens: int, max_model_len: int) -> RouterError:
     qualifier = "at least " if num_tokens == max_model_len + 1 else ""
     return RouterError(400, f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
                             f"contains {qualifier}{num_tokens} input tokens, which exceeds this limit even without any "
-                            f"output tokens. Please reduce the length of the input prompt.", "BadRequestError",
-                       "input_tokens")
+                            f"output tokens. Please reduce the length of the input prompt. (parameter=input_tokens, "
+                            f"value={num_tokens})", "BadRequestError", "input_tokens")
 
 
 def no_engine(model: str | None) -> RouterError:

@@ -62,6 +62,8 @@ class Tokenizers:
 
 def _completion_ids(body: dict, tokenizer) -> list[int] | None:
     prompt = body.get("prompt")
+    if prompt == []:
+        raise errors.no_prompt()
     if isinstance(prompt, list) and prompt and all(isinstance(p, (list, str)) for p in prompt):
         prompt = prompt[0]  # a batch: routed by its first prompt
     if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):

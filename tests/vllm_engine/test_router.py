@@ -150,13 +150,13 @@ def test_a_second_turn_returns_to_its_engine_and_its_cached_tokens_are_as_predic
     assert len(engines) >= 1
 
 
-BAD = [b'{"model": "m", "prompt": [1, 2', json.dumps({"model": "nope", "prompt": [5, 6]}).encode(),
-       json.dumps({"model": "m", "prompt": []}).encode(), json.dumps({"model": "m", "prompt": [5] * 2049}).encode(),
-       json.dumps({"model": "m", "prompt": "x", "temperature": -3}).encode()]
+BAD = {"malformed-json": b'{"model": "m", "prompt": [1, 2', "unknown-model": {"model": "nope", "prompt": [5, 6]},
+       "no-prompt": {"model": "m", "prompt": []}, "empty-prompt": {"model": "m", "prompt": [[]]},
+       "one-over": {"model": "m", "prompt": [5] * 2049}, "too-long": {"model": "m", "prompt": [5] * 2100},
+       "bad-temperature": {"model": "m", "prompt": "x", "temperature": -3}}
 
 
-@pytest.mark.parametrize("body", BAD, ids=["malformed-json", "unknown-model", "empty-prompt", "too-long",
-                                           "bad-temperature"])
+@pytest.mark.parametrize("body", BAD.values(), ids=BAD.keys())
 def test_bad_input_errs_as_vllm_does(fleet, body):
     ours = rf.post(fleet.url("router") + "/v1/completions", body)
     theirs = rf.post(fleet.url("ref") + "/v1/completions", body)
