@@ -37,13 +37,14 @@ OUT = REPO / "bench" / "results" / "connector_loads.json"
 
 
 def engine_kv(num_blocks: int, seed: int):
-    """A vLLM CPU engine's KV (LBHNC, fp32), zeroed as vLLM allocates it, then filled."""
+    """A vLLM CPU engine's KV (LBHNC, fp32): one zeroed allocation, as vLLM's allocate_kv_cache makes it, and
+    each layer's view over it; then filled."""
     import torch
-    g = torch.Generator().manual_seed(seed)
-    kv = {f"model.layers.{i}.self_attn.attn": torch.zeros(num_blocks, HEADS, BS, 2 * HEAD) for i in range(LAYERS)}
-    for t in kv.values():
-        t.copy_(torch.randn(t.shape, generator=g))
-    return kv
+
+    from tests.page_format_helpers import by_hand
+    e = by_hand("LBHNC", LAYERS, num_blocks, HEADS, BS, 2 * HEAD, torch.float32)
+    e.raw.view(torch.float32).copy_(torch.randn(e.raw.numel() // 4, generator=torch.Generator().manual_seed(seed)))
+    return e.caches
 
 
 def sides(address: str, shm: str, name: str, store: str | None, loads: bool, saves: bool, seed: int,

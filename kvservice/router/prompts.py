@@ -103,10 +103,19 @@ def _size(body: dict) -> int:
     return 0
 
 
-async def prompt_ids(kind: str, body: dict, tokenizer) -> list[int] | None:
-    """The prompt's token ids (`kind`: "completions" or "chat"), None when the router cannot know them.
-    Raises RouterError for an empty prompt, as vLLM does."""
+def needs_tokenizer(kind: str, body: dict) -> bool:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (list, str)) for p in prompt):
+        prompt = prompt[0]
+    return kind == "chat" or isinstance(prompt, str)
+
+
+async def prompt_ids(kind: str, body: dict, get_tokenizer) -> list[int] | None:
+    """The prompt's token ids (`kind`: "completions" or "chat"), None when the router cannot know them;
+    `get_tokenizer()` (a coroutine) is awaited only for text. Raises RouterError for an empty prompt, as vLLM
+    does."""
     convert = _chat_ids if kind == "chat" else _completion_ids
+    tokenizer = await get_tokenizer() if needs_tokenizer(kind, body) else None
     if tokenizer is not None and _size(body) > INLINE_CHARS:
         ids = await asyncio.to_thread(convert, body, tokenizer)
     else:
