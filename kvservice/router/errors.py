@@ -19,7 +19,13 @@ class RouterError(Exception):
         return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.status}}
 
     def response(self, headers: dict | None = None) -> web.Response:
-        return web.json_response(self.body(), status=self.status, headers=headers)
+        return json_reply(self.body(), self.status, headers)
+
+
+def json_reply(obj, status: int, headers: dict | None = None) -> web.Response:
+    """JSON as Starlette's JSONResponse writes it (vLLM's errors): the same bytes and content type."""
+    body = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    return web.Response(body=body, status=status, headers={**(headers or {}), "Content-Type": "application/json"})
 
 
 def invalid_json(exc: json.JSONDecodeError) -> RouterError:
@@ -65,4 +71,4 @@ def engine_failed(name: str, exc: BaseException) -> RouterError:
 
 def unauthorized() -> web.Response:
     """vLLM's own answer to a missing or wrong API key (its --api-key middleware)."""
-    return web.json_response({"error": "Unauthorized"}, status=401)
+    return json_reply({"error": "Unauthorized"}, 401)
