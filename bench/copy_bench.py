@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import statistics
 import sys
 import time
@@ -66,14 +67,18 @@ def page_format(family: str, e, index: bool = False):
     return fmt
 
 
-def median_s(fn, reps: int) -> float:
-    fn()  # warm: first touch of every byte, views and word sizes cached
-    times = []
+def timed(variants: dict, reps: int) -> dict[str, list[float]]:
+    """Seconds of each variant per round; every round times each variant once, in turn (so a load that comes
+    and goes on the machine lands on all of them alike)."""
+    for fn in variants.values():
+        fn()  # warm: first touch of every byte, views and word sizes cached
+    out: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for k, fn in variants.items():
+            start = time.perf_counter()
+            fn()
+            out[k].append(time.perf_counter() - start)
+    return out
 
 
 def case(family: str, mib: int, reps: int, ids_kind: str) -> dict:
@@ -82,7 +87,7 @@ def case(family: str, mib: int, reps: int, ids_kind: str) -> dict:
     n = max(2, (mib << 20) // page)
     e, _ = engine(family, 2 * n)
     e.raw.copy_(torch.randint(-128, 128, e.raw.shape, dtype=torch.int8, generator=torch.Generator().manual_seed(1)))
-    fmt, index_fmt, ref = page_format(family, e), page_format(family, e, index=True), None
+    fmt, index_fmt = page_format(family, e), page_format(family, e, index=True)
     if ids_kind == "consecutive":
         ids, rows = list(range(n)), list(range(n))
     else:
@@ -101,16 +106,15 @@ def case(family: str, mib: int, reps: int, ids_kind: str) -> dict:
     assert torch.equal(e.raw, before), f"{family}: loading the pages it saved changed the engine's KV"
     nbytes = n * page
     src, dst = torch.randint(0, 256, (nbytes,), dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    t = timed({"save": lambda: fmt.gather(ids, pages, rows), "load": lambda: fmt.scatter(pages, ids, rows),
+               "index_save": lambda: index_fmt.gather(ids, pages, rows),
+               "index_load": lambda: index_fmt.scatter(pages, ids, rows), "torch_copy": lambda: dst.copy_(src),
+               "memcpy": lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)}, reps)
     out = {"family": family, "ids": ids_kind, "views": built, "format": fmt.format_id, "page_bytes": page, "pages": n,
-           "bytes": nbytes,
-           "save_GBps": nbytes / median_s(lambda: fmt.gather(ids, pages, rows), reps) / 1e9,
-           "load_GBps": nbytes / median_s(lambda: fmt.scatter(pages, ids, rows), reps) / 1e9,
-           "index_save_GBps": nbytes / median_s(lambda: index_fmt.gather(ids, pages, rows), reps) / 1e9,
-           "index_load_GBps": nbytes / median_s(lambda: index_fmt.scatter(pages, ids, rows), reps) / 1e9,
-           "torch_copy_GBps": nbytes / median_s(lambda: dst.copy_(src), reps) / 1e9,
-           "memcpy_GBps": nbytes / median_s(lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes), reps) / 1e9}
-    out["save_vs_torch_copy"] = out["save_GBps"] / out["torch_copy_GBps"]
-    out["load_vs_torch_copy"] = out["load_GBps"] / out["torch_copy_GBps"]
+           "bytes": nbytes, "reps": reps, "load_average": os.getloadavg()[0]}
+    out.update({f"{k}_GBps": nbytes / statistics.median(v) / 1e9 for k, v in t.items()})
+    for k in ("save", "load"):  # paired: each round's copy against that round's torch copy_
+        out[f"{k}_vs_torch_copy"] = statistics.median(c / s for c, s in zip(t["torch_copy"], t[k]))
     return out
 
 
@@ -141,7 +145,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     parser.add_argument("--out", default=str(OUT))
+    parser.add_argument("--plot", metavar="JSON", help="only draw the PNG beside this JSON (needs matplotlib)")
     args = parser.parse_args()
+    if args.plot:
+        plot(json.loads(Path(args.plot).read_text()), Path(args.plot).with_suffix(".png"))
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     results = {"threads": torch.get_num_threads(), "torch": torch.__version__, "cases": []}
@@ -161,7 +169,7 @@ def main() -> None:
     try:
         plot(results, path.with_suffix(".png"))
     except ImportError:
-        print("no matplotlib here: no PNG (run it again with the project's .venv)")
+        print(f"no matplotlib here: draw the PNG with the project's .venv: bench/copy_bench.py --plot {path}")
     print(f"wrote {path}")
 
 

@@ -60,6 +60,61 @@ def test_fast_path_equals_the_general_path(model, variant):
     assert torch.equal(a.raw, b.raw)
 
 
+# (engine block ids, page rows): ascending, strided, descending, opposite ways, shuffled, mixed stretches
+ID_ROWS = [([2, 3, 4, 5, 6], [0, 1, 2, 3, 4]), ([1, 3, 5, 7], [2, 4, 6, 8]), ([9, 8, 7, 6], [13, 12, 11, 10]),
+           ([0, 1, 2, 3, 4], [10, 9, 8, 7, 6]), ([7, 2, 11, 0, 5, 9, 1, 10, 3, 8, 4, 6], [3, 12, 0, 7, 13, 1, 9, 4, 11,
+                                                                                     2, 10, 5]),
+           ([4, 5, 6, 11, 10, 9, 0], [0, 1, 2, 3, 4, 5, 13])]
+CPU_MODELS = {"cpu-fp32": torch.float32, "cpu-bf16": torch.bfloat16, "cpu-fp16": torch.float16, "cpu-fp8": torch.uint8}
+
+
+def cpu_engine(dtype, raw=None):
+    return by_hand("LBHNC", LAYERS, BLOCKS, 2, 32, 2 * 24, dtype, raw=raw)
+
+
+def formats(e, model: str):
+    """The connector's copy and the reference (the per-element path: one copy per layer, in bytes, by index)."""
+    kw = dict(cpu_isa="vec", head_size=24) if model.startswith("cpu") else {}
+    return e.format(**kw), e.format(fast=False, **kw)
+
+
+@pytest.mark.parametrize("model,variant", [(m, v) for m in MODELS for v in VARIANTS] + [(m, None) for m in CPU_MODELS])
+def test_the_copy_equals_the_reference_byte_for_byte(model, variant):
+    """Every layout (vLLM's CPU one with K transposed included), every order of blocks and rows: the pages the
+    copy saves and the engine it loads equal the reference conversion's, byte for byte, and rows or blocks
+    outside the copy stay as they were."""
+    make = (lambda raw=None: cpu_engine(CPU_MODELS[model], raw)) if variant is None else \
+        (lambda raw=None: engine(variant, model, raw))
+    src = make()
+    fill(src, 6)
+    fast, ref = formats(src, model)
+    assert fast.format_id == ref.format_id
+    for k, (ids, rows) in enumerate(ID_ROWS):
+        got = torch.full((14, fast.page_bytes), 0xA5, dtype=torch.uint8)
+        want = got.clone()
+        fast.gather(ids, got, rows)
+        ref.gather(ids, want, rows)
+        assert torch.equal(got, want), (ids, rows)
+        gen = torch.Generator().manual_seed(k)
+        pages = torch.randint(0, 256, (14, fast.page_bytes), dtype=torch.uint8, generator=gen)
+        a, b = make(), make()
+        fill(a, 7)
+        b.raw.copy_(a.raw)
+        formats(a, model)[0].scatter(pages, ids, rows)
+        formats(b, model)[1].scatter(pages, ids, rows)
+        assert torch.equal(a.raw, b.raw), (ids, rows)
+
+
+def test_runs_cover_every_pair_once_stepping_forward():
+    from kvservice.integrations.vllm.connector.pagecopy import runs
+    for ids, rows in ID_ROWS + [([], []), ([5], [0])]:
+        got = runs(ids, rows)
+        pairs = [(b + i * db, r + i * dr) for b, db, r, dr, k in got for i in range(k)]
+        assert sorted(pairs) == sorted(zip(ids, rows)) and all(db > 0 and dr > 0 for _, db, _, dr, _ in got)
+    assert runs([9, 8, 7, 6], [13, 12, 11, 10]) == [(6, 1, 10, 1, 4)]
+    assert len(runs([0, 1, 2, 3, 4], [10, 9, 8, 7, 6])) == 5
+
+
 def test_head_major_pages_are_the_blocks_own_bytes():
     e = engine(("LBHNC", 1), "mha-bf16")
     fill(e, 2)

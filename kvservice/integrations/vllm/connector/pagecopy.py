@@ -1,0 +1,147 @@
+"""The copies between an engine's KV and pages, for a page format's pieces (pageformat.py): each piece is a
+strided view over the engine's storage whose dim 0 is the scheduler block, in the widest word the piece's
+offsets and strides allow.
+
+Two ways to run them:
+- by runs (a CPU's KV, `fast`): the blocks and page rows are cut into runs that advance by a constant step on
+  both sides (consecutive ids are one run; a descending stretch, which a store that wrapped hands out, is one
+  run walked backwards), and each run of each piece is one `copy_` between plain strided views: no index
+  tensor, no temporary, each copy a contiguous inner loop wherever one side has one, on torch's threads;
+- by index (a GPU's KV, and the reference path the tests compare with): one `index_select` or `index_copy_`
+  per piece over every block, which on a GPU is one kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+@dataclass(slots=True)
+class Piece:
+    """One strided copy between the storage and a page: block b's element at index i sits at
+    `src_offset + b*block_stride + sum(i*src_stride)` in the storage and `dst_offset + sum(i*dst_stride)` in the
+    page (all bytes); `dims` are (size, src_stride, dst_stride), the last one unit-stride on both sides."""
+
+    storage: torch.UntypedStorage
+    src_offset: int
+    block_stride: int
+    dst_offset: int
+    dims: list[tuple[int, int, int]]
+
+
+@dataclass(slots=True)
+class Copy:
+    """A piece as tensors of one word size: `src` is `[num_blocks, *sizes]` over the engine's storage."""
+
+    src: torch.Tensor
+    dst_offset: int  # words
+    sizes: tuple[int, ...]
+    dst_strides: tuple[int, ...]  # words
+
+    def page_view(self, pages: torch.Tensor, first: int = 0, step: int = 1, count: int | None = None) -> torch.Tensor:
+        """Rows first, first + step, ... (`count` of them; all by default) of `pages` as this piece's view."""
+        words = pages.view(self.src.dtype)
+        count = pages.shape[0] if count is None else count
+        return words.as_strided((count, *self.sizes), (step * words.stride(0), *self.dst_strides),
+                                words.storage_offset() + first * words.stride(0) + self.dst_offset)
+
+
+def word_size(p: Piece, page_bytes: int) -> int:
+    size, src, dst = p.dims[-1]
+    assert src == 1 and dst == 1, p.dims
+    for w in (8, 4, 2, 1):
+        strides = [s for d in p.dims[:-1] for s in d[1:]]
+        values = [size, p.src_offset, p.dst_offset, p.block_stride, page_bytes, p.storage.data_ptr(), *strides]
+        if all(v % w == 0 for v in values):
+            return w
+    return 1
+
+
+def runs(ids: list[int], rows: list[int]) -> list[tuple[int, int, int, int, int]]:
+    """(first block, block step, first row, row step, count): maximal stretches of (block, row) pairs that
+    advance by one constant positive step on both sides; a stretch that descends on both is returned walked
+    backwards (ascending), one whose sides go opposite ways falls apart into single pairs."""
+    out: list[tuple[int, int, int, int, int]] = []
+    i, n = 0, len(ids)
+    while i < n:
+        j = i + 1
+        if j < n:
+            db, dr = ids[j] - ids[i], rows[j] - rows[i]
+            if (db > 0 and dr > 0) or (db < 0 and dr < 0):
+                while j + 1 < n and ids[j + 1] - ids[j] == db and rows[j + 1] - rows[j] == dr:
+                    j += 1
+                j += 1
+        k = j - i
+        if k == 1:
+            out.append((ids[i], 1, rows[i], 1, 1))
+        else:
+            db, dr = ids[i + 1] - ids[i], rows[i + 1] - rows[i]
+            if db > 0:
+                out.append((ids[i], db, rows[i], dr, k))
+            else:
+                out.append((ids[j - 1], -db, rows[j - 1], -dr, k))
+        i = j
+    return out
+
+
+class Copier:
+    """The copies of one page format: `gather` (engine blocks into page rows) and `scatter` (page rows into
+    engine blocks)."""
+
+    def __init__(self, pieces: list[Piece], page_bytes: int, num_blocks: int, device: torch.device,
+                 fast: bool) -> None:
+        self.pieces, self.page_bytes, self.num_blocks, self.device, self.fast = (pieces, page_bytes, num_blocks,
+                                                                                device, fast)
+        self._copies: dict[int, list[Copy]] = {}
+        self.by_runs = fast and device.type == "cpu"
+
+    def gather(self, ids: torch.Tensor, id_list: list[int] | None, out: torch.Tensor, rows: list[int] | None) -> None:
+        copies = self.copies_for(out)
+        if self.by_runs:
+            for b, db, r, dr, k in runs(id_list, rows if rows is not None else list(range(len(id_list)))):
+                for c in copies:
+                    c.page_view(out, r, dr, k).copy_(c.src[b:b + db * (k - 1) + 1:db])
+            return
+        row_index = None if rows is None else torch.as_tensor(rows, dtype=torch.int64, device=out.device)
+        for c in copies:
+            dst = c.page_view(out)
+            if row_index is not None:
+                dst.index_copy_(0, row_index, c.src.index_select(0, ids))
+            elif dst.is_contiguous():
+                torch.index_select(c.src, 0, ids, out=dst)
+            else:
+                dst.copy_(c.src.index_select(0, ids))
+
+    def scatter(self, pages: torch.Tensor, ids: torch.Tensor, id_list: list[int] | None,
+                rows: list[int] | None) -> None:
+        copies = self.copies_for(pages)
+        if self.by_runs:
+            for b, db, r, dr, k in runs(id_list, rows if rows is not None else list(range(len(id_list)))):
+                for c in copies:
+                    c.src[b:b + db * (k - 1) + 1:db].copy_(c.page_view(pages, r, dr, k))
+            return
+        row_index = None if rows is None else torch.as_tensor(rows, dtype=torch.int64, device=pages.device)
+        for c in copies:
+            src = c.page_view(pages)
+            c.src.index_copy_(0, ids, src if row_index is None else src.index_select(0, row_index))
+
+    def copies_for(self, pages: torch.Tensor) -> list[Copy]:
+        """The copies in the widest word every piece and these pages' alignment allow."""
+        align = pages.stride(0) | pages.storage_offset() | pages.untyped_storage().data_ptr()
+        words = [word_size(p, self.page_bytes) if self.fast else 1 for p in self.pieces]
+        w = min([*words, align & -align or 8, 8])
+        if w not in self._copies:
+            self._copies[w] = [self._copy(p, w) for p in self.pieces]
+        return self._copies[w]
+
+    def _copy(self, p: Piece, w: int) -> Copy:
+        dtype = WORDS[w]
+        base = torch.empty(0, dtype=dtype, device=self.device).set_(p.storage, 0, (p.storage.nbytes() // w,), (1,))
+        sizes = tuple(d[0] for d in p.dims[:-1]) + (p.dims[-1][0] // w,)
+        src_strides = tuple(d[1] // w for d in p.dims[:-1]) + (1,)
+        src = base.as_strided((self.num_blocks, *sizes), (p.block_stride // w, *src_strides), p.src_offset // w)
+        return Copy(src, p.dst_offset // w, sizes, tuple(d[2] // w for d in p.dims[:-1]) + (1,))
