@@ -88,7 +88,8 @@ CPU_CASES = [  # model dtype, head size, ISA (None: the one vLLM picks on this m
 @pytest.mark.parametrize("dtype,head_size,isa,cache_dtype", CPU_CASES)
 def test_cpu_attention_pages_hold_each_tokens_k_then_v(dtype, head_size, isa, cache_dtype):
     isa = isa or _get_attn_isa(dtype, BLOCK, head_size, cache_dtype)
-    assert isa in ("vec", "vec16"), f"this machine's ISA for {dtype} is {isa}: the packing is not verified"
+    if isa not in ("vec", "vec16"):  # amx on a machine with AMX: opaque pages (test_unverified_cpu_isas_...)
+        pytest.skip(f"this machine's ISA for {dtype} is {isa}, whose pages are opaque, not canonical")
     cpu, values = cpu_cache(dtype, head_size, isa, cache_dtype, seed=7)
     fmt = cpu.format(cpu_isa=isa, head_size=head_size, cache_dtype=cache_dtype)
     assert fmt.canonical
