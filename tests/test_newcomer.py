@@ -7,16 +7,14 @@ import inspect
 import json
 import subprocess
 import sys
-import threading
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from kvservice.client import AsyncKVServiceClient, KVServiceClient
 from kvservice.errors import Unauthenticated, Unavailable
-from kvservice.launch import start_serve, wait_ready
+from kvservice.launch import start_serve
 from kvservice.ops import AddRequestOp, AllocateOp
 from tests.external_helpers import Publisher, chain, stored, wait_for
 from tests.service_helpers import REPO, small_config, start_server
@@ -227,45 +225,23 @@ def test_demo_save_model_writes_a_dir_with_a_tokenizer_that_loads(tmp_path):
 
 
 # ---- the example router --------------------------------------------------------------------------
-class Backend:
-    """A stand-in vLLM server: answers every POST with its own name and the body it got."""
-
-    def __init__(self, name: str) -> None:
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
-                body = self.rfile.read(int(self.headers["content-length"]))
-                data = json.dumps({"engine": name, "path": self.path, "got": json.loads(body)}).encode()
-                self.send_response(200)
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-                outer.calls += 1
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.calls = 0
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def post(url: str, body: dict) -> tuple[dict, str]:
+def post(url: str, body: dict) -> tuple[dict, dict]:
     request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
                                      headers={"content-type": "application/json"})
     with urllib.request.urlopen(request, timeout=30) as reply:
-        return json.loads(reply.read()), reply.headers["x-kvservice-pool"]
+        return json.loads(reply.read()), dict(reply.headers)
 
 
 def test_the_example_router_sends_a_prompt_to_the_pool_holding_its_prefix(tmp_path):
+    """examples/router.py, with its old arguments (`--backend POOL=URL`), runs `kvservice route`: each prompt goes to
+    the engine whose KV events say it holds the prompt's prefix, and the reply names it."""
+    from tests.router_helpers import LoopThread
+    from tests.router_stub import StubServer, StubState
     publishers = {p: Publisher() for p in ("vllm-0", "vllm-1")}
-    backends = {p: Backend(p) for p in publishers}
+    loop = LoopThread()
+    stubs = {p: StubServer(StubState(p)) for p in publishers}
+    for stub in stubs.values():
+        loop.run(stub.start())
     flags = []
     for pool, pub in publishers.items():
         flags += ["--vllm-events", f"{pool}={pub.endpoint},replay={pub.replay_endpoint},block-size=4,"
@@ -281,24 +257,26 @@ def test_the_example_router_sends_a_prompt_to_the_pool_holding_its_prefix(tmp_pa
                 wait_for(lambda p=pool, s=seq: c.get_stats().external_pools[p].last_sequence >= s, what="applied")
         router = subprocess.Popen([sys.executable, str(REPO / "examples" / "router.py"), "--allocator",
                                    server.target, "--port", "0",
-                                   *[a for p, b in backends.items() for a in ("--backend", f"{p}={b.url}")]],
+                                   *[a for p, b in stubs.items() for a in ("--backend", f"{p}={b.url}")]],
                                   stdout=subprocess.PIPE, text=True, cwd=tmp_path)
-        url = "http://" + wait_ready(router, 60, prefix="router for vllm-0, vllm-1 listening on ")
+        line = ""
+        while not line.startswith("kvservice route: "):
+            line = router.stdout.readline()
+            assert line or router.poll() is None, "examples/router.py exited before it was ready"
+        url = line.split()[2]
         for pool, prompt in prompts.items():
-            answer, routed = post(url + "/v1/completions", {"prompt": prompt, "max_tokens": 4})
-            assert routed == pool and answer == {"engine": pool, "path": "/v1/completions",
-                                                 "got": {"prompt": prompt, "max_tokens": 4}}
-            choice, _ = post(url + "/route", {"prompt": prompt[:16] + [7]})
-            assert choice == {"pool": pool, "cached_tokens": 16, "backend": backends[pool].url}
-        assert {p: b.calls for p, b in backends.items()} == {"vllm-0": 1, "vllm-1": 1}
-        cold, _ = post(url + "/route", {"prompt": [9, 9, 9, 9, 9]})  # cached nowhere: still a backend
-        assert cold["pool"] in backends and cold["cached_tokens"] == 0
+            answer, headers = post(url + "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 4})
+            assert headers["x-kvservice-engine"] == pool and int(headers["x-kvservice-predicted-cached-tokens"]) > 0
+            assert answer["object"] == "text_completion"
+        assert {p: len(loop.call(lambda s=s: list(s.state.requests))) for p, s in stubs.items()} == \
+            {"vllm-0": 1, "vllm-1": 1}
     finally:
         if router is not None:
             router.terminate()
             router.wait(10)
         server.stop()
-        for b in backends.values():
-            b.close()
+        for stub in stubs.values():
+            loop.run(stub.stop())
+        loop.close()
         for pub in publishers.values():
             pub.close()
