@@ -252,6 +252,7 @@ def test_each_load_is_timed_part_by_part_and_logged(server, store, caplog):
     caplog.set_level("DEBUG", logger="kvservice.integrations.vllm.connector")
     b_sched = SchedulerSide(settings(server, store, index=False), BS, "b", loads=True, saves=False)
     b = worker(server, store, "b", 62)
+    assert "n1" in b.stores.segments  # its own store, named: mapped at start-up, not by the first load
     b_sched.on_new_request(request("s", prompt))
     assert b_sched.num_new_matched_tokens(request("s", prompt), 0) == (12, False)
     b_sched.after_alloc(request("s", prompt), [1, 2, 3, 4], 12)

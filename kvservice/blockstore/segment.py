@@ -111,7 +111,7 @@ class Segment:
     """
 
     def __init__(self, path: str, num_blocks: int, page_bytes: int, create: bool = False,
-                 generation: int = 0) -> None:
+                 generation: int = 0, populate: bool = True) -> None:
         if num_blocks < 2 or page_bytes < 1:
             raise ValueError(f"a store segment needs num_blocks >= 2 and page_bytes >= 1, got {num_blocks} and "
                              f"{page_bytes}")
@@ -124,8 +124,11 @@ class Segment:
         try:
             if create:
                 os.posix_fallocate(fd, 0, size)  # the memory now, not page by page under the first copies
-            # Mapped with every page in place (MAP_POPULATE): no page faults on the copies' path.
-            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            # populate: every page mapped now (MAP_POPULATE, ~60 ms a GiB here), so no copy takes page faults;
+            # else each page's first touch faults (16 pages a fault: the same time in all, spread over loads,
+            # and only for the pages touched: bench/connector_bench_probes.py).
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+            self._map = mmap.mmap(fd, size, flags=flags)
         finally:
             os.close(fd)
         self.header = np.frombuffer(self._map, dtype=_HEADER, count=1)
@@ -145,8 +148,8 @@ class Segment:
                              f"{bytes(self.header[0]['magic'])!r})")
 
     @classmethod
-    def attach(cls, d: Descriptor) -> Segment:
-        return cls(d.path, d.num_blocks, d.page_bytes)
+    def attach(cls, d: Descriptor, populate: bool = True) -> Segment:
+        return cls(d.path, d.num_blocks, d.page_bytes, populate=populate)
 
     @property
     def generation(self) -> int:

@@ -16,6 +16,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +29,7 @@ from kvservice.integrations.vllm.connector.settings import ENV_RAY_NODE, Connect
 
 logger = logging.getLogger(__name__)
 
+DISK_READERS = 4  # page files read at once from a disk tier
 REMOTE_READ_TIMEOUT_S = 10.0  # a load from another node's store that takes longer fails (and is recomputed)
 RAY_RETRY_S = 10.0  # after a failed connect to Ray, loads through it fail at once for this long
 
@@ -141,6 +143,7 @@ class Stores:
         self.settings = settings
         self.endpoints: dict[str, bytes] = {}  # store name -> its NIXL endpoint (the connector's metadata)
         self._nixl: NixlPath | None = None
+        self._disk_pool: ThreadPoolExecutor | None = None
         self.nixl_on, self.nixl_why = choose_nixl(settings.transport)
         self.segments: dict[str, tuple[str, Segment, torch.Tensor]] = {}
         self.actors: dict[str, object] = {}
@@ -159,9 +162,12 @@ class Stores:
         why = f" (transport auto, NIXL does not work here: {self.nixl_why})" if self.nixl_why != "off" else ""
         return (ray or "none (neither NIXL nor Ray is installed)") + why
 
-    def local(self, name: str, generation: int) -> Segment | None:
-        """The segment of the store `name` if it runs on this node (at `generation`, else LookupError), or None
-        when it is on another node."""
+    def prepare(self, name: str) -> bool:
+        """Maps the segment of this node's store `name` now, every page in place (the worker's own store, at
+        start-up): its loads and saves then take no page faults and pay no mapping. False: not on this node."""
+        return self._mapped(name, populate=True) is not None
+
+    def _mapped(self, name: str, populate: bool) -> Segment | None:
         d = read_descriptor(name, self.settings.shm_dir)
         if d is None or (d.node_id and self.node_id and d.node_id != self.node_id):
             return None
@@ -169,12 +175,20 @@ class Stores:
         if have is None or have[0] != d.path:
             if have is not None and self.on_detach is not None:
                 self.on_detach(have[2])
-            seg = Segment.attach(d)
+            seg = Segment.attach(d, populate=populate)
             have = (d.path, seg, torch.from_numpy(seg.pages))
             self.segments[name] = have
             if self.on_attach is not None:
                 self.on_attach(have[2])
-        seg = have[1]
+        return have[1]
+
+    def local(self, name: str, generation: int) -> Segment | None:
+        """The segment of the store `name` if it runs on this node (at `generation`, else LookupError), or None
+        when it is on another node. A segment first met here is mapped lazily (its pages fault in as they are
+        first touched): mapping all of a large store would hold up this load by the store's size."""
+        seg = self._mapped(name, populate=False)
+        if seg is None:
+            return None
         # The segment's own header, every time: a store that closed it, or restarted (or registered again) since
         # the pin or the page allocation was taken: its pages mean nothing now. (A store killed leaves its pinned
         # pages as they were committed: they still load, until its lease retires its pool.)
@@ -220,8 +234,22 @@ class Stores:
                               f"named are not its")
         disk = DiskPages(d.disk_dir, d.page_bytes)
         metas = np.zeros((len(page_ids), MAX_SLOTS, META_FIELDS), np.uint64)
-        for i, page_id in enumerate(page_ids):
-            metas[i] = disk.read_slice(page_id, offset, into[i].numpy())
+
+        def read(part: range) -> None:
+            for i in part:
+                metas[i] = disk.read_slice(page_ids[i], offset, into[i].numpy())
+        # Several reads in flight (the GIL is released in them): a disk serves a queue faster than one read
+        # at a time.
+        n, k = len(page_ids), max(1, min(DISK_READERS, len(page_ids)))
+        parts = [range(i * n // k, (i + 1) * n // k) for i in range(k)]
+        if k > 1 and self._disk_pool is None:
+            self._disk_pool = ThreadPoolExecutor(DISK_READERS - 1, thread_name_prefix="kvservice-disk-read")
+        others = [self._disk_pool.submit(read, part) for part in parts[1:]]
+        try:
+            read(parts[0])
+        finally:
+            for other in others:
+                other.result()
         return PageRead(into[:len(page_ids)], list(range(len(page_ids))), lambda: metas, True, sliced=True,
                         private=True, path="disk")
 
@@ -281,6 +309,8 @@ class Stores:
         return self.segments[name][1].meta
 
     def close(self) -> None:
+        if self._disk_pool is not None:
+            self._disk_pool.shutdown()
         if self.on_detach is not None:
             for _, _, pages in self.segments.values():
                 self.on_detach(pages)

@@ -91,6 +91,11 @@ class WorkerSide(SaveCopies):
         self.mover = make_mover(self.fmt)
         # The store's segment page-locked once it is mapped (a GPU's copies into it then need no bounce).
         self.stores.on_attach, self.stores.on_detach = self.mover.pin, self.mover.unpin
+        if self.settings.store not in (None, "auto"):  # this node's store, named: mapped (and pinned) now
+            try:
+                self.stores.prepare(self.settings.store)
+            except (OSError, ValueError) as exc:  # mapped at first use instead
+                logger.info("kvservice connector: store %r not mapped at start-up (%s)", self.settings.store, exc)
         scale_text = ";".join(f"{n}={k!r},{v!r}" for n, (k, v) in sorted((scales or {}).items()))
         self.format_digest = digest64(self.fmt.format_id + (f";scales={scale_text}" if scales else ""))
         logger.info("kvservice connector: rank %d of %d, pages of %d bytes (%s), %s copies, remote stores via %s",
