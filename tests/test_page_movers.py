@@ -76,12 +76,15 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 
 @cuda
-@pytest.mark.parametrize("pin", [True, False])
-def test_cuda_mover_round_trip_in_chunks(pin):
+@pytest.mark.parametrize("pin,direct", [(True, True), (True, False), (False, True)])
+def test_cuda_mover_round_trip_in_chunks(pin, direct):
+    """NHD saved staged (chunks of 2 pages), HND loaded by the copy engines alone (page-locked host, direct)
+    or staged (chunks of 3 pages); host memory that is not page-locked goes through the bounce buffer."""
     src, dst = engine("LBNHC", "cuda"), engine("LBHNC", "cuda")
     src.raw.random_(-128, 127)
     save = CudaMover(src.format(), staging_bytes=2 * src.format().page_bytes)  # chunks of 2 pages
-    load = CudaMover(dst.format(), staging_bytes=3 * dst.format().page_bytes)
+    load = CudaMover(dst.format(), staging_bytes=3 * dst.format().page_bytes, direct=direct)
+    assert save._dma is None and (load._dma is not None) == direct  # noqa: SLF001
     host = torch.zeros(9, save.fmt.page_bytes, dtype=torch.uint8)
     if pin:  # else the copies go through the pinned bounce buffer
         assert save.pin(host) and load.pin(host)
@@ -98,3 +101,22 @@ def test_cuda_mover_round_trip_in_chunks(pin):
     assert load.finished() == [("l", True)]
     save.close()
     load.close()
+
+
+def test_head_major_formats_are_copied_by_the_copy_engines_alone():
+    """Which formats a GPU copies with one cudaMemcpy2DAsync per block (cudadma.py): a block's piece must be
+    evenly spaced runs of contiguous bytes on both sides. HND (its layers joined: one 2D copy of L rows), MLA,
+    block-outer (one contiguous run), opaque pages: yes; NHD (heads inside tokens) and vLLM's CPU layout: no."""
+    from kvservice.integrations.vllm.connector.cudadma import rows_of
+    layer_bytes = HEADS * BLOCK_SIZE * CONTENT * 2
+
+    def shapes(e, **kw):
+        return [rows_of(p) for p in e.format(**kw).pieces]
+    assert shapes(engine("LBHNC")) == [(LAYERS, layer_bytes, BLOCKS * layer_bytes, layer_bytes)]
+    assert shapes(engine("BLHNC")) == [(1, LAYERS * layer_bytes, LAYERS * layer_bytes, LAYERS * layer_bytes)]
+    assert shapes(engine("LBNHC")) == [None]
+    mla = by_hand("LBNHC", LAYERS, BLOCKS, 1, BLOCK_SIZE, 576, torch.bfloat16)
+    assert shapes(mla) == [(LAYERS, BLOCK_SIZE * 576 * 2, BLOCKS * BLOCK_SIZE * 576 * 2, BLOCK_SIZE * 576 * 2)]
+    assert None not in shapes(engine("LBNHC"), cache_dtype="nvfp4")  # opaque: the block's own bytes
+    cpu = by_hand("LBHNC", LAYERS, BLOCKS, HEADS, BLOCK_SIZE, CONTENT, torch.float32)
+    assert None in shapes(cpu, cpu_isa="vec", head_size=CONTENT // 2)

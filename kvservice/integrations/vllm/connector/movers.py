@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvservice.integrations.vllm.connector.cudadma import Dma
 from kvservice.integrations.vllm.connector.pageformat import PageFormat
 
 logger = logging.getLogger(__name__)
@@ -144,16 +145,21 @@ class CudaMover(PageMover):
     `wait_for_loads_on` in start_load_kv, for all of a step's loads at once: FULL CUDA-graph batches skip the
     per-layer hooks, so a per-layer wait would not be made there.
 
-    Host rows: one transfer per run of consecutive rows. A page is at least tens of KiB (MiB for 8B-class
+    Head-major formats (HND, MLA, block-outer) into page-locked host rows: one cudaMemcpy2DAsync per block
+    (cudadma.py), no kernel. Others, per chunk of a job: a gather (scatter) into a device staging buffer and
+    one transfer per run of consecutive host rows. A page is at least tens of KiB (MiB for 8B-class
     models), so a run costs a few microseconds of launch beside its transfer; the alternative, a pinned bounce
     buffer scattered on the CPU, adds a host memcpy of every byte and a wait on the device before it. Host
     memory that is not page-locked (pin failed) goes through a pinned bounce buffer, one chunk at a time,
     waiting on the CPU: correct and slow.
     """
 
-    def __init__(self, fmt: PageFormat, staging_bytes: int = STAGING_BYTES) -> None:
+    def __init__(self, fmt: PageFormat, staging_bytes: int = STAGING_BYTES, direct: bool = True) -> None:
         super().__init__(fmt)
         self.device = fmt.device
+        # Page-locked host rows of a head-major format move by the copy engines alone (cudadma.py); `direct`
+        # False keeps every copy staged (the GPU check compares the two).
+        self._dma = Dma.for_format(fmt.pieces, self.device) if direct else None
         self.chunk_rows = max(1, staging_bytes // fmt.page_bytes)
         self._streams = {"save": torch.cuda.Stream(self.device), "load": torch.cuda.Stream(self.device)}
         self._staging: dict[str, torch.Tensor | None] = {"save": None, "load": None}
@@ -209,20 +215,10 @@ class CudaMover(PageMover):
         stream.wait_stream(torch.cuda.current_stream(self.device))
         pinned = self._pinned(host)
         try:
-            with torch.cuda.stream(stream):
-                ids_host = torch.tensor(block_ids, dtype=torch.int64).pin_memory()
-                ids = ids_host.to(self.device, non_blocking=True)
-                job.keep += [ids_host, ids]
-                for start in range(0, len(rows), self.chunk_rows):
-                    chunk_rows = rows[start:start + self.chunk_rows]
-                    staging = self._staging_rows(direction, len(chunk_rows))
-                    chunk_ids = ids[start:start + len(chunk_rows)]
-                    if direction == "save":
-                        self.fmt.gather(chunk_ids, staging)
-                        self._to_host(staging, host, chunk_rows, pinned, stream)
-                    else:
-                        self._from_host(host, chunk_rows, staging, pinned, stream)
-                        self.fmt.scatter(staging, chunk_ids)
+            if self._dma is not None and pinned:
+                self._dma.copy(direction == "save", block_ids, host, rows, stream)
+            else:
+                self._staged(direction, job, block_ids, host, rows, pinned, stream)
         except Exception as exc:  # noqa: BLE001 - reported once what was enqueued has run
             logger.warning("kvservice connector: %s job %s failed (%s: %s)", direction, job_id,
                            type(exc).__name__, exc)
@@ -232,6 +228,24 @@ class CudaMover(PageMover):
         if direction == "load":
             self._last_load = job.event
         self._jobs[direction].append(job)
+
+    def _staged(self, direction: str, job: Job, block_ids: list[int], host: torch.Tensor, rows: list[int],
+                pinned: bool, stream: torch.cuda.Stream) -> None:
+        """Per chunk: a gather (scatter) kernel on the device, then one transfer per run of host rows."""
+        with torch.cuda.stream(stream):
+            ids_host = torch.tensor(block_ids, dtype=torch.int64).pin_memory()
+            ids = ids_host.to(self.device, non_blocking=True)
+            job.keep += [ids_host, ids]
+            for start in range(0, len(rows), self.chunk_rows):
+                chunk_rows = rows[start:start + self.chunk_rows]
+                staging = self._staging_rows(direction, len(chunk_rows))
+                chunk_ids = ids[start:start + len(chunk_rows)]
+                if direction == "save":
+                    self.fmt.gather(chunk_ids, staging)
+                    self._to_host(staging, host, chunk_rows, pinned, stream)
+                else:
+                    self._from_host(host, chunk_rows, staging, pinned, stream)
+                    self.fmt.scatter(staging, chunk_ids)
 
     def _staging_rows(self, direction: str, n: int) -> torch.Tensor:
         buf = self._staging[direction]

@@ -256,6 +256,10 @@ class PageFormat:
                    pieces, num_blocks, fast)
 
     @property
+    def pieces(self) -> list[Piece]:
+        return self._copier.pieces
+
+    @property
     def canonical(self) -> bool:
         return self.format_id.startswith("canonical")
 
