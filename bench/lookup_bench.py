@@ -44,6 +44,11 @@ def probes_for(work: Workload, rng: random.Random, n: int, length: int = 1024) -
     return out
 
 
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def externals(work: Workload, num_pools: int, max_blocks: int):
     """`num_pools` external pools, each holding the workload's whole index (one ingest, copied)."""
     src = external_allocator(1, max_blocks)
@@ -113,10 +118,26 @@ def main() -> int:
     gc.collect()
     big_pools, big_blocks = (16, 4_000) if q else (256, 40_000)
     big = Workload(rng, big_blocks)
+    before = resident_bytes()
     ext = externals(big, big_pools, 10 * big_blocks)
+    indexed = sum(len(p.index) for p in ext.state.external.pools.values())
     rows.append(row(f"{big_pools} external pools x {big_blocks:,} blocks ({big_pools * big_blocks / 1e6:.1f}M)",
                     side_by_side(ext, probes_for(big, rng, args.lookups))))
+    gc.collect()
+    results["bytes_per_block_external"] = (resident_bytes() - before) / indexed
     del ext
+    gc.collect()
+    before = resident_bytes()
+    own = own_allocator(big, big_pools, big.num_blocks)
+    cached = sum(len(p.manager.block_pool.cached_block_hash_to_block) for p in own.state.pools.values())
+    own.lookup("", token_ids=big.prompts[0])  # every pool joins the index
+    gc.collect()
+    results["bytes_per_block_own"] = (resident_bytes() - before) / cached
+    results["blocks_measured"] = {"external": indexed, "own": cached}
+    print(f"memory per indexed block (resident, {indexed / 1e6:.1f}M external / {cached / 1e6:.1f}M kvservice "
+          f"blocks): external {results['bytes_per_block_external']:.0f} B, kvservice pool "
+          f"{results['bytes_per_block_own']:.0f} B (index included)", flush=True)
+    del own
     gc.collect()
     print(table(HEAD, rows), flush=True)
     results["headline"] = [dict(zip(HEAD, r)) for r in rows]
