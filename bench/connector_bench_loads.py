@@ -6,9 +6,11 @@ fresh process of its own, twice: its first load (the segment just mapped) and a 
 Per load it records the connector's parts (connector/timing.py: lookup, pin, fetch, check, verify, copy,
 pin_check, commit), the page faults the reader took (getrusage), and how many runs of consecutive rows the
 store's page ids formed: a fresh store hands out ascending ids, one that wrapped (LRU reuse) hands a request's
-pages out descending. Paths: this node's segment (`local`) and the store's disk tier (`disk`, page cache
-dropped first). The probes (`--probe`) time the hypotheses one at a time on the same segment and page format:
-how the segment is mapped (MAP_POPULATE, none, madvise), and checksums read before the copy.
+pages out descending. Paths: this node's segment (`local`), another node's store over one NIXL READ (`nixl`,
+where NIXL is installed: a reader whose shm_dir holds no store; UCX picks `cma` between two processes of a
+host), the store's disk tier (`disk`, page cache dropped first). The probes (bench/connector_bench_probes.py;
+`--probe` runs only them) time one hypothesis each on the same segment and page format: how the segment is
+mapped, checksums read before the copy, a layer-by-layer load on a CPU.
 
     PYTHONPATH=. .venv/bin/python bench/connector_bench_loads.py [--lengths 1024,4096] [--out FILE]
 Writes bench/results/connector_loads.json (~1 minute, ~1 GiB in /dev/shm and the temporary directory).
@@ -48,11 +50,12 @@ def engine_kv(num_blocks: int, seed: int):
 
 
 def sides(address: str, shm: str, name: str, store: str | None, loads: bool, saves: bool, seed: int,
-          num_blocks: int):
+          num_blocks: int, transport: str = "auto"):
     from kvservice.integrations.vllm.connector.scheduler_side import SchedulerSide
     from kvservice.integrations.vllm.connector.settings import ConnectorSettings
     from kvservice.integrations.vllm.connector.worker_side import WorkerSide
-    settings = ConnectorSettings(address=address, store=store, shm_dir=shm, index=False, namespace="loads-bench")
+    settings = ConnectorSettings(address=address, store=store, shm_dir=shm, index=False, namespace="loads-bench",
+                                 transport=transport)
     sched = SchedulerSide(settings, BS, name, loads=loads, saves=saves)
     worker = WorkerSide(settings, BS, name, head_size=HEAD)
     worker.register(engine_kv(num_blocks, seed), num_blocks)
@@ -68,7 +71,8 @@ def reader(job: dict) -> dict:
     from bench.connector_bench_parts import drop_page_cache
     from tests.connector_helpers import report, request, scheduled
     prompt, n = job["prompt"], job["tokens"] // BS
-    sched, worker = sides(job["address"], job["shm"], "reader", job["store"], True, False, 7, 2 * n + 8)
+    sched, worker = sides(job["address"], job["shm"], "reader", job["store"], True, False, 7, 2 * n + 8,
+                          job.get("transport", "auto"))
     out = []
     for k in range(2):
         if job["disk_dir"]:
@@ -81,7 +85,7 @@ def reader(job: dict) -> dict:
         sched.after_alloc(req, blocks, found)
         (load,), _ = sched.build(scheduled(req.request_id, prompt, blocks, found, len(prompt) - found))
         faults, wall = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
-        worker.load([load])
+        worker.load([load], sched.endpoints_for([load]))
         wall, faults = time.perf_counter() - wall, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         assert not worker.take_failed_blocks(), "a load failed"
         report(sched, worker)  # the workers' report: the unpin, sent by the teller (commit)
@@ -134,8 +138,10 @@ def main_bench(args) -> dict:
     rng, results = random.Random(0), {"page_bytes": PAGE, "block_size": BS, "cases": []}
     # Pages for every length once ascending (a fresh store), then once more each after the store wrapped.
     num_pages = sum(n // BS for n in lengths) + most + 8
+    from kvservice.blockstore.transports import nixl_available
+    nixl = nixl_available()
     store = BlockStore("a", server.target, num_pages, PAGE, BS, directory=shm, disk_dir=str(work / "disk"),
-                       disk_bytes=4 * num_pages * (PAGE + 4096), nixl=False)
+                       disk_bytes=4 * num_pages * (PAGE + 4096), nixl=nixl)
     try:
         sched, worker = sides(server.target, shm, "writer", "a", False, True, 1, most + 8)
         for order in ("ascending (a fresh store)", "reused (a store that wrapped)"):
@@ -146,11 +152,15 @@ def main_bench(args) -> dict:
                 _, saves = sched.build(scheduled(req.request_id, prompt, list(range(n // BS + 1)), 0, n + 2))
                 worker.save(saves)
                 report(sched, worker)
-                for path in ("local", "disk"):
+                for path in ("local", "nixl", "disk"):
                     if path == "disk":
                         evict(server.target, store.pool_id, prompt)
                     job = {"address": server.target, "shm": shm, "store": "a", "prompt": prompt, "tokens": n,
                            "disk_dir": str(work / "disk") if path == "disk" else ""}
+                    if path == "nixl":  # "another node": no store in its shm_dir, the pages in one NIXL READ
+                        if not nixl:
+                            continue
+                        job.update(shm=str(work), store=None, transport="nixl")
                     got = run_reader(job)
                     results["cases"].append({"path": path, "tokens": n, "store_pages": order, **got})
                     print(f"{path:5} {n:5} tokens, {order}: " + "; ".join(

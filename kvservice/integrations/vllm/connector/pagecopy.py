@@ -6,7 +6,12 @@ Two ways to run them:
 - by runs (a CPU's KV, `fast`): the blocks and page rows are cut into runs that advance by a constant step on
   both sides (consecutive ids are one run; a descending stretch, which a store that wrapped hands out, is one
   run walked backwards), and each run of each piece is one `copy_` between plain strided views: no index
-  tensor, no temporary, each copy a contiguous inner loop wherever one side has one, on torch's threads;
+  tensor, no temporary, each copy a contiguous inner loop wherever one side has one, on torch's threads (a
+  vLLM CPU worker's OpenMP team, bound to its cores). Each copy is one parallel region: a job whose blocks
+  fall apart into single-block runs opens two per block, and on cores shared with a busy process every region
+  waits for a preempted thread (128 single-block runs: 20 ms alone, 200 ms beside one CPU-bound process,
+  where one 128-block run takes 19 and 43 ms). A pool of Python threads avoids that but inherits the binding
+  of the thread that starts it (a vLLM CPU worker's main thread is bound to one core), so it is not used;
 - by index (a GPU's KV, and the reference path the tests compare with): one `index_select` or `index_copy_`
   per piece over every block, which on a GPU is one kernel.
 """
