@@ -234,7 +234,9 @@ class AllocatorServicer(ExternalPoolHandlers):
         if self.sharding is None:  # one unnamed shard: this one
             pools = self.allocator.state.visible_pools(principal.tenant, principal.admin)
             return pb.ShardMapResponse(pools={p.pool_id: "" for p in pools}, sharded=False)
-        current = await self.sharding.refresh(0.5)
+        # Read anew: a map up to half a second old named a pool's shard before its move had taken over (or after),
+        # and a `kvservice shards move` run again after a crash acted on it (a DROP on the pool's new shard).
+        current = await self.sharding.refresh(0.0)
         counts = current.pool_counts()
         out = pb.ShardMapResponse(version=current.version, shard_id=self.sharding.shard_id, sharded=True)
         for info in sorted(current.shards.values(), key=lambda i: i.shard_id):
