@@ -98,64 +98,59 @@ class Placement:
     # ---- one walk for the pools a GlobalIndex answers -------------------------------------------------
     def _indexed_hits(self, pools, raw: list[bytes], num_tokens: int, token_ids, by_hashes: bool,
                       cache_salt: str | None, lora_name: str | None, ns: bytes) -> list[PoolHit]:
-        h = self.state.settings.hash_block_size
-        hits: list = list(pools)  # each pool, replaced by its hit
-        walked: list[int] = []
-        members: list[Member] = []
-        others = []
-        index = self.pool_index
-        for i, p in enumerate(pools):
-            if p.indexable and not p.suspended:
-                walked.append(i)
-                members.append(index.member(p.manager.block_pool.cached_block_hash_to_block))
-            else:
-                others.append(i)
-        if others:
-            answered = self._pool_hits([hits[i] for i in others], raw, num_tokens, token_ids, by_hashes,
-                                       cache_salt, lora_name, ns)
-            for i, hit in zip(others, answered):
-                hits[i] = hit
-        if walked:
-            max_blocks = max(0, num_tokens - 1) // h if num_tokens > 1 else 0
-            suffix = make_block_hash_with_group_id(ns, 0)  # (the map's keys: hash || namespace || group 0)
-            keys = [] if by_hashes and raw and len(raw[0]) != HASH_BYTES else [x + suffix for x in raw[:max_blocks]]
-            depths = index.walk(keys, members, max_blocks)
-            for i, depth in zip(walked, depths):
-                p = hits[i]
-                bp = p.manager.block_pool
-                hits[i] = PoolHit(p.pool_id, depth * h, bp.free_block_queue.num_free_blocks,
-                                  len(bp.cached_block_hash_to_block))
-        self._prune(index)
-        return hits
+        suffix = make_block_hash_with_group_id(ns, 0)  # (the maps' keys: hash || namespace || group 0)
+        wrong_length = by_hashes and raw and len(raw[0]) != HASH_BYTES  # (hashes of another spec hit nothing)
+
+        def hit(p, tokens: int) -> PoolHit:
+            bp = p.manager.block_pool
+            return PoolHit(p.pool_id, tokens, bp.free_block_queue.num_free_blocks, len(bp.cached_block_hash_to_block))
+
+        return self._walked(
+            self.pool_index, pools, num_tokens, hit,
+            lambda p: p.manager.block_pool.cached_block_hash_to_block if p.indexable and not p.suspended else None,
+            lambda n: [] if wrong_length else [x + suffix for x in raw[:n]],
+            lambda rest: self._pool_hits(rest, raw, num_tokens, token_ids, by_hashes, cache_salt, lora_name, ns))
 
     def _indexed_external_hits(self, pools, raw: list[bytes], num_tokens: int, token_ids, cache_salt: str | None,
                                lora_name: str | None) -> list[PoolHit]:
         h = self.state.settings.hash_block_size
-        out: list = list(pools)  # each pool, replaced by its hit
+
+        def hit(pool, tokens: int) -> PoolHit:
+            tiers = dict(_GPU_ONLY)
+            tiers[TIERS[0]] = tokens
+            return PoolHit(pool.pool_id, tokens, 0, external=True, tiers=tiers)
+
+        return self._walked(
+            self.gpu_index, pools, num_tokens, hit,
+            lambda p: p.index if p.index.block_size == h and not (p.index.tier_blocks[1] or p.index.tier_blocks[2])
+            else None,
+            lambda n: raw,
+            lambda rest: self.external.hits(rest, raw, num_tokens, token_ids, cache_salt, lora_name))
+
+    def _walked(self, index: GlobalIndex, pools, num_tokens: int, hit, map_of, keys, others) -> list[PoolHit]:
+        """Each pool's hit, in order: those whose map `map_of` gives (else None) from one walk of `keys(n)` (the
+        prompt's first n block keys) over `index`, as `hit(pool, tokens)`; the rest from `others(those pools)`."""
+        h = self.state.settings.hash_block_size
+        hits: list = list(pools)  # each pool, replaced by its hit
         walked: list[int] = []
         members: list[Member] = []
-        others = []
-        index = self.gpu_index
-        for i, pool in enumerate(pools):
-            ix = pool.index
-            if ix.block_size == h and not (ix.tier_blocks[1] or ix.tier_blocks[2]):
-                walked.append(i)
-                members.append(index.member(ix))
+        asked: list[int] = []
+        for i, p in enumerate(pools):
+            owner = map_of(p)
+            if owner is None:
+                asked.append(i)
             else:
-                others.append(i)
-        if others:
-            answered = self.external.hits([out[i] for i in others], raw, num_tokens, token_ids, cache_salt, lora_name)
-            for i, hit in zip(others, answered):
-                out[i] = hit
+                walked.append(i)
+                members.append(index.member(owner))
+        if asked:
+            for i, answer in zip(asked, others([pools[i] for i in asked])):
+                hits[i] = answer
         if walked:
-            max_blocks = max(0, num_tokens - 1) // h if num_tokens > 1 else 0
-            depths = index.walk(raw, members, max_blocks)
-            for i, depth in zip(walked, depths):
-                tiers = dict(_GPU_ONLY)
-                tiers[TIERS[0]] = depth * h
-                out[i] = PoolHit(out[i].pool_id, depth * h, 0, external=True, tiers=tiers)
+            max_blocks = (num_tokens - 1) // h if num_tokens > 1 else 0
+            for i, depth in zip(walked, index.walk(keys(max_blocks), members, max_blocks)):
+                hits[i] = hit(pools[i], depth * h)
         self._prune(index)
-        return out
+        return hits
 
     def _prune(self, index: GlobalIndex) -> None:
         """Members whose pool is gone (a new epoch's pool replaced it, a move dropped it, a snapshot was loaded)

@@ -5,7 +5,6 @@ once, failed checks after `eject_after` in a row) and readmitted after `readmit_
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -14,6 +13,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from kvservice.router.backends import Backend, read_backends_file
+from kvservice.router.background import Background
 from kvservice.router.metrics import RouterMetrics
 from kvservice.router.scoring import Load
 from kvservice.router.settings import RouterSettings
@@ -62,14 +62,13 @@ def parse_load(text: str) -> Load:
     return Load(sums["running"], sums["waiting"], sums["kv_usage"] / max(1, usage_samples))
 
 
-class Fleet:
+class Fleet(Background):
     def __init__(self, settings: RouterSettings, session: aiohttp.ClientSession, metrics: RouterMetrics) -> None:
         self.settings = settings
         self.session = session
         self.metrics = metrics
         self.engines: dict[str, Engine] = {}
         self._file_stamp: tuple | None = None
-        self._task: asyncio.Task | None = None
         self.on_change = None  # called with the new backends (external pools to register)
         self.set_backends(list(settings.backends))
         if settings.backends_file:
@@ -210,12 +209,3 @@ class Fleet:
             except Exception:  # noqa: BLE001 - the checks go on whatever one round met
                 logger.exception("kvservice route: a health-check round failed")
             await asyncio.sleep(max(0.0, self.settings.health_interval_s - (time.monotonic() - started)))
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task

@@ -7,10 +7,10 @@ useful to a backend that comes back; `kvservice status` lists them)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 from kvservice.router.backends import Backend
+from kvservice.router.background import Background
 from kvservice.router.settings import RouterSettings
 from kvservice.router.tenants import Tenants
 
@@ -18,14 +18,13 @@ logger = logging.getLogger(__name__)
 RETRY_S = 2.0
 
 
-class Registrar:
+class Registrar(Background):
     def __init__(self, settings: RouterSettings, tenants: Tenants) -> None:
         self.settings = settings
         self.tenants = tenants
         self.pending: dict[str, Backend] = {}
         self.done: dict[str, Backend] = {}
         self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
 
     def wanted(self, backends: list[Backend]) -> None:
         for b in backends:
@@ -56,12 +55,3 @@ class Registrar:
             if self.pending:
                 await asyncio.sleep(RETRY_S)
                 self._wake.set()
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
