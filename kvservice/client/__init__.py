@@ -10,7 +10,7 @@ session's lease in the background (every third of the server's `--session-ttl`).
         result = client.step("engine-0", [AddRequestOp("r1", token_ids=prompt), AllocateOp("r1", num_new_tokens=512)])
         print(result[1].new_block_ids, result[1].num_computed_tokens)
 
-    base      the API, written once (each method a `Call`); sessions, sequences, resume
+    base      the API, written once (each method a `Call`)   sessions  sequences, acks, resume
     sync      KVServiceClient: runs a call to its result       aio   AsyncKVServiceClient: as a coroutine
     index     PrefixIndex: a router's replica of the prefix index from the shards' events (Lookup from memory)
     routing   which shard's connection a call goes to (one session id, sequences per shard)

@@ -1,5 +1,5 @@
-"""What both clients share: the connections (one per shard), the session's sequence numbers, and every RPC
-written once.
+"""What both clients share: the connections (one per shard), the session's sequence numbers (kept by
+kvservice.client.sessions), and every RPC written once.
 
 Each API method builds a `Call` (the RPC's name, its request, how to decode the reply, whether it is a
 mutation, the pool it is about) and hands it to `_run`, which the blocking client runs to the result and
@@ -28,23 +28,16 @@ from kvservice.client.routing import (
     channel_credentials,
     channel_options,
 )
+from kvservice.client.sessions import SessionSequences
 from kvservice.commands import VllmOptions
 from kvservice.core import KVCacheConfig
-from kvservice.errors import InvalidArgument, KVServiceError, SequenceOutOfOrder
+from kvservice.errors import InvalidArgument, KVServiceError
 from kvservice.hashing import DEFAULT_HASH_BLOCK_SIZE, DEFAULT_HASH_SEED, HashSpec, hash_prompt, spec_fingerprint
 from kvservice.ops import AddRequestOp, AllocateOp, Op
-from kvservice.results import LookupResult, SessionOpened, Stats, best_pool
+from kvservice.results import LookupResult, Stats, best_pool
 from kvservice.wire import encode, replies
-from kvservice.wire.status import from_rpc_error
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
-# The codes of a mutation the allocator refused before applying anything (its sequence stays the next one).
-# Any other failure (a deadline, a cancellation, a connection torn down as the allocator restarts) may
-# have come after the mutation was applied.
-REFUSED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS,
-           grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED,
-           grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE,
-           grpc.StatusCode.UNIMPLEMENTED}
 MAX_HOPS = 4  # redirects (and failovers) one call follows
 FAILOVER_POLL_S = 0.1  # a call that found its shard down asks for the map this often, until it changes
 FAILOVER_RETRY_S = 1.0  # ... and is retried after this long even if it did not (a move called off)
@@ -68,15 +61,6 @@ class Call:
     locate: tuple[str, ...] = ()  # pools to find first when no map names them (external pools: GetStats)
 
 
-def _body(request) -> int:
-    """A mutation's body (its session and sequence aside), to tell a resend of it from another call."""
-    session_id, sequence = request.session_id, request.sequence
-    request.session_id, request.sequence = "", 0
-    body = hash(request.SerializeToString(deterministic=True))
-    request.session_id, request.sequence = session_id, sequence
-    return body
-
-
 _SEVERITY = ["ok", "off", "resyncing", "degraded", "down", "fenced"]
 
 
@@ -97,7 +81,7 @@ def merge_stats(parts: list[Stats]) -> Stats:
     return out
 
 
-class ClientBase:
+class ClientBase(SessionSequences):
     """Options: client_name, tls_ca / tls_cert / tls_key (TLS, mutual with a cert), timeout_s (10),
     retries (4), hash_seed, hash_block_size (the server's hash spec), max_message_bytes, heartbeat
     (True: renew the session's lease in the background while the client is open), failover_timeout_s (15:
@@ -174,7 +158,7 @@ class ClientBase:
             self.unanswered_lookups.update(list(missing))
         return call.merge(answers, missing)
 
-    # ---- session bookkeeping -------------------------------------------------------------------
+    # ---- sessions (sequence bookkeeping: kvservice.client.sessions) ------------------------------
     def _session_call(self, conn: Conn, fresh: bool = False) -> Call:
         """OpenSession on `conn`: a new session (`fresh`, or none yet), else this one resumed there (attached,
         on a shard that does not know it yet)."""
@@ -185,64 +169,6 @@ class ClientBase:
             msg.last_acked_sequence = (conn.unacked_sequence or conn.next_sequence) - 1
             msg.attach = self.shards.sharded
         return Call("OpenSession", msg, lambda r: self._adopt_session(conn, r), conn=conn)
-
-    def _adopt_session(self, conn: Conn, r: pb.OpenSessionResponse) -> SessionOpened:
-        """Where the session stands on `conn`. A mutation whose reply was lost (`unacked_sequence`) was applied
-        if the server's next sequence is the one after it: then a resend of it (the same body) keeps its
-        sequence and gets the stored reply, and any other call takes the next. Otherwise nothing is pending."""
-        opened = replies.decode_session_opened(r)
-        pending = conn.unacked_sequence
-        resumed = opened.session_id == self.session_id
-        self.session_id, self.tenant, self.ttl_s = opened.session_id, opened.tenant, opened.ttl_ms / 1000
-        conn.attached, conn.stale = True, False
-        conn.next_sequence = opened.next_sequence
-        if not (resumed and pending and opened.next_sequence == pending + 1):
-            conn.unacked_sequence, conn.unacked_body, conn.unacked_pool = 0, 0, ""
-        return opened
-
-    @staticmethod
-    def _stamp(conn: Conn, session_id: str, request) -> None:
-        """The session and sequence of a mutation: the pending one's if it resends that (the same body), else the
-        next (the session has learnt where it stands since any failure: `_unacked` made it resume)."""
-        request.session_id = session_id
-        if conn.unacked_sequence and _body(request) == conn.unacked_body:
-            request.sequence = conn.unacked_sequence
-        else:
-            request.sequence = conn.next_sequence
-
-    @staticmethod
-    def _acked(conn: Conn, request) -> None:
-        conn.next_sequence = request.sequence + 1
-        conn.unacked_sequence, conn.unacked_body, conn.unacked_pool = 0, 0, ""
-
-    @staticmethod
-    def _unacked(conn: Conn, err: BaseException, request, pool_id: str | None = None) -> None:
-        """A mutation failed. Refused by the server, it was not applied and its sequence stays the next. Any
-        other failure (the transport's, a deadline, a cancellation, whatever its code) may have come after it
-        was applied: the next mutation first resumes the session (the server says where it stands), and a
-        resend of this one keeps its sequence, so it applies once."""
-        if isinstance(err, grpc.RpcError) and err.code() in REFUSED:
-            return
-        conn.unacked_sequence, conn.unacked_body, conn.unacked_pool = request.sequence, _body(request), pool_id or ""
-        conn.stale = conn.attached
-
-    @staticmethod
-    def _out_of_order(conn: Conn, err: grpc.RpcError) -> bool:
-        """Whether the server refused a mutation's sequence (nothing applied): the session resumes, to learn where
-        it stands, before the mutation is sent again. A server whose recovered state lacks mutations this client
-        saw acknowledged (Redis lost them) then starts new epochs for the session's pools."""
-        if err.code() != grpc.StatusCode.FAILED_PRECONDITION or not isinstance(from_rpc_error(err),
-                                                                              SequenceOutOfOrder):
-            return False
-        conn.stale = conn.attached
-        return True
-
-    @staticmethod
-    def _redirected(conn: Conn, pool_id: str | None) -> None:
-        """`conn` answered a mutation of `pool_id` with a redirect: its unacknowledged one was not applied there
-        (a retry of the last one applied is answered from its stored reply, never redirected)."""
-        if conn.unacked_pool and conn.unacked_pool == pool_id:
-            conn.unacked_sequence, conn.unacked_pool = 0, ""
 
     @staticmethod
     def _may_fail_over(exc: Exception) -> bool:

@@ -25,7 +25,8 @@ import threading
 import time
 from collections.abc import Sequence
 
-from kvservice.client.sync import EventStream, KVServiceClient
+from kvservice.client.streams import EventStream
+from kvservice.client.sync import KVServiceClient
 from kvservice.results import LookupResult, PoolHit, PoolStats, best_pool
 
 logger = logging.getLogger(__name__)

@@ -20,9 +20,9 @@ from kvservice.client.base import (
     ClientBase,
 )
 from kvservice.client.routing import Conn, ConnectionReplaced, make_stub, replaced_under
+from kvservice.client.streams import EventStream
 from kvservice.errors import DeadlineExceeded, KVServiceError, Moved, NotFound, Unavailable
 from kvservice.results import Event
-from kvservice.wire import replies
 from kvservice.wire.status import from_rpc_error
 
 
@@ -383,23 +383,3 @@ class KVServiceClient(ClientBase):
             return any(self._refresh_map(conn, retries=0) for conn in [*self.shards.all(), *spares])
         finally:
             self._close(c.channel for c in spares)
-
-
-class EventStream:
-    """A WatchEvents stream: iterate it for events (kvservice.results.Event); `cancel()`, from any thread,
-    ends the iteration."""
-
-    def __init__(self, call) -> None:
-        self._call = call
-
-    def __iter__(self) -> Iterator[Event]:
-        try:
-            for e in self._call:
-                yield replies.decode_event(e)
-        except grpc.RpcError as err:
-            if err.code() == grpc.StatusCode.CANCELLED and self._call.cancelled():
-                return
-            raise from_rpc_error(err) from None
-
-    def cancel(self) -> None:
-        self._call.cancel()
