@@ -240,3 +240,32 @@ def test_best_pool_in_one_pass_is_the_rule():
                         suspended=rng.random() < 0.2) for i in ids]
         first = rng.choice([None, rng.randbytes(16)])
         assert best_pool(hits, first) == _best_pool_reference(hits, first)
+
+
+def test_an_index_loaded_under_a_listener_announces_its_keys():
+    """Loading an encoded index into one the global index listens to: reset() tells the listener each old key
+    went, so the loaded keys must be told as they come, or Lookup would never find them through the index."""
+    from kvservice.external.snapshot import encode_index, load_index
+
+    fleet = Fleet(3)
+    for _ in range(120):
+        fleet.step()
+    source = max((x.index for x in fleet.a.state.external.pools.values()), key=lambda i: len(i.listened_keys()))
+    assert source.listened_keys()
+
+    class Told:
+        def __init__(self) -> None:
+            self.keys: set[bytes] = set()
+
+        def added(self, key: bytes) -> None:
+            self.keys.add(key)
+
+        def removed(self, key: bytes) -> None:
+            self.keys.discard(key)
+
+    target = next(x.index for x in fleet.a.state.external.pools.values() if x.index is not source)
+    told = Told()
+    target.listen(told)
+    assert told.keys == set(target.listened_keys())
+    load_index(target, encode_index(source))
+    assert told.keys == set(source.listened_keys()) == set(target.listened_keys())

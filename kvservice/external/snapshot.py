@@ -99,3 +99,5 @@ def load_index(index: ExternalIndex, data: bytes) -> None:
         index.waiting.setdefault(parent, []).append(orphan)
         index.orphan_queue.append(orphan)
     index.counters = IndexCounters(*counters)
+    if index.listener is not None:  # reset() told the listener each key went; tell it the loaded ones came
+        index.listen(index.listener)

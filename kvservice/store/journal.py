@@ -225,13 +225,14 @@ class PersistentJournal(Journal):
         """Redis answers without our leader key: it lost its data, and with it the WAL and the snapshot. Only
         this process's memory holds the state now: take the key back (if still absent), serve degraded
         (refuse under --require-persistence) and resync from memory. Returns the leader epoch after."""
+        # Not durable from now on, and so before the loss is counted: /metrics reads both from its own thread, and
+        # must never find the loss counted while the state is still "ok" from before it.
+        if self.state in (PS.OK, PS.RESYNCING):
+            self._outage(LeaderLostError("Redis lost its data"), [])
         self.stats.redis_data_losses += 1
         logger.critical("Redis lost this allocator's data (the leader key of epoch %d is gone): taking leadership "
                         "back and writing a fresh snapshot from memory; serving %s until it is committed",
                         self.store.epoch, "nothing" if self.require_persistence else "degraded")
-        # Not durable from now on, before the first await: no reader may see the loss counted and "ok" together.
-        if self.state in (PS.OK, PS.RESYNCING):
-            self._outage(LeaderLostError("Redis lost its data"), [])
         if not await self.store.retake_leadership():
             return await self.store.leader()  # another allocator wrote the key meanwhile: fenced
         return self.store.epoch
