@@ -137,11 +137,16 @@ def run_fleet(args, work: Path) -> list[Run]:
                 url = fleet.routers[policy]
                 before = decision_buckets(metrics_text(url), policy)
                 samples, wall = asyncio.run(replay(url, systems, convs, args, f"r{rnd}-{policy}", args.seed + rnd))
-                after = decision_buckets(metrics_text(url), policy)
+                page = metrics_text(url)
+                after = decision_buckets(page, policy)
+                learned = {line.split('rate="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                           for line in page.splitlines() if line.startswith("kvservice_router_learned_seconds")}
                 run = Run(policy, rnd, wall, samples, histogram_quantile(0.5, before, after),
                           histogram_quantile(0.99, before, after))
                 runs.append(run)
-                print(f"round {rnd} {policy}: {len(samples)} requests in {wall:.1f} s", flush=True)
+                rates = ", ".join(f"{k} {v * 1e3:.3f} ms/token" for k, v in sorted(learned.items())) or "none yet"
+                print(f"round {rnd} {policy}: {len(samples)} requests in {wall:.1f} s; rates learned: {rates}",
+                      flush=True)
     return runs
 
 

@@ -30,6 +30,7 @@ class StubState:
     cached_tokens: int = 0  # reported in usage.prompt_tokens_details.cached_tokens
     chunks: int = 4  # SSE content chunks
     chunk_delay_s: float = 0.0
+    first_chunk_delay_s: float = 0.0  # a stream's wait before its first chunk (its headers go at once, as vLLM's)
     producer_params: dict | None = None  # a producer's kv_transfer_params, answered to max_tokens=1
     hold_last: asyncio.Event | None = None  # a stream waits for it before its last content chunk
     requests: list[dict] = field(default_factory=list)  # the bodies received, in order
@@ -87,6 +88,8 @@ def make_app(state: StubState) -> web.Application:
         response = web.StreamResponse(headers={"content-type": "text/event-stream; charset=utf-8",
                                                "x-stub": state.name})
         await response.prepare(request)
+        if state.first_chunk_delay_s:
+            await asyncio.sleep(state.first_chunk_delay_s)
         sent = bytearray()
         for i in range(state.chunks):
             if i == state.chunks - 1 and state.hold_last is not None:

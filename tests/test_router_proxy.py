@@ -80,6 +80,42 @@ def test_store_tiers_count_with_the_connectors_namespace(loop, allocator):
         rig.close()
 
 
+@pytest.mark.parametrize("calibrate", [True, False], ids=["calibrated", "settings"])
+def test_slow_loads_measured_send_the_prompt_where_it_is_cached(loop, allocator, calibrate):
+    """The settings say s0 loads the prompt from its node's RAM faster than s1 prefills what its own cache
+    lacks; s0's replies say otherwise (0.3 s to the first token). After three streamed replies (the rate's
+    samples; unstreamed ones teach nothing) the router sends the prompt to s1, unless --no-calibrate."""
+    server, client = allocator
+    tokens = prompt(41, 300)
+    cache_prompt(client, "kvstore:node-a", tokens, salt="ns")
+    cache_prompt(client, "s1", tokens[:200])
+    rig = Rig(loop, server.target, ["s0", "s1"], {"s0": ",node=node-a", "s1": ",connector=false"},
+              store_namespace="ns", calibrate=calibrate)
+    try:
+        rig.loop.call(setattr, rig.state("s0"), "first_chunk_delay_s", 0.3)
+        d = rig.post("/v1/route", {"prompt": tokens}).json()
+        assert d["engine"] == "s0" and d["estimates"]["s0"]["loaded_tokens"] == 288
+        assert d["estimates"]["s1"]["engine_tokens"] == 192
+        for _ in range(3):
+            assert rig.post("/v1/completions", {"prompt": tokens}).headers["x-kvservice-engine"] == "s0"
+        chosen = []
+        for _ in range(4):
+            reply = rig.post("/v1/completions", {"prompt": tokens, "stream": True})
+            assert reply.status == 200 and reply.body.endswith(b"data: [DONE]\n\n")
+            chosen.append(reply.headers["x-kvservice-engine"])
+        learned = metric(rig.get("/metrics").body.decode(), "kvservice_router_learned_seconds_per_token",
+                         rate="ram")
+        if calibrate:
+            assert chosen == ["s0", "s0", "s0", "s1"], chosen
+            assert 0.3 / 288 <= learned < 5.0 / 288  # the first token's wait (and the hops), over the tokens loaded
+            d = rig.post("/v1/route", {"prompt": tokens}).json()
+            assert d["estimates"]["s0"]["load_s"] == pytest.approx(288 * learned)
+        else:
+            assert chosen == ["s0"] * 4 and learned == 0.0, (chosen, learned)
+    finally:
+        rig.close()
+
+
 def test_cold_prompts_spread_by_their_first_block_and_stick(rig):
     chosen = {}
     for seed in range(12):

@@ -8,7 +8,7 @@ import pytest
 
 from kvservice.router.backends import Backend, backends_from_data, parse_backend
 from kvservice.router.fleet import parse_load
-from kvservice.router.scoring import Load, Reuse, ScoringWeights, estimate, rank, rendezvous
+from kvservice.router.scoring import Calibration, Load, Reuse, ScoringWeights, estimate, rank, rendezvous
 from kvservice.router.settings import RouterSettings
 
 W = ScoringWeights(prefill_tokens_per_s=1000, kv_bytes_per_token=1_000_000, cpu_gbps=4, ram_gbps=10, disk_gbps=1,
@@ -33,6 +33,35 @@ def test_the_formula_costs_each_part():
     assert e.cached_tokens == 100 and e.compute_s == pytest.approx(1.9)
     # hits longer than the prompt are capped at it
     assert estimate(10, Reuse(engine=50), Load(), W).cached_tokens == 10
+
+
+def test_the_rates_are_learned_from_what_replies_took():
+    rates = Calibration(W, alpha=0.5, min_samples=2, min_tokens=100)
+    loads_from_ram = Reuse(engine=0, ram=1500)
+    # the settings' rates until a rate has its samples: 1 ms per prefilled token, 0.1 ms per RAM token
+    e = estimate(2000, loads_from_ram, Load(waiting=1), W, rates=rates)
+    assert e.ttft_s == pytest.approx(0.5 + 0.15 + 0.5) and e.computed_tokens == 500
+    # prefills of 1,000 tokens took 3 s past their 0.5 s queue: 3 ms a token, once two said so
+    cold = estimate(1000, Reuse(), Load(waiting=1), W, rates=rates)
+    rates.observe(cold, 3.5)
+    assert rates.prefill_seconds_per_token() == pytest.approx(1e-3)  # one sample: still the setting
+    rates.observe(cold, 3.5)
+    assert rates.prefill_seconds_per_token() == pytest.approx(3e-3)
+    rates.observe(estimate(50, Reuse(), Load(), W, rates=rates), 9.0)  # 50 tokens: a step's cost, not a rate
+    assert rates.prefill_seconds_per_token() == pytest.approx(3e-3)
+    # loads of 1,500 RAM tokens whose replies took 2.0 s with 0.5 s queued and 500 tokens prefilled (1.5 s at
+    # the rate learned): the load took 0.0 s; then 3.5 s: 1.5 s, 1 ms a token; the mean (alpha 0.5) of the two
+    rates.observe(e, 2.0)
+    rates.observe(e, 3.5)
+    assert rates.load_seconds_per_token("ram") == pytest.approx(0.5e-3)
+    assert rates.load_seconds_per_token("disk") == pytest.approx(W.load_seconds_per_token("disk"))  # no samples
+    # an engine holding the prompt itself now beats one that would load it, which the settings ranked first
+    own = Reuse(engine=1300)
+    assert estimate(2000, own, Load(), W).ttft_s > estimate(2000, loads_from_ram, Load(), W).ttft_s
+    assert estimate(2000, own, Load(), W, rates=rates).ttft_s < estimate(2000, loads_from_ram, Load(), W,
+                                                                         rates=rates).ttft_s
+    with pytest.raises(ValueError, match="alpha"):
+        Calibration(W, alpha=0)
 
 
 def test_a_loaded_engine_loses_to_an_idle_one_with_less_cached():

@@ -194,6 +194,8 @@ class Router:
             raise
         self.metrics.requests.labels(name, policy, endpoint, str(sent.status)).inc()
         if sent.status == 200:
+            if body.get("stream") and sent.first_chunk_at is not None and not decision.prefill_order:
+                self.decider.observe(name, decision, sent.first_chunk_at - started)
             self.metrics.predicted.labels(name).inc(predicted)
             if sent.cached_tokens is not None:
                 self.metrics.realized.labels(name).inc(sent.cached_tokens)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from kvservice.router.backends import STORE_DISK, STORE_RAM
 from kvservice.router.fleet import Engine, Fleet
 from kvservice.router.metrics import RouterMetrics
-from kvservice.router.scoring import Estimate, Reuse, estimate, rank, rendezvous
+from kvservice.router.scoring import Calibration, Estimate, Reuse, estimate, rank, rendezvous
 from kvservice.router.settings import RouterSettings
 from kvservice.router.tenants import Tenants
 
@@ -70,6 +70,7 @@ class Decider:
     def __init__(self, settings: RouterSettings, fleet: Fleet, tenants: Tenants, metrics: RouterMetrics) -> None:
         self.settings = settings
         self.weights = settings.weights()
+        self.rates = Calibration(self.weights) if settings.calibrate else None
         self.fleet = fleet
         self.tenants = tenants
         self.metrics = metrics
@@ -94,6 +95,16 @@ class Decider:
         if len(results) > 1:
             hits.update({h.pool_id: h for h in results[1].hits if is_store(h.pool_id)})
         return hits
+
+    def observe(self, engine: str, decision: Decision, ttft_s: float) -> None:
+        """A streamed reply's first token came `ttft_s` after its request: the rates learn from it."""
+        est = decision.estimates.get(engine)
+        if self.rates is None or est is None:
+            return
+        self.rates.observe(est, ttft_s)
+        for key, rate in self.rates.learned.items():
+            if self.rates.samples[key] >= self.rates.min_samples:
+                self.metrics.learned_rate.labels(key).set(rate)
 
     def order(self, policy: str, engines: list[Engine], estimates: dict[str, Estimate], tokens: list[int] | None,
               session_key: str | None) -> list[str]:
@@ -127,9 +138,9 @@ class Decider:
         ordering: dict[str, Estimate] = {}  # what the policy ranks by (precise: the engine's own cache alone)
         for e in decoders + producers:
             reuse, load = reuse_of(e, hits or {}, limit), e.current_load()
-            estimates[e.backend.name] = estimate(n, reuse, load, self.weights, stores=e.backend.connector)
+            estimates[e.backend.name] = estimate(n, reuse, load, self.weights, e.backend.connector, self.rates)
             ordering[e.backend.name] = estimates[e.backend.name] if policy != "precise" else \
-                estimate(n, reuse, load, self.weights, stores=False)
+                estimate(n, reuse, load, self.weights, False, self.rates)
         decision = Decision(self.order(policy, decoders, ordering, tokens, session_key),
                             {name: est.cached_tokens for name, est in estimates.items()}, estimates,
                             prompt_tokens=n if tokens else None, tokens=tokens, lookup_ok=hits is not None,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from dataclasses import dataclass
 
 import aiohttp
@@ -85,6 +86,7 @@ class Sent:
     status: int
     cached_tokens: int | None
     response: web.StreamResponse
+    first_chunk_at: float | None = None  # time.perf_counter() when the reply's first body bytes came
 
 
 async def post_in_order(fleet: Fleet, metrics: RouterMetrics, session: aiohttp.ClientSession, order: list[str],
@@ -140,7 +142,10 @@ async def relay(request: web.Request, metrics: RouterMetrics, engine: Engine, re
         if reply.content_length is not None and "chunked" not in reply.headers.get("transfer-encoding", ""):
             response.content_length = reply.content_length
         await response.prepare(request)
+        first = None
         async for chunk in reply.content.iter_any():
+            if first is None:
+                first = time.perf_counter()
             tap.feed(chunk)
             await response.write(chunk)
         await response.write_eof()
@@ -152,4 +157,4 @@ async def relay(request: web.Request, metrics: RouterMetrics, engine: Engine, re
     finally:
         engine.inflight -= 1
         metrics.inflight.labels(name).set(engine.inflight)
-    return Sent(name, reply.status, tap.finish(), response)
+    return Sent(name, reply.status, tap.finish(), response, first)

@@ -11,6 +11,13 @@ router of kvservice's own Ray engines (worker/deploy/router.py).
 events); `loaded_tokens` what the connector would load past it: the longest of the engine's CPU tier, its
 node's store (RAM, then disk) and other nodes' RAM stores (NIXL), as the connector picks it (longest hit,
 ties in that order), each costed at its tier's bandwidth.
+
+The rates are settings to start from; then the fleet's own first tokens set them (`Calibration`): a streamed
+reply's time to first token, less the queue the router estimated, is the prefill's time when nothing was
+loaded, and the load's time (after the prefill's share at the rate learned) when the connector loaded. Each
+rate is an exponentially weighted mean of those, per tier, used once it has a few samples. A load's real
+cost on an engine (an extra scheduler step while it lands, the copy under contention) is what is learned,
+not the bandwidth a setting guessed.
 """
 
 from __future__ import annotations
@@ -46,6 +53,55 @@ class ScoringWeights:
     def gbps(self, tier: str) -> float:
         return {"cpu": self.cpu_gbps, "ram": self.ram_gbps, "disk": self.disk_gbps, "remote": self.remote_gbps}[tier]
 
+    def load_seconds_per_token(self, tier: str) -> float:
+        return self.kv_bytes_per_token / (self.gbps(tier) * 1e9)
+
+    def prefill_seconds_per_token(self) -> float:
+        return 1.0 / self.prefill_tokens_per_s
+
+
+class Calibration:
+    """The formula's rates as the fleet's replies measure them: seconds per prefilled token, and per loaded
+    token from each tier, each an exponentially weighted mean (`alpha`) of what streamed replies took, used in
+    place of the setting once it has `min_samples`. Only replies that prefilled (or loaded) at least
+    `min_tokens` teach a rate: a few tokens' time is the step's fixed cost, not a rate. The queue term stays
+    the settings'."""
+
+    def __init__(self, weights: ScoringWeights, alpha: float = 0.2, min_samples: int = 3,
+                 min_tokens: int = 128) -> None:
+        if not 0.0 < alpha <= 1.0 or min_samples < 1 or min_tokens < 1:
+            raise ValueError(f"calibration alpha must be in (0, 1], min_samples and min_tokens >= 1; got {alpha}, "
+                             f"{min_samples}, {min_tokens}")
+        self.weights, self.alpha, self.min_samples, self.min_tokens = weights, alpha, min_samples, min_tokens
+        self.learned: dict[str, float] = {}  # "prefill" or a tier -> seconds per token
+        self.samples: dict[str, int] = {}
+
+    def _rate(self, key: str, setting: float) -> float:
+        return self.learned[key] if self.samples.get(key, 0) >= self.min_samples else setting
+
+    def load_seconds_per_token(self, tier: str) -> float:
+        return self._rate(tier, self.weights.load_seconds_per_token(tier))
+
+    def prefill_seconds_per_token(self) -> float:
+        return self._rate("prefill", self.weights.prefill_seconds_per_token())
+
+    def _learn(self, key: str, sample: float) -> None:
+        n = self.samples.get(key, 0)
+        self.learned[key] = sample if n == 0 else self.learned[key] + self.alpha * (sample - self.learned[key])
+        self.samples[key] = n + 1
+
+    def observe(self, est: Estimate, ttft_s: float) -> None:
+        """A streamed reply's time to first token on the engine `est` was for (what it reused, what it queued)."""
+        work_s = max(ttft_s - est.queue_s, 0.0)
+        if est.loaded_tokens == 0:
+            if est.computed_tokens >= self.min_tokens:
+                self._learn("prefill", work_s / est.computed_tokens)
+            return
+        if est.loaded_tokens < self.min_tokens:
+            return
+        load_s = max(work_s - est.computed_tokens * self.prefill_seconds_per_token(), 0.0)
+        self._learn(est.load_from, load_s / est.loaded_tokens)
+
 
 @dataclass(slots=True)
 class Reuse:
@@ -77,15 +133,19 @@ class Estimate:
     load_s: float
     compute_s: float
     queue_s: float
+    computed_tokens: int = 0  # what the engine would prefill: the prompt past cached_tokens
 
 
 def queue_seconds(load: Load, weights: ScoringWeights) -> float:
     return weights.waiting_s * load.waiting + weights.running_s * load.running + weights.kv_usage_s * load.kv_usage
 
 
-def estimate(prompt_tokens: int, reuse: Reuse, load: Load, weights: ScoringWeights, stores: bool = True) -> Estimate:
+def estimate(prompt_tokens: int, reuse: Reuse, load: Load, weights: ScoringWeights, stores: bool = True,
+             rates: Calibration | None = None) -> Estimate:
     """One engine's estimated TTFT for a prompt of `prompt_tokens`. `stores`: count the tiers past the
-    engine's own cache (False: the engine's GPU cache alone, the `precise` policy)."""
+    engine's own cache (False: the engine's GPU cache alone, the `precise` policy). `rates`: the prefill and
+    load rates measured so far (default: the settings')."""
+    rates = rates or weights
     own = min(reuse.engine, prompt_tokens)
     tier, best = "", own
     if stores:
@@ -94,10 +154,11 @@ def estimate(prompt_tokens: int, reuse: Reuse, load: Load, weights: ScoringWeigh
             if tokens > best:
                 tier, best = name, tokens
     loaded = best - own
-    load_s = loaded * weights.kv_bytes_per_token / (weights.gbps(tier) * 1e9) if loaded else 0.0
-    compute_s = (prompt_tokens - best) / weights.prefill_tokens_per_s
+    load_s = loaded * rates.load_seconds_per_token(tier) if loaded else 0.0
+    compute_s = (prompt_tokens - best) * rates.prefill_seconds_per_token()
     queue_s = queue_seconds(load, weights)
-    return Estimate(load_s + compute_s + queue_s, best, own, loaded, tier, load_s, compute_s, queue_s)
+    return Estimate(load_s + compute_s + queue_s, best, own, loaded, tier, load_s, compute_s, queue_s,
+                    prompt_tokens - best)
 
 
 def rank(estimates: Mapping[str, Estimate], prefer: str = "", spread: int = 0,

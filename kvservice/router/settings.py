@@ -54,6 +54,9 @@ class RouterSettings:
                             type=float, group=SCORING)
     remote_gbps: float = flag(_W.remote_gbps, "--remote-gbps", "load bandwidth from another node's store (NIXL), "
                               "GB/s", type=float, group=SCORING)
+    calibrate: bool = flag(True, "--no-calibrate", "keep the prefill and load rates as set (default: each is "
+                           "learned from the streamed replies' time to first token once it has a few samples)",
+                           action="store_false", group=SCORING)
     waiting_s: float = flag(_W.waiting_s, "--waiting-s", "seconds per request waiting on an engine", type=float,
                             group=SCORING)
     running_s: float = flag(_W.running_s, "--running-s", "seconds per request running on an engine", type=float,
