@@ -140,12 +140,12 @@ def run_fleet(args, work: Path) -> list[Run]:
                 page = metrics_text(url)
                 after = decision_buckets(page, policy)
                 learned = {line.split('rate="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
-                           for line in page.splitlines() if line.startswith("kvservice_router_learned_seconds")}
+                           for line in page.splitlines() if line.startswith("kvservice_router_seconds_per_token")}
                 run = Run(policy, rnd, wall, samples, histogram_quantile(0.5, before, after),
                           histogram_quantile(0.99, before, after))
                 runs.append(run)
                 rates = ", ".join(f"{k} {v * 1e3:.3f} ms/token" for k, v in sorted(learned.items())) or "none yet"
-                print(f"round {rnd} {policy}: {len(samples)} requests in {wall:.1f} s; rates learned: {rates}",
+                print(f"round {rnd} {policy}: {len(samples)} requests in {wall:.1f} s; rates in use: {rates}",
                       flush=True)
     return runs
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from kvservice.router.backends import STORE_DISK, STORE_RAM
 from kvservice.router.fleet import Engine, Fleet
 from kvservice.router.metrics import RouterMetrics
-from kvservice.router.scoring import Calibration, Estimate, Reuse, estimate, rank, rendezvous
+from kvservice.router.scoring import TIERS, Calibration, Estimate, Reuse, estimate, rank, rendezvous
 from kvservice.router.settings import RouterSettings
 from kvservice.router.tenants import Tenants
 
@@ -75,6 +75,7 @@ class Decider:
         self.tenants = tenants
         self.metrics = metrics
         self._turn = itertools.count()
+        self._export_rates()
 
     async def lookup(self, tokens: list[int], allocator_token: str | None, cache_salt: str | None,
                      stores: bool) -> dict | None:
@@ -102,9 +103,13 @@ class Decider:
         if self.rates is None or est is None:
             return
         self.rates.observe(est, ttft_s)
-        for key, rate in self.rates.learned.items():
-            if self.rates.samples[key] >= self.rates.min_samples:
-                self.metrics.learned_rate.labels(key).set(rate)
+        self._export_rates()
+
+    def _export_rates(self) -> None:
+        rates = self.rates or self.weights
+        self.metrics.rate.labels("prefill").set(rates.prefill_seconds_per_token())
+        for tier in TIERS:
+            self.metrics.rate.labels(tier).set(rates.load_seconds_per_token(tier))
 
     def order(self, policy: str, engines: list[Engine], estimates: dict[str, Estimate], tokens: list[int] | None,
               session_key: str | None) -> list[str]:

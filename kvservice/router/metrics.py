@@ -43,10 +43,9 @@ class RouterMetrics:
         self.prefills = Counter("kvservice_router_prefills", "P/D: prefill steps, by outcome (handed_over, "
                                 "skipped: the decode engine held enough, no_params: the producer named no save, "
                                 "failed)", ["outcome"], registry=r)
-        self.learned_rate = Gauge("kvservice_router_learned_seconds_per_token", "The scoring's rates as streamed "
-                                  "replies measured them (once each has a few samples): seconds per prefilled token "
-                                  "(rate=prefill) and per token loaded from a tier (cpu, ram, disk, remote)",
-                                  ["rate"], registry=r)
+        self.rate = Gauge("kvservice_router_seconds_per_token", "The scoring's rates in use: seconds per prefilled "
+                          "token (rate=prefill) and per token loaded from a tier (cpu, ram, disk, remote); the "
+                          "setting's until streamed replies measured it", ["rate"], registry=r)
         self.backends_file_reloads = Counter("kvservice_router_backends_file_reloads", "Backends file re-reads "
                                              "applied", registry=r)
         self.backends_file_errors = Counter("kvservice_router_backends_file_errors", "Backends file re-reads "
