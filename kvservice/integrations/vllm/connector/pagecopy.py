@@ -103,11 +103,13 @@ class Copier:
                                                                                 device, fast)
         self._copies: dict[int, list[Copy]] = {}
         self.by_runs = fast and device.type == "cpu"
+        # The widest word every piece allows (the pages' alignment may narrow it per call: copies_for).
+        self._word = min([word_size(p, page_bytes) if fast else 1 for p in pieces] + [8])
 
     def gather(self, ids: torch.Tensor, id_list: list[int] | None, out: torch.Tensor, rows: list[int] | None) -> None:
         copies = self.copies_for(out)
         if self.by_runs:
-            for b, db, r, dr, k in runs(id_list, rows if rows is not None else list(range(len(id_list)))):
+            for b, db, r, dr, k in self._runs(id_list, rows):
                 for c in copies:
                     c.page_view(out, r, dr, k).copy_(c.src[b:b + db * (k - 1) + 1:db])
             return
@@ -125,7 +127,7 @@ class Copier:
                 rows: list[int] | None) -> None:
         copies = self.copies_for(pages)
         if self.by_runs:
-            for b, db, r, dr, k in runs(id_list, rows if rows is not None else list(range(len(id_list)))):
+            for b, db, r, dr, k in self._runs(id_list, rows):
                 for c in copies:
                     c.src[b:b + db * (k - 1) + 1:db].copy_(c.page_view(pages, r, dr, k))
             return
@@ -134,11 +136,14 @@ class Copier:
             src = c.page_view(pages)
             c.src.index_copy_(0, ids, src if row_index is None else src.index_select(0, row_index))
 
+    @staticmethod
+    def _runs(id_list: list[int], rows: list[int] | None) -> list[tuple[int, int, int, int, int]]:
+        return runs(id_list, rows if rows is not None else list(range(len(id_list))))
+
     def copies_for(self, pages: torch.Tensor) -> list[Copy]:
         """The copies in the widest word every piece and these pages' alignment allow."""
         align = pages.stride(0) | pages.storage_offset() | pages.untyped_storage().data_ptr()
-        words = [word_size(p, self.page_bytes) if self.fast else 1 for p in self.pieces]
-        w = min([*words, align & -align or 8, 8])
+        w = min(self._word, align & -align or 8)
         if w not in self._copies:
             self._copies[w] = [self._copy(p, w) for p in self.pieces]
         return self._copies[w]
