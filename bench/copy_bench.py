@@ -60,10 +60,14 @@ def engine(family: str, num_blocks: int):
         return h.by_hand(layout, layers, num_blocks, heads, bs, content, dtype), "by hand (vLLM not importable)"
 
 
-def page_format(family: str, e, index: bool = False):
+def page_format(family: str, e, index: bool = False, torch_runs: bool = False):
+    """The connector's page format: its default path (compiled where kvservice/native is built), or the torch
+    runs (`torch_runs`: KVSERVICE_NATIVE=0's path), or the index path (`index`), for comparison."""
     head, cpu = FAMILIES[family][4], FAMILIES[family][7]
     fmt = e.format(cpu_isa="vec", head_size=head) if cpu else e.format()
-    fmt._copier.by_runs = fmt._copier.by_runs and not index  # noqa: SLF001 - the index path, for comparison
+    fmt._copier.by_runs = fmt._copier.by_runs and not index  # noqa: SLF001 - the other paths, for comparison
+    if index or torch_runs:
+        fmt._copier._native = None  # noqa: SLF001
     return fmt
 
 
@@ -88,6 +92,7 @@ def case(family: str, mib: int, reps: int, ids_kind: str) -> dict:
     e, _ = engine(family, 2 * n)
     e.raw.copy_(torch.randint(-128, 128, e.raw.shape, dtype=torch.int8, generator=torch.Generator().manual_seed(1)))
     fmt, index_fmt = page_format(family, e), page_format(family, e, index=True)
+    runs_fmt = page_format(family, e, torch_runs=True)
     if ids_kind == "consecutive":
         ids, rows = list(range(n)), list(range(n))
     else:
@@ -101,19 +106,25 @@ def case(family: str, mib: int, reps: int, ids_kind: str) -> dict:
     ref.gather(ids, want, rows)
     fmt.gather(ids, pages, rows)
     assert torch.equal(pages, want), f"{family}: the copy's pages differ from the reference's"
+    pages.zero_()
+    runs_fmt.gather(ids, pages, rows)
+    assert torch.equal(pages, want), f"{family}: the torch runs' pages differ from the reference's"
     before = e.raw.clone()
     fmt.scatter(pages, ids, rows)
     assert torch.equal(e.raw, before), f"{family}: loading the pages it saved changed the engine's KV"
     nbytes = n * page
     src, dst = torch.randint(0, 256, (nbytes,), dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
     t = timed({"save": lambda: fmt.gather(ids, pages, rows), "load": lambda: fmt.scatter(pages, ids, rows),
+               "runs_save": lambda: runs_fmt.gather(ids, pages, rows),
+               "runs_load": lambda: runs_fmt.scatter(pages, ids, rows),
                "index_save": lambda: index_fmt.gather(ids, pages, rows),
                "index_load": lambda: index_fmt.scatter(pages, ids, rows), "torch_copy": lambda: dst.copy_(src),
                "memcpy": lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)}, reps)
-    out = {"family": family, "ids": ids_kind, "views": built, "format": fmt.format_id, "page_bytes": page, "pages": n,
+    out = {"family": family, "ids": ids_kind, "views": built, "format": fmt.format_id, "native": fmt._copier.native,
+           "page_bytes": page, "pages": n,
            "bytes": nbytes, "reps": reps, "load_average": os.getloadavg()[0]}
     out.update({f"{k}_GBps": nbytes / statistics.median(v) / 1e9 for k, v in t.items()})
-    for k in ("save", "load"):  # paired: each round's copy against that round's torch copy_
+    for k in ("save", "load", "runs_save", "runs_load"):  # paired: each round's copy against that round's torch copy_
         out[f"{k}_vs_torch_copy"] = statistics.median(c / s for c, s in zip(t["torch_copy"], t[k]))
     return out
 
@@ -153,13 +164,15 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     results = {"threads": torch.get_num_threads(), "torch": torch.__version__, "cases": []}
-    print(f"{'family':10} {'ids':12} {'save':>6} {'load':>6} {'idx sv':>6} {'idx ld':>6} {'copy_':>6} {'memcpy':>6}"
+    print(f"{'family':10} {'ids':12} {'save':>6} {'load':>6} {'run sv':>6} {'run ld':>6} {'idx sv':>6} {'idx ld':>6}"
+          f" {'copy_':>6} {'memcpy':>6}"
           f" {'save/copy_':>10} {'load/copy_':>10}   GB/s, {results['threads']} torch threads")
     for family in args.families.split(","):
         for ids_kind in ("consecutive", "scattered"):
             r = case(family, args.mib, args.reps, ids_kind)
             results["cases"].append(r)
-            print(f"{family:10} {ids_kind:12} {r['save_GBps']:6.2f} {r['load_GBps']:6.2f} {r['index_save_GBps']:6.2f} "
+            print(f"{family:10} {ids_kind:12} {r['save_GBps']:6.2f} {r['load_GBps']:6.2f} {r['runs_save_GBps']:6.2f} "
+                  f"{r['runs_load_GBps']:6.2f} {r['index_save_GBps']:6.2f} "
                   f"{r['index_load_GBps']:6.2f} {r['torch_copy_GBps']:6.2f} {r['memcpy_GBps']:6.2f} "
                   f"{r['save_vs_torch_copy']:10.2f} {r['load_vs_torch_copy']:10.2f}", flush=True)
     results["views"] = results["cases"][0]["views"]

@@ -12,15 +12,23 @@ Two ways to run them:
   waits for a preempted thread (128 single-block runs: 20 ms alone, 200 ms beside one CPU-bound process,
   where one 128-block run takes 19 and 43 ms). A pool of Python threads avoids that but inherits the binding
   of the thread that starts it (a vLLM CPU worker's main thread is bound to one core), so it is not used;
+- compiled (a CPU's KV where kvservice/native is built, the default there): every (block, row) pair of every
+  piece in one call into a C library, in equal shares on as many threads as torch uses, spread over the cores
+  of the process's threads (a vLLM CPU worker's OpenMP team); the CPU layout's K, a transpose, with
+  contiguous writes. `KVSERVICE_NATIVE=0` selects the torch runs above; tests/test_native_copy.py compares
+  the two;
 - by index (a GPU's KV, and the reference path the tests compare with): one `index_select` or `index_copy_`
   per piece over every block, which on a GPU is one kernel.
 """
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
+
+from kvservice import native
 
 WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
@@ -105,8 +113,39 @@ class Copier:
         self.by_runs = fast and device.type == "cpu"
         # The widest word every piece allows (the pages' alignment may narrow it per call: copies_for).
         self._word = min([word_size(p, page_bytes) if fast else 1 for p in pieces] + [8])
+        self._native = self._native_pieces() if self.by_runs else None
+        self._cpus: bytes | None = None
+
+    def _native_pieces(self):
+        """The pieces as the C library's records, or None (not built, not selected, a piece it cannot take)."""
+        lib = native.library()
+        if lib is None or any(len(p.dims) > native.MAX_DIMS for p in self.pieces):
+            return None
+        records = []
+        for p in self.pieces:
+            dims = [x for d in p.dims for x in d] + [0] * 3 * (native.MAX_DIMS - len(p.dims))
+            records += [p.storage.data_ptr(), p.src_offset, p.block_stride, p.dst_offset, len(p.dims), *dims]
+        return lib, (ctypes.c_int64 * len(records))(*records)
+
+    @property
+    def native(self) -> bool:
+        return self._native is not None
+
+    def _native_copy(self, pages: torch.Tensor, id_list: list[int], rows: list[int] | None, scatter: int) -> None:
+        lib, records = self._native
+        n = len(id_list)
+        blocks = (ctypes.c_int64 * n)(*id_list)
+        row_ids = (ctypes.c_int64 * n)(*(rows if rows is not None else range(n)))
+        threads = torch.get_num_threads() if n * self.page_bytes >= 1 << 20 else 1
+        if self._cpus is None:
+            self._cpus = native.cpu_mask(native.process_cpus())
+        lib.kv_copy(records, len(self.pieces), pages.data_ptr(), pages.stride(0), blocks, row_ids, n, scatter,
+                    threads, self._cpus, len(self._cpus) * 8)
 
     def gather(self, ids: torch.Tensor, id_list: list[int] | None, out: torch.Tensor, rows: list[int] | None) -> None:
+        if self._native is not None:
+            self._native_copy(out, id_list, rows, 0)
+            return
         copies = self.copies_for(out)
         if self.by_runs:
             for b, db, r, dr, k in self._runs(id_list, rows):
@@ -125,6 +164,9 @@ class Copier:
 
     def scatter(self, pages: torch.Tensor, ids: torch.Tensor, id_list: list[int] | None,
                 rows: list[int] | None) -> None:
+        if self._native is not None:
+            self._native_copy(pages, id_list, rows, 1)
+            return
         copies = self.copies_for(pages)
         if self.by_runs:
             for b, db, r, dr, k in self._runs(id_list, rows):
