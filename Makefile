@@ -27,7 +27,7 @@ STAMP := $(VENV)/.kvservice-installed
 SYSTEM_PACKAGES := redis-server prometheus
 
 .PHONY: install native system-deps proto test test-slow test-vllm test-vllm-engine run bench lint gpu-check gpu-check-src \
-  soak clean vllm-env vllm-cpu-env docs
+  soak clean vllm-env vllm-cpu-env lmcache-env docs
 
 install: system-deps
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -127,6 +127,12 @@ test-vllm: vllm-env
 
 vllm-cpu-env:
 	bash tools/vllm_cpu_env.sh $(VLLM_CPU_ENV)
+
+# LMCache 0.5.6 beside vllm-cpu, in a copy of that venv (its protobuf is older than kvservice's generated code
+# accepts): the LMCache sides of bench/connector_bench.py (LMCACHE_ENV, the same default path, finds it).
+LMCACHE_ENV ?= $(HOME)/.cache/kvservice/lmcache-0.5.6
+lmcache-env: vllm-cpu-env
+	bash tools/lmcache_env.sh $(VLLM_CPU_ENV) $(LMCACHE_ENV)
 
 # vLLM's own engine (vllm-cpu 0.32, vllm.LLM and vllm serve) generating with kvservice owning its blocks,
 # token for token against the stock engine, on random-init save_pretrained models; and vLLM 0.33's scheduler

@@ -39,6 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.connector_bench_lmcache import NAMES as LMCACHE_NAMES  # noqa: E402
 from bench.connector_bench_report import FLOOR, WRITER, WRITER_DISK, plot, report, runs_table, summarize  # noqa: E402
 
 OUT = REPO / "bench" / "results"
@@ -59,7 +60,7 @@ class Side:
     key: str
     name: str
     node: str
-    connector: str | None  # "kvservice", "example" or None (recompute)
+    connector: str | None  # "kvservice", "example", "lmcache" or None (recompute)
     stores: list[str] = field(default_factory=list)  # kvservice: the stores it loads from
     store: str | None = None  # kvservice: its own store (the disk reader's: where its disk tier is)
     path: str = ""  # local, nixl, ray, disk: which of the connector's counters must move
@@ -79,8 +80,11 @@ SIDES = [
     Side("ray", "kvservice, across nodes, Ray", "b", "kvservice", ["a"], path="ray", extra={"transport": "ray"}),
     Side("disk", "kvservice, disk tier (cold)", "a", "kvservice", ["d"], store="d", path="disk"),
     Side("example", "ExampleConnector (disk)", "a", "example"),
+    *(Side(key, name, "a", "lmcache") for key, name in LMCACHE_NAMES.items()),
 ]
-WRITERS = {"a": WRITER, "d": WRITER_DISK, "t": "kvservice writer into store t", "example": "ExampleConnector writer"}
+DEFAULT_SIDES = ",".join(s.key for s in SIDES)
+WRITERS = {"a": WRITER, "d": WRITER_DISK, "t": "kvservice writer into store t", "example": "ExampleConnector writer",
+           **{key: f"{name}: writer" for key, name in LMCACHE_NAMES.items()}}
 
 
 def log(msg: str) -> None:
@@ -96,14 +100,15 @@ def writers_for(sides: list[Side]) -> list[str]:
     """Store a's writer always (the floor, the baseline writer); d's, t's and ExampleConnector's for the sides
     that read what they write."""
     keys = {s.key for s in sides}
-    return ["a"] + [w for w, k in (("d", "disk"), ("t", "tcp"), ("example", "example")) if k in keys]
+    return ["a"] + [w for w, k in (("d", "disk"), ("t", "tcp"), ("example", "example")) if k in keys] + \
+        [k for k in LMCACHE_NAMES if k in keys]
 
 
 class Bench:
     """The cluster's engines and stores, and one trial: the writers, the readers in turn, the floor."""
 
     def __init__(self, server, model, shm: Path, disk: Path, example: dict, engine_kw: dict, store_pages: int,
-                 disk_bytes: int, nodes: dict, sides: list[Side]) -> None:
+                 disk_bytes: int, nodes: dict, sides: list[Side], lmcache_gb: float, log_dir: Path) -> None:
         import ray
 
         from bench.connector_bench_parts import Tiers, Timed
@@ -116,7 +121,7 @@ class Bench:
             return start_store(name, server.target, store_pages, page, BLOCK, node_id=nodes["node_a"],
                                directory=str(shm), **kw)
         self.start_d = lambda: store("d", disk_dir=str(disk), disk_bytes=disk_bytes)
-        names = writers_for(sides)
+        names = [w for w in writers_for(sides) if w not in LMCACHE_NAMES]
         starts = {"a": lambda: store("a"), "t": lambda: store("t", env=TCP), "d": self.start_d}
         self.stores = {name: starts[name]() for name in names if name in starts}
         self.pids = {name: ray.get(h.__ray_call__.remote(lambda _: os.getpid())) for name, h in self.stores.items()}
@@ -136,9 +141,28 @@ class Bench:
         log(f"starting {len(names) + len(sides)} engines (writers {names}, readers {[s.key for s in sides]})")
         self.writers = {n: engine("a", "example") if n == "example" else engine("a", "kvservice", store=n, stores=[n])
                         for n in names}
-        self.readers = {s.name: engine(s.node, s.connector, s.env, s.store, s.stores, **s.extra) for s in sides}
+        self.readers = {s.name: engine(s.node, s.connector, s.env, s.store, s.stores, **s.extra) for s in sides
+                        if s.connector != "lmcache"}
+        # LMCache's sides: its server, writer and reader in processes of its own environment (not Ray actors)
+        from bench.connector_bench_lmcache import LMCacheSide
+        from tests.vllm_engine import engines as e
+        kw = {**e.engine_kwargs(model, **engine_kw), "scheduler_cls": e.STOCK["Scheduler"]}
+        self.lmcache: dict = {}
+        try:
+            for s in sides:
+                if s.connector == "lmcache":
+                    log(f"starting {s.name}: its server, writer and reader")
+                    self.lmcache[s.key] = LMCacheSide(s.key, kw, lmcache_gb, log_dir)
+        except BaseException:
+            self.close()
+            raise
         self.tiers = Tiers(server, BLOCK, ray.get(self.writers["a"].namespace.remote()))
         self.prompts: list[tuple[list[int], int]] = []  # what the trials saved: for the restart's count
+
+    def close(self) -> None:
+        for side in self.lmcache.values():
+            side.stop()
+        self.lmcache.clear()
 
     def stats(self, actor) -> dict:
         return self.ray.get(actor.connector_stats.remote())
@@ -163,6 +187,8 @@ class Bench:
             after = self.stats(actor)  # waits for its saves (a CPU engine seals them in the step) and write-through
             writer[f"flush, {name}"] = time.perf_counter() - start
             writer[f"save copy, {name}"] = after["copy_out_s"] - before["copy_out_s"]
+        for key in rotated(list(self.lmcache), trial) if self.lmcache else []:
+            times[WRITERS[key]], firsts[WRITERS[key]] = self.lmcache[key].write(prompt, n)
         pools = [f"kvstore:{name}" for name in self.stores] + (["kvdisk:d"] if "d" in self.stores else [])
         self.tiers.wait_held(pools, prompt, n)
         if "d" in self.stores:
@@ -172,6 +198,8 @@ class Bench:
 
     def read(self, side: Side, n: int, prompt: list[int]) -> tuple[float, int, dict | None]:
         from bench.connector_bench_parts import drop_page_cache
+        if side.connector == "lmcache":  # checked: the reader had every token of the prefix cached
+            return (*self.lmcache[side.key].read(prompt, n), None)
         actor = self.readers[side.name]
         before = self.stats(actor) if side.connector == "kvservice" else None
         if side.path == "disk":
@@ -270,6 +298,16 @@ def run(args, base: Path) -> dict:
     unknown = keys - {s.key for s in SIDES}
     if unknown:
         raise SystemExit(f"--sides: {sorted(unknown)} unknown; choose from {[s.key for s in SIDES]}")
+    from bench import connector_bench_lmcache as lmcache
+    missing = lmcache.available()
+    if missing and keys & set(LMCACHE_NAMES):
+        if args.sides != DEFAULT_SIDES:
+            raise SystemExit(f"--sides {sorted(keys & set(LMCACHE_NAMES))}: {missing}")
+        log(f"the LMCache sides are left out: {missing}")
+        keys -= set(LMCACHE_NAMES)
+    if keys & set(LMCACHE_NAMES) and any(n % lmcache.CHUNK for n in lengths):
+        raise SystemExit(f"--lengths: LMCache stores whole {lmcache.CHUNK}-token chunks; with its sides every "
+                         f"length must be a multiple of {lmcache.CHUNK}")
     sides = [s for s in SIDES if s.key in keys]
     max_len = max(lengths) + 64
     if max_len > MODEL["max_position_embeddings"]:
@@ -278,7 +316,11 @@ def run(args, base: Path) -> dict:
     page = fleet.page_bytes(MODEL)
     pages = max_len // BLOCK + 8
     kv_bytes, store_pages = (pages + 16) * page, pages + 32
-    need, have = memory_needed(sides, kv_bytes, store_pages * page, pages * page), memory_available()
+    # LMCache's servers hold every trial's prompt (and the warm-up's) below their eviction watermark (0.8)
+    lmcache_gb = round((args.trials * sum(lengths) + 4 * lmcache.CHUNK) // BLOCK * page / 0.7 / GiB + 0.5, 1)
+    lmcache_bytes = int(lmcache_gb * GiB) * sum(s.connector == "lmcache" for s in sides)
+    need = memory_needed(sides, kv_bytes, store_pages * page, pages * page) + lmcache_bytes
+    have = memory_available()
     if need > have:
         raise SystemExit(f"this run would hold about {need / GiB:.1f} GiB ({len(sides) + len(writers_for(sides))} "
                          f"engines with {kv_bytes >> 20} MiB of KV each, stores, receive buffers); this machine has "
@@ -308,24 +350,12 @@ def run(args, base: Path) -> dict:
             import ray
             nodes = {next(r for r in ("node_a", "node_b") if r in n["Resources"]): n["NodeID"] for n in ray.nodes()}
             bench = Bench(server, model, shm, disk, example, engine_kw, store_pages,
-                          disk_pages * (HEADER_BYTES + page), nodes, sides)
-            log("warm-up (not measured): two 64-token prefixes through every writer and reader")
-            for k in range(2):
-                bench.trial(64, k, None)
-            start, cpu = time.monotonic(), {name: parts.cpu_seconds(pid) for name, pid in bench.pids.items()}
-            for n in lengths:
-                for trial in range(args.trials):
-                    bench.trial(n, trial, results)
-            wall = time.monotonic() - start  # the stores' processes (an idle NIXL export's progress thread polls)
-            results["store_cpu_cores"] = {name: (parts.cpu_seconds(pid) - cpu[name]) / wall
-                                          for name, pid in bench.pids.items()}
-            if "d" in bench.stores:
-                log("restart: store d killed and started again on its disk tier")
-                results["restart"] = bench.restart()
-            log(f"bandwidth: {args.bw_pages} pages of {page >> 20} MiB")
-            results["bandwidth"] = parts.copy_bandwidth(MODEL, BLOCK, page, args.bw_pages, args.reps)
-            results["nixl"] = parts.nixl_bandwidth(page, args.bw_pages, args.reps)
-            results["disk"] = parts.disk_bandwidth(base / "disk-bandwidth", page, args.bw_pages, args.reps)
+                          disk_pages * (HEADER_BYTES + page), nodes, sides, lmcache_gb, base)
+            try:
+                # LMCache stores whole chunks: its sides warm up with one
+                measure(bench, args, lengths, results, lmcache.CHUNK if bench.lmcache else 64, base)
+            finally:
+                bench.close()
     finally:
         server.stop()
         for bulk in (shm, disk, example_dir, model, base / "disk-bandwidth"):
@@ -333,6 +363,29 @@ def run(args, base: Path) -> dict:
     results["load_average_after"] = os.getloadavg()[0]
     summarize(results)
     return results
+
+
+def measure(bench: Bench, args, lengths: list[int], results: dict, warm_tokens: int, base: Path) -> None:
+    """The warm-up, the trials, store d's restart and the bandwidth rows, into `results`."""
+    from bench import connector_bench_parts as parts
+    page = results["page_bytes"]
+    log(f"warm-up (not measured): two {warm_tokens}-token prefixes through every writer and reader")
+    for k in range(2):
+        bench.trial(warm_tokens, k, None)
+    start, cpu = time.monotonic(), {name: parts.cpu_seconds(pid) for name, pid in bench.pids.items()}
+    for n in lengths:
+        for trial in range(args.trials):
+            bench.trial(n, trial, results)
+    wall = time.monotonic() - start  # the stores' processes (an idle NIXL export's progress thread polls)
+    results["store_cpu_cores"] = {name: (parts.cpu_seconds(pid) - cpu[name]) / wall
+                                  for name, pid in bench.pids.items()}
+    if "d" in bench.stores:
+        log("restart: store d killed and started again on its disk tier")
+        results["restart"] = bench.restart()
+    log(f"bandwidth: {args.bw_pages} pages of {page >> 20} MiB")
+    results["bandwidth"] = parts.copy_bandwidth(MODEL, BLOCK, page, args.bw_pages, args.reps)
+    results["nixl"] = parts.nixl_bandwidth(page, args.bw_pages, args.reps)
+    results["disk"] = parts.disk_bandwidth(base / "disk-bandwidth", page, args.bw_pages, args.reps)
 
 
 def png_of(json_path: Path) -> Path:
@@ -343,7 +396,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", default="1024,4096")
     parser.add_argument("--trials", type=int, default=3)
-    parser.add_argument("--sides", default=",".join(s.key for s in SIDES),
+    parser.add_argument("--sides", default=DEFAULT_SIDES,
                         help="the readers (recompute always): " + ", ".join(s.key for s in SIDES))
     parser.add_argument("--reps", type=int, default=5, help="repetitions of each bandwidth measurement")
     parser.add_argument("--bw-pages", type=int, default=128, help="pages (1 MiB each) per bandwidth measurement")

@@ -36,6 +36,11 @@ def summarize(results: dict) -> None:
                 ratios[n][f"{label}_vs_recompute"] = m[keys[key]][n] / m[keys["recompute"]][n]
                 if example:
                     ratios[n][f"{label}_vs_example"] = m[keys[key]][n] / m[example][n]
+        peers = [k for k in ("lmcache", "lmcache-shm") if k in keys]  # LMCache's modes (connector_bench_lmcache)
+        if peers and "same" in keys:
+            for k in peers:
+                ratios[n][f"same_node_vs_{k.replace('-', '_')}"] = m[keys["same"]][n] / m[keys[k]][n]
+            ratios[n]["same_node_vs_lmcache_best"] = m[keys["same"]][n] / min(m[keys[k]][n] for k in peers)
         if WRITER_DISK in m:
             ratios[n]["writer_disk_vs_writer"] = m[WRITER_DISK][n] / m[WRITER][n]
             ratios[n]["next_step_disk_vs_without"] = w["next step, d"][n] / w["next step, a"][n]
