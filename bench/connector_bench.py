@@ -138,7 +138,8 @@ class Bench:
             ray.get(actor.node.remote())
             return actor
 
-        log(f"starting {len(names) + len(sides)} engines (writers {names}, readers {[s.key for s in sides]})")
+        readers = [s.key for s in sides if s.connector != "lmcache"]
+        log(f"starting {len(names) + len(readers)} engines (writers {names}, readers {readers})")
         self.writers = {n: engine("a", "example") if n == "example" else engine("a", "kvservice", store=n, stores=[n])
                         for n in names}
         self.readers = {s.name: engine(s.node, s.connector, s.env, s.store, s.stores, **s.extra) for s in sides
@@ -318,7 +319,7 @@ def run(args, base: Path) -> dict:
     kv_bytes, store_pages = (pages + 16) * page, pages + 32
     # LMCache's servers hold every trial's prompt (and the warm-up's) below their eviction watermark (0.8)
     lmcache_gb = round((args.trials * sum(lengths) + 4 * lmcache.CHUNK) // BLOCK * page / 0.7 / GiB + 0.5, 1)
-    lmcache_bytes = int(lmcache_gb * GiB) * sum(s.connector == "lmcache" for s in sides)
+    lmcache_bytes = int((lmcache_gb + 1) * GiB) * sum(s.connector == "lmcache" for s in sides)  # + its own RSS
     need = memory_needed(sides, kv_bytes, store_pages * page, pages * page) + lmcache_bytes
     have = memory_available()
     if need > have:

@@ -1,8 +1,9 @@
 """The connector's page copies on the CPU, per KV layout family, next to torch `copy_` and a plain memcpy of the
 same bytes: save (engine KV -> pages) and load (pages -> engine KV) GB/s of `PageFormat` (pageformat.py,
-pagecopy.py: runs of plain strided copies), of its index path (one index_select / index_copy_ per piece: what
-CPU engines ran before, and what a GPU runs), of torch `copy_` of the same bytes (contiguous, torch's threads)
-and of one libc memcpy (one thread), side by side in one run.
+pagecopy.py: the compiled copies of kvservice/native where `make native` built them), of its torch runs (plain
+strided `copy_`s per run and piece: KVSERVICE_NATIVE=0's path, what CPU engines ran before), of its index path
+(one index_select / index_copy_ per piece: what a GPU runs), of torch `copy_` of the same bytes (contiguous,
+torch's threads) and of one libc memcpy (one thread), side by side in one run.
 
 Families (the engine's views built by vLLM's own `create_kv_cache_views` when vLLM is importable, else by hand,
 identically: tests/page_format_helpers.py):
