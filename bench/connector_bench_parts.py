@@ -28,6 +28,11 @@ class Timed(Engine):
         (tokens,) = self.generate([prompt], max_tokens=1)
         return time.perf_counter() - start, tokens[0][0]
 
+    def threads(self) -> int:
+        """torch's threads in this engine's process (a Ray actor's: OMP_NUM_THREADS, which Ray sets)."""
+        import torch
+        return torch.get_num_threads()
+
 
 class Tiers:
     """The allocator's view of the store tiers, for the bench's tenant: what a pool holds of a prompt (salted

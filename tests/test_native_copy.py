@@ -79,23 +79,23 @@ def test_the_compiled_copies_equal_the_torch_runs_and_the_reference(seed):
 
 
 def test_threads_split_the_job_without_overlap():
-    """A job of many pairs on several threads (forced past torch's count): the same bytes as one thread."""
+    """A job of many pairs on several threads (forced past the cores): the same bytes as one thread."""
     e = by_hand("LBHNC", 3, 40, 2, 32, 128, torch.bfloat16)
     fill(e, 3)
     fmt = e.format(cpu_isa="vec", head_size=64)
     ids = list(range(0, 40, 2)) + list(range(39, 0, -2))
     one = torch.zeros(len(ids), fmt.page_bytes, dtype=torch.uint8)
     many = torch.zeros_like(one)
-    before = torch.get_num_threads()
+    copier = fmt._copier  # noqa: SLF001
+    copier.threads = 1
+    fmt.gather(ids, one)
+    copier.threads = 7
+    copier.page_bytes = 1 << 20  # past the size below which one thread copies
     try:
-        torch.set_num_threads(1)
-        fmt.gather(ids, one)
-        torch.set_num_threads(7)
-        fmt._copier.page_bytes = 1 << 20  # noqa: SLF001 - past the size below which one thread copies
         fmt.gather(ids, many)
     finally:
-        torch.set_num_threads(before)
-        fmt._copier.page_bytes = fmt.page_bytes  # noqa: SLF001
+        copier.page_bytes = fmt.page_bytes
+    assert copier.threads == 7
     assert torch.equal(one, many)
 
 

@@ -13,10 +13,11 @@ Two ways to run them:
   where one 128-block run takes 19 and 43 ms). A pool of Python threads avoids that but inherits the binding
   of the thread that starts it (a vLLM CPU worker's main thread is bound to one core), so it is not used;
 - compiled (a CPU's KV where kvservice/native is built, the default there): every (block, row) pair of every
-  piece in one call into a C library, in equal shares on as many threads as torch uses, spread over the cores
-  of the process's threads (a vLLM CPU worker's OpenMP team); the CPU layout's K, a transpose, with
-  contiguous writes. `KVSERVICE_NATIVE=0` selects the torch runs above; tests/test_native_copy.py compares
-  the two;
+  piece in one call into a C library, in equal shares on one thread per core the process's threads may run on
+  (a vLLM CPU worker's OpenMP team binds them to its cores; at most COPY_THREADS): the copy runs while the
+  engine waits for it, so the cores its forward uses are idle then, however many threads torch was given (a
+  Ray actor's engine gets OMP_NUM_THREADS=1); the CPU layout's K, a transpose, with contiguous writes.
+  `KVSERVICE_NATIVE=0` selects the torch runs above; tests/test_native_copy.py compares the two;
 - by index (a GPU's KV, and the reference path the tests compare with): one `index_select` or `index_copy_`
   per piece over every block, which on a GPU is one kernel.
 """
@@ -31,6 +32,7 @@ import torch
 from kvservice import native
 
 WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+COPY_THREADS = 8  # the copies are memory-bound: more threads than this add no bandwidth
 
 
 @dataclass(slots=True)
@@ -115,6 +117,7 @@ class Copier:
         self._word = min([word_size(p, page_bytes) if fast else 1 for p in pieces] + [8])
         self._native = self._native_pieces() if self.by_runs else None
         self._cpus: bytes | None = None
+        self.threads = 0  # the compiled copies' threads (0: one per core of the process, found at the first copy)
 
     def _native_pieces(self):
         """The pieces as the C library's records, or None (not built, not selected, a piece it cannot take)."""
@@ -136,9 +139,11 @@ class Copier:
         n = len(id_list)
         blocks = (ctypes.c_int64 * n)(*id_list)
         row_ids = (ctypes.c_int64 * n)(*(rows if rows is not None else range(n)))
-        threads = torch.get_num_threads() if n * self.page_bytes >= 1 << 20 else 1
         if self._cpus is None:
-            self._cpus = native.cpu_mask(native.process_cpus())
+            cpus = native.process_cpus()
+            self._cpus = native.cpu_mask(cpus)
+            self.threads = self.threads or min(len(cpus), COPY_THREADS)
+        threads = self.threads if n * self.page_bytes >= 1 << 20 else 1
         lib.kv_copy(records, len(self.pieces), pages.data_ptr(), pages.stride(0), blocks, row_ids, n, scatter,
                     threads, self._cpus, len(self._cpus) * 8)
 
