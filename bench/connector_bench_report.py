@@ -170,5 +170,10 @@ def runs_table(runs: list[dict]) -> None:
           ("disk tier read, cold", lambda r: r["disk"]["tier_read_cold_GBps"]),
           ("O_DIRECT read", lambda r: r["disk"]["o_direct"]["read_GBps"]),
           ("restart: prefixes hit again, %", lambda r: r["restart"]["percent"])]
+    def cell(get, r) -> str:
+        try:
+            return f"{get(r):.3g}"
+        except (KeyError, TypeError):  # a run without that side (LMCache's runs: no NIXL, no disk tier)
+            return "n/a"
     print(table(["GB/s (the last row: %)", *(f"run {i + 1}" for i in range(len(runs)))],
-                [[name, *(f"{get(r):.3g}" for r in runs)] for name, get in bw]))
+                [[name, *(cell(get, r) for r in runs)] for name, get in bw]))
