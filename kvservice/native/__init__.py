@@ -48,7 +48,7 @@ def library() -> ctypes.CDLL | None:
         if _tried:
             return _lib
         _tried = True
-        if not LIBRARY.exists() or LIBRARY.stat().st_mtime < SOURCE.stat().st_mtime:
+        if not LIBRARY.exists() or (SOURCE.exists() and LIBRARY.stat().st_mtime < SOURCE.stat().st_mtime):
             logger.warning("kvservice: the compiled page copies (%s) are %s; the connector copies with torch "
                            "instead, slower on CPU engines. Run `make native`.", LIBRARY.name,
                            "not built" if not LIBRARY.exists() else "older than their source")
@@ -72,13 +72,19 @@ def library() -> ctypes.CDLL | None:
 
 def process_cpus() -> set[int]:
     """The CPUs any thread of this process may run on: a vLLM CPU worker binds its main thread to one core and
-    each OpenMP thread to one of the cores it was given, so the union is the worker's cores."""
+    each OpenMP thread to one of the cores it was given. Threads it did not bind (Ray's, gRPC's) keep the
+    process's mask, so in a Ray actor this is the cores the actor may use, often every core of the host: the
+    copies take at most COPY_THREADS of them, for the few milliseconds of a load."""
     cpus: set[int] = set()
     try:
-        for tid in os.listdir("/proc/self/task"):
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        tids = []
+    for tid in tids:
+        try:
             cpus |= os.sched_getaffinity(int(tid))
-    except (OSError, ValueError):
-        pass
+        except (OSError, ValueError):  # a thread that ended meanwhile
+            pass
     return cpus or os.sched_getaffinity(0)
 
 

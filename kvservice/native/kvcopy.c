@@ -148,7 +148,8 @@ static void copy_dims(const uint8_t *from, uint8_t *to, const int64_t *dims, int
             y = dims;
         }
         const int64_t na = x[0], fsa = x[1], tsa = x[2], nb = y[0], fsb = y[1], tsb = y[2];
-        _Alignas(64) uint8_t row[16384];
+        /* per thread, not per frame: copy_dims recurses once per dim */
+        static _Thread_local _Alignas(64) uint8_t row[16384];
         if (fsa == run && tsb == run && na * nb * run <= (int64_t)sizeof(row) &&
             transpose_tile(from, na, nb, fsb, run, row)) {
             if (tsa == nb * run)
@@ -271,7 +272,10 @@ int kv_copy(const int64_t *pieces, int npieces, uint8_t *pages, int64_t page_str
         for (int c = 0; c < ncpus && c < CPU_SETSIZE; c++)
             if (cpus[c / 8] & (1u << (c % 8)))
                 CPU_SET(c, &set);
-        pthread_attr_setaffinity_np(&attr, sizeof(set), &set);
+        if (pthread_attr_setaffinity_np(&attr, sizeof(set), &set) != 0) { /* as the caller, then */
+            pthread_attr_destroy(&attr);
+            pthread_attr_init(&attr);
+        }
     }
     for (int t = 0; t < nthreads; t++) {
         jobs[t] = base;

@@ -25,11 +25,14 @@ Two ways to run them:
 from __future__ import annotations
 
 import ctypes
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from kvservice import native
+
+logger = logging.getLogger(__name__)
 
 WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 COPY_THREADS = 8  # the copies are memory-bound: more threads than this add no bandwidth
@@ -118,6 +121,7 @@ class Copier:
         self._native = self._native_pieces() if self.by_runs else None
         self._cpus: bytes | None = None
         self.threads = 0  # the compiled copies' threads (0: one per core of the process, found at the first copy)
+        self._said_threads = False
 
     def _native_pieces(self):
         """The pieces as the C library's records, or None (not built, not selected, a piece it cannot take)."""
@@ -144,8 +148,13 @@ class Copier:
             self._cpus = native.cpu_mask(cpus)
             self.threads = self.threads or min(len(cpus), COPY_THREADS)
         threads = self.threads if n * self.page_bytes >= 1 << 20 else 1
-        lib.kv_copy(records, len(self.pieces), pages.data_ptr(), pages.stride(0), blocks, row_ids, n, scatter,
-                    threads, self._cpus, len(self._cpus) * 8)
+        rc = lib.kv_copy(records, len(self.pieces), pages.data_ptr(), pages.stride(0), blocks, row_ids, n, scatter,
+                         threads, self._cpus, len(self._cpus) * 8)
+        if rc == -2:
+            raise MemoryError("KVServiceConnector: the compiled page copy could not allocate its job")
+        if rc == -1 and not self._said_threads:  # copied all the same, by fewer threads
+            self._said_threads = True
+            logger.warning("KVServiceConnector: the page copies could not start %d threads; fewer copied", threads)
 
     def gather(self, ids: torch.Tensor, id_list: list[int] | None, out: torch.Tensor, rows: list[int] | None) -> None:
         if self._native is not None:
