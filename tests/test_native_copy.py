@@ -90,6 +90,25 @@ def test_the_compiled_copies_equal_the_torch_runs_and_the_reference(seed):
 
 
 @needs_library
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_block_whose_k_is_larger_than_the_transpose_buffer(dtype):
+    """Block 128 x head 128: K is 32 or 64 KiB per (block, head), over the 16 KiB tile buffer: strips."""
+    build = lambda: by_hand("LBHNC", 2, 6, 2, 128, 256, dtype)  # noqa: E731
+    e = build()
+    fill(e, 7)
+    fast, runs, ref = formats(e, cpu_isa="vec", head_size=128)
+    ids, rows = [4, 1, 5], [2, 0, 1]
+    got, want = torch.zeros(3, fast.page_bytes, dtype=torch.uint8), torch.zeros(3, fast.page_bytes, dtype=torch.uint8)
+    fast.gather(ids, got, rows)
+    ref.gather(ids, want, rows)
+    assert torch.equal(got, want)
+    dst_fast, dst_ref = build(), build()
+    formats(dst_fast, cpu_isa="vec", head_size=128)[0].scatter(want, [0, 3, 2], rows)
+    dst_ref.format(fast=False, cpu_isa="vec", head_size=128).scatter(want, [0, 3, 2], rows)
+    assert torch.equal(dst_fast.raw, dst_ref.raw)
+
+
+@needs_library
 def test_threads_split_the_job_and_cover_every_item():
     """A job of many pairs on several threads (forced past the cores): the same bytes as one thread."""
     e = by_hand("LBHNC", 3, 40, 2, 32, 128, torch.bfloat16)

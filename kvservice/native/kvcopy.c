@@ -150,15 +150,23 @@ static void copy_dims(const uint8_t *from, uint8_t *to, const int64_t *dims, int
         const int64_t na = x[0], fsa = x[1], tsa = x[2], nb = y[0], fsb = y[1], tsb = y[2];
         /* per thread, not per frame: copy_dims recurses once per dim */
         static _Thread_local _Alignas(64) uint8_t row[16384];
-        if (fsa == run && tsb == run && na * nb * run <= (int64_t)sizeof(row) &&
-            transpose_tile(from, na, nb, fsb, run, row)) {
-            if (tsa == nb * run)
-                put(to, row, na * nb * run);
-            else
-                for (int64_t a = 0; a < na; a++)
-                    put(to + a * tsa, row + a * nb * run, nb * run);
+#if defined(__SSE2__)
+        /* vector tiles, in strips of rows that fit the buffer (a block's K may be larger than it) */
+        const int64_t k = run == 2 ? 8 : run == 4 ? 4 : 0;
+        const int64_t strip = k ? (int64_t)sizeof(row) / (nb * run) / k * k : 0;
+        if (fsa == run && tsb == run && k && strip >= k && na % k == 0 && nb % k == 0) {
+            for (int64_t a0 = 0; a0 < na; a0 += strip) {
+                const int64_t m = na - a0 < strip ? na - a0 : strip;
+                transpose_tile(from + a0 * run, m, nb, fsb, run, row);
+                if (tsa == nb * run)
+                    put(to + a0 * tsa, row, m * nb * run);
+                else
+                    for (int64_t a = 0; a < m; a++)
+                        put(to + (a0 + a) * tsa, row + a * nb * run, nb * run);
+            }
             return;
         }
+#endif
         switch (run) {
         case 1: TRANSPOSE(uint8_t); break;
         case 2: TRANSPOSE(uint16_t); break;
