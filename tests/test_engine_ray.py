@@ -6,7 +6,7 @@ from tests.test_engine import MODEL, check, prompts
 from worker.actor import PoolLayout, RayWorkers
 from worker.engine import Engine, EngineConfig
 from worker.model import TinyTransformer
-from worker.ray_local import init_local
+from worker.ray_local import init_local, shutdown
 from worker.sampling import SamplingParams
 
 ray = pytest.importorskip("ray")
@@ -16,7 +16,7 @@ ray = pytest.importorskip("ray")
 def ray_cluster():
     init_local(num_cpus=2)
     yield
-    ray.shutdown()
+    shutdown()
 
 
 def test_dcp2_ray_actors_match_the_dense_model(server, ray_cluster):

@@ -204,8 +204,8 @@ class LLM:
             self._workers.shutdown()
         self._workers = None
         if self._started_ray:
-            import ray
-            ray.shutdown()
+            from worker.ray_local import shutdown
+            shutdown()
             self._started_ray = False
         if self._serve is not None:
             self._serve.stop(timeout_s=20)

@@ -65,16 +65,31 @@ def local_cluster(*nodes: dict):
     return cluster
 
 
+def shutdown() -> None:
+    """`ray.shutdown()`, after a garbage collection in this thread.
+
+    Actor handles and object refs in reference cycles (an exception's traceback holds a test's or a command's
+    locals) are freed only when the cyclic collector runs, in whatever thread happens to allocate then: a
+    lease renewer, an index refresher. If that collection runs while `ray.shutdown()` tears the core worker
+    down, a handle's release reaches the gone worker, and Ray ends the process with exit status 1 ("The core
+    worker has already been shutdown"), output unflushed. Seen once in a `make test` run, right after
+    tests/test_multinode.py's cluster went away. Collecting first frees them while Ray is still up."""
+    import gc
+
+    import ray
+    gc.collect()
+    ray.shutdown()
+
+
 @contextmanager
 def joined_cluster(*nodes: dict, namespace: str | None = None):
     """`local_cluster(*nodes)` with this process connected as its driver (in `namespace`) once every node is
     up; both are shut down on exit."""
-    import ray
     cluster = local_cluster(*nodes)
     try:
         connect(cluster.address, namespace=namespace)
         cluster.wait_for_nodes()
         yield cluster
     finally:
-        ray.shutdown()
+        shutdown()
         cluster.shutdown()

@@ -24,6 +24,7 @@ from worker.deploy.placement import deploy, teardown
 from worker.deploy.router import Router
 from worker.model import ModelConfig, TinyTransformer
 from worker.ray_local import init_local
+from worker.ray_local import shutdown as shutdown_ray
 from worker.request import EngineRequest
 from worker.sampling import SamplingParams
 from worker.verify import Verification, verify
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if args.local:
             teardown()  # stops the allocator's server (and its Redis) in order before the cluster goes
-        ray.shutdown()
+        shutdown_ray()
 
 
 if __name__ == "__main__":
