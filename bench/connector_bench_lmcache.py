@@ -103,6 +103,7 @@ class Server:
             self.proc.wait(20)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait()
         self.log.close()
 
 
@@ -153,6 +154,7 @@ class Engine:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+                self.proc.wait()
         self.log.close()
 
 

@@ -93,5 +93,3 @@ def test_router_and_engines_follow_the_map_and_a_dead_shard_fails_over(up):
         time.sleep(1)
     else:
         pytest.fail(f"Ray did not restart the killed shard actor (its health: {health!r})")
-    with KVServiceClient(up.target) as c:  # one leader serves s0 either way
-        assert next(s for s in c.shard_map().shards if s.shard_id == "s0").epoch >= 2

@@ -182,9 +182,11 @@ static void copy_dims(const uint8_t *from, uint8_t *to, const int64_t *dims, int
     }
 }
 
+/* A piece's items per pair: its first dim, or one for a piece that is a single run of bytes. */
+static int64_t first_dim(const int64_t *r) { return r[4] == 1 ? 1 : r[KV_HEADER]; }
+
 static int64_t piece_items(const kv_job *job, int p) {
-    const int64_t *r = job->pieces + (int64_t)p * KV_RECORD;
-    return job->npairs * (r[4] == 1 ? 1 : r[KV_HEADER]); /* a plain run: one item per pair */
+    return job->npairs * first_dim(job->pieces + (int64_t)p * KV_RECORD);
 }
 
 /* Whether the pieces share their first dim (the CPU layout's K and V: the layers): items are then (pair, index)
@@ -236,7 +238,7 @@ static void *run_items(void *arg) {
         int64_t start = 0;
         for (int p = 0; p < job->npieces; p++) {
             const int64_t *r = job->pieces + (int64_t)p * KV_RECORD;
-            const int64_t n0 = r[4] == 1 ? 1 : r[KV_HEADER], items = piece_items(job, p);
+            const int64_t n0 = first_dim(r), items = piece_items(job, p);
             const int64_t lo = job->first > start ? job->first : start;
             const int64_t hi = job->last < start + items ? job->last : start + items;
             for (int64_t it = lo - start; it < hi - start; it++)
@@ -307,4 +309,3 @@ int kv_copy(const int64_t *pieces, int npieces, uint8_t *pages, int64_t page_str
 }
 
 int kv_record_size(void) { return KV_RECORD; }
-int kv_max_dims(void) { return KV_MAX_DIMS; }
